@@ -1,0 +1,1 @@
+"""jaxserve: a JAX-native language-model serving engine."""

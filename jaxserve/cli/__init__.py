@@ -1,0 +1,1 @@
+"""Command-line front end: `jaxserve <subcommand> --flags` (absl flags)."""

@@ -1,0 +1,145 @@
+"""Frozen configuration: what the model is (ModelConfig) and how the engine runs it (EngineConfig).
+
+Both are validated on construction; flags and `LLM(**options)` map onto EngineConfig in one place
+(`EngineConfig.from_options`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Llama-family decoder shape. Built from GGUF metadata or a Hugging Face config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projection biases (Qwen2)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """2 (K and V) * layers * KV heads * head dim * bytes per scalar."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def flops_per_token(self) -> float:
+        """Matmul FLOPs per token for the weights (2 per multiply-add), attention excluded."""
+        h, d = self.hidden_size, self.head_dim
+        per_layer = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) \
+            + (self.num_heads * d) * h + 3 * h * self.intermediate_size
+        return 2.0 * (self.num_layers * per_layer + h * self.vocab_size)
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+SCHEDULING_POLICIES = ("iteration", "static")
+PRIORITY_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs: memory budget, batching limits and policies."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"
+    quantization: str = "none"  # "int8": weight-only, per-output-channel scales
+    attention_backend: str = "auto"  # auto: pallas on TPU/GPU, xla on CPU
+    page_size: int = 16
+    num_pages: int | None = None  # total pages including the reserved scratch page 0
+    kv_cache_bytes: int | None = None  # alternative to num_pages: a KV memory budget
+    max_model_len: int | None = None  # defaults to the model's context length
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    scheduling: str = "iteration"
+    scheduling_policy: str = "fcfs"
+    watermark: float = 0.01  # fraction of pages kept free when admitting new requests
+    cache_salt: str | None = None
+    seed: int = 0
+    max_waiting: int | None = None  # front ends refuse new requests beyond this queue length
+
+    def __post_init__(self):
+        def check(ok: bool, msg: str):
+            if not ok:
+                raise ValueError(msg)
+
+        check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.quantization in QUANTIZATIONS,
+              f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        check(self.attention_backend in ATTENTION_BACKENDS,
+              f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.scheduling in SCHEDULING_POLICIES,
+              f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
+        check(self.scheduling_policy in PRIORITY_POLICIES,
+              f"scheduling_policy must be one of {PRIORITY_POLICIES}, got {self.scheduling_policy!r}")
+        check(self.page_size >= 1, f"page_size must be >= 1, got {self.page_size}")
+        check(self.num_pages is None or self.num_pages >= 2,
+              f"num_pages must be >= 2 (page 0 is reserved scratch), got {self.num_pages}")
+        check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+              f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        check(self.num_pages is None or self.kv_cache_bytes is None,
+              "give num_pages or kv_cache_bytes, not both")
+        check(self.max_model_len is None or self.max_model_len >= 2,
+              f"max_model_len must be >= 2, got {self.max_model_len}")
+        check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check(self.max_num_batched_tokens >= self.max_num_seqs,
+              f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+              f"({self.max_num_seqs}) so every running sequence can decode each step")
+        check(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
+        check(self.max_waiting is None or self.max_waiting >= 0,
+              f"max_waiting must be >= 0, got {self.max_waiting}")
+
+    @classmethod
+    def from_options(cls, **options: Any) -> "EngineConfig":
+        """Build from keyword options, refusing unknown names with the list of known ones."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**options)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.dtype == "float32" else 2
+
+    def resolve_num_pages(self, model: ModelConfig, max_model_len: int) -> int:
+        """Total pages (scratch page 0 included) from num_pages, a byte budget, or a default
+        that holds max_num_seqs sequences of up to min(max_model_len, 1024) tokens."""
+        if self.num_pages is not None:
+            return self.num_pages
+        page_bytes = model.kv_bytes_per_token(self.dtype_bytes) * self.page_size
+        if self.kv_cache_bytes is not None:
+            pages = self.kv_cache_bytes // page_bytes
+            if pages < 2:
+                raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} holds {pages} page(s) of "
+                                 f"{page_bytes} bytes; at least 2 are needed")
+            return int(pages)
+        per_seq = math.ceil(min(max_model_len, 1024) / self.page_size)
+        return 1 + self.max_num_seqs * per_seq
