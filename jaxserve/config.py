@@ -131,7 +131,7 @@ class EngineConfig:
 
     def resolve_num_pages(self, model: ModelConfig, max_model_len: int) -> int:
         """Total pages (scratch page 0 included) from num_pages, a byte budget, or a default
-        that holds max_num_seqs sequences of up to min(max_model_len, 1024) tokens."""
+        that holds max_num_seqs sequences of min(max_model_len, 512) tokens each."""
         if self.num_pages is not None:
             return self.num_pages
         page_bytes = model.kv_bytes_per_token(self.dtype_bytes) * self.page_size
@@ -141,5 +141,5 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_bytes={self.kv_cache_bytes} holds {pages} page(s) of "
                                  f"{page_bytes} bytes; at least 2 are needed")
             return int(pages)
-        per_seq = math.ceil(min(max_model_len, 1024) / self.page_size)
+        per_seq = math.ceil(min(max_model_len, 512) / self.page_size)
         return 1 + self.max_num_seqs * per_seq

@@ -1,0 +1,154 @@
+"""StepPlan -> StepBatch: fixed-shape numpy arrays padded to a small set of buckets.
+
+This is the only place host plans become arrays; the runner moves them to the device. Layout of
+the T flat tokens: Sd decode rows (one token each, padded to a bucket), then the prefill chunks'
+tokens back to back (padded to a token bucket). Padded tokens write to scratch page 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from jaxserve.model.attention import AttentionMetadata, _pytree_dataclass
+from jaxserve.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata
+from jaxserve.step_plan import StepPlan
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Allowed sizes per padded dimension; a step takes the smallest that fits."""
+
+    seqs: tuple[int, ...]  # decode rows, prefill rows, sample rows
+    tokens: tuple[int, ...]  # prefill tokens
+    pages: tuple[int, ...]  # page-table width
+    copies: tuple[int, ...] = (4, 32)
+    logprobs: tuple[int, ...] = (1, 5, 20)
+
+    @classmethod
+    def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
+                   max_sample_rows: int) -> "Buckets":
+        return cls(seqs=_powers_of_two(1, max(max_num_seqs, max_sample_rows)),
+                   tokens=_powers_of_two(16, max(16, max_num_batched_tokens)),
+                   pages=_powers_of_two(4, max(4, max_pages_per_seq)))
+
+    @staticmethod
+    def fit(sizes: tuple[int, ...], n: int) -> int:
+        if n == 0:
+            return 0
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):
+            raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+        return sizes[i]
+
+
+@_pytree_dataclass
+class StepBatch:
+    token_ids: jax.Array  # i32[T]
+    attn: AttentionMetadata
+    logits_indices: jax.Array  # i32[R] flat token whose logits each sample row reads
+    sampling: SamplingMetadata
+    copy_src: jax.Array  # i32[C] copy-on-write: page copy_src[i] -> copy_dst[i] before writes
+    copy_dst: jax.Array  # i32[C]
+
+
+def build_batch(plan: StepPlan, buckets: Buckets, page_size: int) -> tuple[StepBatch, int]:
+    """Returns the padded batch and the number of real sample rows (the first rows of R)."""
+    decode = [c for c in plan.chunks if c.is_decode]
+    prefill = [c for c in plan.chunks if not c.is_decode]
+    assert plan.chunks[:len(decode)] == decode, "decode chunks must come first in the plan"
+    sd = Buckets.fit(buckets.seqs, len(decode))
+    sp = Buckets.fit(buckets.seqs, len(prefill))
+    tp = Buckets.fit(buckets.tokens, sum(c.num_tokens for c in prefill))
+    num_rows = sd + sp
+    width = Buckets.fit(buckets.pages, max(math.ceil((c.start + c.num_tokens) / page_size)
+                                           for c in plan.chunks))
+    t = sd + tp
+    token_ids = np.zeros(t, np.int32)
+    positions = np.zeros(t, np.int32)
+    slots = np.arange(t, dtype=np.int32) % page_size  # padding -> scratch page 0
+    token_row = np.full(t, num_rows, np.int32)
+    page_tables = np.zeros((num_rows, width), np.int32)
+    seq_lens = np.zeros(num_rows, np.int32)
+    query_start = np.zeros(num_rows + 1, np.int32)
+    rows = []  # (flat index of the token whose logits are sampled, sequence)
+
+    def place(row: int, chunk, first: int):
+        seq, n, start = chunk.seq, chunk.num_tokens, chunk.start
+        end = start + n
+        pages = seq.page_ids[:math.ceil(end / page_size)]
+        page_tables[row, :len(pages)] = pages
+        seq_lens[row] = end
+        pos = np.arange(start, end, dtype=np.int32)
+        token_ids[first:first + n] = seq.token_ids[start:end]
+        positions[first:first + n] = pos
+        slots[first:first + n] = np.asarray(pages, np.int32)[pos // page_size] * page_size \
+            + pos % page_size
+        token_row[first:first + n] = row
+        rows.extend((first + n - 1, s) for s in chunk.sample_seqs)
+
+    for i, chunk in enumerate(decode):
+        place(i, chunk, i)
+        query_start[i + 1] = i + 1
+    query_start[len(decode) + 1:sd + 1] = len(decode)
+    first = sd
+    for j, chunk in enumerate(prefill):
+        place(sd + j, chunk, first)
+        first += chunk.num_tokens
+        query_start[sd + j + 1] = first
+    query_start[sd + len(prefill) + 1:] = first
+
+    r = Buckets.fit(buckets.seqs, len(rows))
+    logits_indices = np.zeros(r, np.int32)
+    temperature = np.zeros(r, np.float32)
+    top_k = np.zeros(r, np.int32)
+    top_p = np.ones(r, np.float32)
+    min_p = np.zeros(r, np.float32)
+    seeds = np.zeros(r, np.uint32)
+    forks = np.zeros(r, np.int32)
+    sample_pos = np.zeros(r, np.int32)
+    max_logprobs = 0
+    for i, (index, seq) in enumerate(rows):
+        sp_ = seq.sampling_params
+        logits_indices[i] = index
+        temperature[i], top_k[i], top_p[i], min_p[i] = sp_.temperature, sp_.top_k, sp_.top_p, sp_.min_p
+        seeds[i] = (sp_.seed or 0) & 0xFFFFFFFF
+        forks[i] = seq.fork_index
+        sample_pos[i] = positions[index] + 1  # forks sampled at a prompt's end share it
+        max_logprobs = max(max_logprobs, sp_.logprobs or 0)
+    if not rows or np.all(temperature[:len(rows)] == 0):
+        mode = GREEDY
+    elif np.any(top_k[:len(rows)] > 0) or np.any(top_p[:len(rows)] < 1) or np.any(min_p[:len(rows)] > 0):
+        mode = FILTERED
+    else:
+        mode = RANDOM
+    num_copies = Buckets.fit(buckets.copies, len(plan.copies))
+    copy_src = np.zeros(num_copies, np.int32)
+    copy_dst = np.zeros(num_copies, np.int32)
+    for i, (src, dst) in enumerate(plan.copies):
+        copy_src[i], copy_dst[i] = src, dst
+
+    batch = StepBatch(
+        token_ids=token_ids,
+        attn=AttentionMetadata(positions=positions, slot_mapping=slots, page_tables=page_tables,
+                               seq_lens=seq_lens, query_start=query_start, token_row=token_row,
+                               num_decode=sd),
+        logits_indices=logits_indices,
+        sampling=SamplingMetadata(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+            forks=forks, positions=sample_pos, mode=mode,
+            num_top_logprobs=Buckets.fit(buckets.logprobs, max_logprobs)),
+        copy_src=copy_src, copy_dst=copy_dst)
+    return batch, len(rows)

@@ -1,0 +1,90 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) as pure functions of a params pytree.
+
+Layers are stacked on a leading axis and run with `lax.scan`, so compile time does not grow with
+depth; the KV pool rides in the scan's carry so each layer updates it in place.
+
+Params (weights oriented y = x @ W, L stacked layers):
+  embed f[V, H]; final_norm f[H]; lm_head f[H, V] (absent when tied)
+  layers: attn_norm f[L, H]; wq f[L, H, Hq*D]; wk, wv f[L, H, Hkv*D]; wo f[L, Hq*D, H];
+          bq, bk, bv (attention_bias only); mlp_norm f[L, H]; w_gate, w_up f[L, H, I]; w_down f[L, I, H]
+A weight may instead be an int8 dict {"q": i8[..., in, out], "scale": f[..., out]} (see quantize.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.config import ModelConfig
+from jaxserve.model import attention
+from jaxserve.model.attention import AttentionMetadata, KVPool
+
+
+def rms_norm(x, weight, eps):
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_tables(positions, head_dim: int, theta: float):
+    """cos, sin f32[T, D] in Hugging Face's half-split convention."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x, cos, sin):
+    """x f[T, H, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    xf = x.astype(jnp.float32)
+    return (xf * cos[:, None, :] + rotated.astype(jnp.float32) * sin[:, None, :]).astype(x.dtype)
+
+
+def matmul(x, w):
+    """x @ w for a float weight or an int8 {"q", "scale"} weight (dequantised per output channel)."""
+    if isinstance(w, dict):
+        return (x @ w["q"].astype(x.dtype)) * w["scale"].astype(x.dtype)
+    return x @ w
+
+
+def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, carry, lp):
+    x, pool, layer = carry
+    t = x.shape[0]
+    d = cfg.head_dim
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = matmul(h, lp["wq"]), matmul(h, lp["wk"]), matmul(h, lp["wv"])
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = apply_rope(q.reshape(t, cfg.num_heads, d), cos, sin)
+    k = apply_rope(k.reshape(t, cfg.num_kv_heads, d), cos, sin)
+    v = v.reshape(t, cfg.num_kv_heads, d)
+    pool = attention.write_kv(pool, layer, k, v, md.slot_mapping)
+    o = attention.attend(backend, q, pool, layer, md, sm_scale=d ** -0.5)
+    x = x + matmul(o.reshape(t, cfg.num_heads * d), lp["wo"])
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    x = x + matmul(jax.nn.silu(matmul(h, lp["w_gate"])) * matmul(h, lp["w_up"]), lp["w_down"])
+    return (x, pool, layer + 1), None
+
+
+def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: ModelConfig,
+            backend: str):
+    """token_ids i32[T] -> (pool with this step's KV written, final hidden states f[T, H])."""
+    x = params["embed"][token_ids]
+    cos, sin = rope_tables(md.positions, cfg.head_dim, cfg.rope_theta)
+
+    def body(carry, lp):
+        return _layer(cfg, backend, md, cos, sin, carry, lp)
+
+    (x, pool, _), _ = jax.lax.scan(body, (x, pool, jnp.int32(0)), params["layers"])
+    return pool, rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+
+
+def logits(params, hidden, cfg: ModelConfig):
+    """hidden f[R, H] -> f32 logits [R, V]."""
+    if cfg.tie_word_embeddings:
+        out = hidden @ params["embed"].T
+    else:
+        out = matmul(hidden, params["lm_head"])
+    return out.astype(jnp.float32)

@@ -1,0 +1,93 @@
+"""ModelRunner: owns every device array (params, KV pool) and the one jitted step.
+
+step(params, pool, batch) -> (pool, sampled) is pure and jitted with the pool donated, so the pool
+is updated in place. Shapes come from the batch buckets; each new shape signature is one
+compilation, counted in `compilations`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve.batch import StepBatch
+from jaxserve.config import ModelConfig
+from jaxserve.model import llama
+from jaxserve.model.attention import KVPool
+from jaxserve.sampling import sample
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Host copies of what one step sampled, first `num_rows` rows only."""
+
+    token_ids: np.ndarray  # i32[rows]
+    logprobs: np.ndarray  # f32[rows] logprob of each sampled token
+    top_ids: np.ndarray  # i32[rows, K]
+    top_logprobs: np.ndarray  # f32[rows, K]
+
+
+def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: str):
+    # Copy-on-write page copies happen before any of this step's KV writes.
+    pool = KVPool(k=pool.k.at[:, batch.copy_dst].set(pool.k[:, batch.copy_src]),
+                  v=pool.v.at[:, batch.copy_dst].set(pool.v[:, batch.copy_src]))
+    pool, hidden = llama.forward(params, pool, batch.token_ids, batch.attn, cfg=cfg,
+                                 backend=backend)
+    logits = llama.logits(params, hidden[batch.logits_indices], cfg)
+    return pool, sample(logits, batch.sampling)
+
+
+def _signature(batch: StepBatch) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
+                 dtype: str = "float32", backend: str = "xla"):
+        self.cfg = cfg
+        self.dtype = DTYPES[dtype]
+        self.params = jax.tree_util.tree_map(self._to_device, params)
+        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        self.pool = KVPool(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype))
+        self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
+        self._step = jax.jit(functools.partial(_step, cfg=cfg, backend=backend),
+                             donate_argnames=("pool",))
+        self._signatures: set = set()
+
+    def _to_device(self, x):
+        x = np.asarray(x)
+        return jnp.asarray(x, self.dtype if np.issubdtype(x.dtype, np.floating) else x.dtype)
+
+    @property
+    def compilations(self) -> int:
+        return len(self._signatures)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.pool.k.nbytes + self.pool.v.nbytes
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+
+    def dispatch(self, batch: StepBatch):
+        """Launch one step asynchronously; returns device arrays (JAX dispatch is async)."""
+        self._signatures.add(_signature(batch))
+        self.pool, out = self._step(self.params, pool=self.pool, batch=batch)
+        return out
+
+    @staticmethod
+    def fetch(out, num_rows: int) -> StepOutput:
+        """Block on a dispatched step and copy its first num_rows rows to the host."""
+        ids, lp, top_ids, top_lp = jax.device_get(out)
+        return StepOutput(ids[:num_rows], lp[:num_rows], top_ids[:num_rows], top_lp[:num_rows])
+
+    def execute(self, batch: StepBatch, num_rows: int) -> StepOutput:
+        return self.fetch(self.dispatch(batch), num_rows)

@@ -1,0 +1,71 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-row seeds.
+
+Each row's randomness comes only from (seed, fork index, position), so a seeded request samples
+the same tokens whatever else shares its batch. Only sampled ids and logprobs leave the device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.model.attention import _pytree_dataclass, static_field
+
+GREEDY, RANDOM, FILTERED = "greedy", "random", "filtered"  # static sampling modes
+
+
+@_pytree_dataclass
+class SamplingMetadata:
+    temperature: jax.Array  # f32[R]; 0 = greedy
+    top_k: jax.Array  # i32[R]; 0 = off
+    top_p: jax.Array  # f32[R]; 1 = off
+    min_p: jax.Array  # f32[R]; 0 = off
+    seeds: jax.Array  # u32[R]
+    forks: jax.Array  # i32[R] fork index of the row's sequence
+    positions: jax.Array  # i32[R] position of the token being sampled
+    mode: str = static_field()  # GREEDY: all rows greedy; RANDOM: no filters; FILTERED
+    num_top_logprobs: int = static_field()  # top logprobs to return per row (0: none)
+
+
+def _filter(logits, md: SamplingMetadata):
+    """Mask logits outside top-k, top-p (nucleus) and min-p; one descending sort per row."""
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    keep = (md.top_k[:, None] <= 0) | (rank < md.top_k[:, None])
+    # Nucleus: keep a token while the mass before it is below top_p (the top token always stays).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < md.top_p[:, None]
+    keep &= probs >= md.min_p[:, None] * probs[:, :1]
+    masked_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(masked_sorted, inverse, axis=-1)
+
+
+def sample(logits, md: SamplingMetadata):
+    """logits f32[R, V] -> (token ids i32[R], chosen logprob f32[R], top ids i32[R, K],
+    top logprobs f32[R, K]). Logprobs are of the model's distribution before filtering."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if md.mode == GREEDY:
+        ids = greedy_ids
+    else:
+        scaled = logits / jnp.maximum(md.temperature, 1e-6)[:, None]
+        if md.mode == FILTERED:
+            scaled = _filter(scaled, md)
+
+        def row_key(seed, fork, pos):
+            key = jax.random.key(seed)
+            return jax.random.fold_in(jax.random.fold_in(key, fork), pos)
+
+        keys = jax.vmap(row_key)(md.seeds, md.forks, md.positions)
+        sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled)
+        ids = jnp.where(md.temperature == 0.0, greedy_ids, sampled.astype(jnp.int32))
+    chosen = jnp.take_along_axis(logprobs, ids[:, None], axis=-1)[:, 0]
+    if md.num_top_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logprobs, md.num_top_logprobs)
+    else:
+        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return ids, chosen, top_ids.astype(jnp.int32), top_lp
