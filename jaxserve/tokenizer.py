@@ -1,0 +1,321 @@
+"""Tokenizer: a `tokenizers.Tokenizer` plus the model's special ids and chat template.
+
+Built from GGUF metadata (byte-level BPE, `tokenizer.ggml.model == "gpt2"`) or from a Hugging
+Face directory (tokenizer.json + tokenizer_config.json / chat_template.jinja). Also the
+incremental detokenizer used for streaming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+from typing import Any, Iterable, Sequence
+
+import tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+
+# Pre-tokenizer split regexes, by GGUF `tokenizer.ggml.pre` (as in llama.cpp and transformers).
+_GPT2_SPLIT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {
+    **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe",
+                                  "dbrx", "pixtral")},
+    **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen", "megrez")},
+}
+_IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"}
+
+# llama.cpp token types
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map used by byte-level BPE vocabularies."""
+    bs = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+          + list(range(ord("®"), ord("ÿ") + 1)))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def _pre_tokenizer(pre: str | None):
+    if pre == "smollm":
+        # SmolLM's own tokenizer.json: single digits, then GPT-2 byte-level splitting
+        # (llama.cpp: "\p{N}" followed by the GPT-2 regex).
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    split = _SPLITS.get(pre or "")
+    if split is None:  # "gpt2", "default" and unknown names: GPT-2's regex
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+
+
+def _token_content(tok: Any) -> str | None:
+    if isinstance(tok, dict):
+        return tok.get("content")
+    return tok
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+class Tokenizer:
+    """Encode/decode text and render the model's chat template."""
+
+    def __init__(self, backend: tokenizers.Tokenizer, *, bos_token_id: int | None,
+                 eos_token_ids: Iterable[int], chat_template: str | None,
+                 add_bos_token: bool = False):
+        self.backend = backend
+        self._bos_token_id = bos_token_id
+        self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.chat_template = chat_template
+        self.add_bos_token = add_bos_token
+        self._jinja_template = None
+
+    # --- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> "Tokenizer":
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(f"GGUF tokenizer model {kind!r} is not supported (byte-level BPE "
+                             f"'gpt2' is)")
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        pre = meta.get("tokenizer.ggml.pre")
+        spelling = _bytes_to_unicode()
+        alphabet = set(spelling.values())
+        vocab = {}
+        for i, t in enumerate(tokens):
+            if not set(t) <= alphabet:
+                t = "".join(spelling[b] for b in t.encode("utf-8", errors="surrogateescape"))
+            vocab.setdefault(t, i)
+        bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
+                         ignore_merges=pre in _IGNORE_MERGES)
+        backend = tokenizers.Tokenizer(bpe)
+        backend.pre_tokenizer = _pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+        control = [AddedToken(t, special=True, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet]
+        user = [AddedToken(t, special=False, normalized=False)
+                for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab]
+        if control:
+            backend.add_special_tokens(control)
+        if user:
+            backend.add_tokens(user)
+        bos = meta.get("tokenizer.ggml.bos_token_id")
+        add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+        add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+        eos_ids = [int(meta[k]) for k in ("tokenizer.ggml.eos_token_id",
+                                          "tokenizer.ggml.eot_token_id",
+                                          "tokenizer.ggml.eom_token_id") if meta.get(k) is not None]
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        single, special = "$A", []
+        if add_bos:
+            single = f"{tokens[bos]} {single}"
+            special.append((tokens[bos], int(bos)))
+        if add_eos and eos is not None:
+            single = f"{single} {tokens[eos]}"
+            special.append((tokens[eos], int(eos)))
+        if special:
+            backend.post_processor = processors.TemplateProcessing(
+                single=single, pair=f"{single} {single.replace('$A', '$B:1')}",
+                special_tokens=list(dict.fromkeys(special)))
+        return cls(backend, bos_token_id=None if bos is None else int(bos),
+                   eos_token_ids=eos_ids, chat_template=meta.get("tokenizer.chat_template"),
+                   add_bos_token=add_bos)
+
+    @classmethod
+    def from_hf_dir(cls, directory: str) -> "Tokenizer":
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no tokenizer.json in {directory}")
+        backend = tokenizers.Tokenizer.from_file(path)
+        cfg: dict[str, Any] = {}
+        cfg_path = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        jinja_path = os.path.join(directory, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path) as f:
+                template = f.read()
+
+        def tid(name):
+            content = _token_content(cfg.get(name))
+            return None if content is None else backend.token_to_id(content)
+
+        bos, eos = tid("bos_token"), tid("eos_token")
+        eos_ids = list(cfg.get("jaxserve_eos_token_ids", []))
+        if eos is not None:
+            eos_ids.insert(0, eos)
+        add_bos = bool(cfg.get("add_bos_token", False)) and bos is not None
+        if add_bos:
+            probe = backend.encode("a", add_special_tokens=True).ids
+            if not probe or probe[0] != bos:
+                bos_tok = _token_content(cfg["bos_token"])
+                backend.post_processor = processors.TemplateProcessing(
+                    single=f"{bos_tok} $A", pair=f"{bos_tok} $A {bos_tok} $B:1",
+                    special_tokens=[(bos_tok, bos)])
+        return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids, chat_template=template,
+                   add_bos_token=add_bos)
+
+    def save(self, directory: str) -> None:
+        """Write tokenizer.json and tokenizer_config.json (readable by `from_hf_dir`)."""
+        os.makedirs(directory, exist_ok=True)
+        self.backend.save(os.path.join(directory, "tokenizer.json"))
+        cfg = {
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos_token,
+            "chat_template": self.chat_template,
+            "jaxserve_eos_token_ids": list(self._eos_token_ids),
+        }
+        with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=1, ensure_ascii=False)
+
+    def with_eos_token_ids(self, eos_token_ids: Iterable[int]) -> "Tokenizer":
+        new = Tokenizer(self.backend, bos_token_id=self._bos_token_id,
+                        eos_token_ids=eos_token_ids, chat_template=self.chat_template,
+                        add_bos_token=self.add_bos_token)
+        return new
+
+    # --- properties ---------------------------------------------------------------------------
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def bos_token(self) -> str | None:
+        return None if self._bos_token_id is None else self.backend.id_to_token(self._bos_token_id)
+
+    @property
+    def eos_token(self) -> str | None:
+        if not self._eos_token_ids:
+            return None
+        return self.backend.id_to_token(self._eos_token_ids[0])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    # --- text <-> ids -------------------------------------------------------------------------
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    # --- chat template ------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        """Render the model's own chat template (sandboxed jinja2, as transformers does)."""
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template (tokenizer.chat_template in "
+                                    "the GGUF / chat_template in tokenizer_config.json); send a "
+                                    "plain prompt instead")
+        if self._jinja_template is None:
+            self._jinja_template = _compile_template(self.chat_template)
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   **kwargs}
+        return self._jinja_template.render(messages=messages,
+                                           add_generation_prompt=add_generation_prompt, **context)
+
+
+def _compile_template(source: str):
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ChatTemplateError(f"chat template error: {message}")
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols], undefined=jinja2.Undefined)
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(source)
+
+
+class IncrementalDetokenizer:
+    """Streams text for generated ids. `add(id)` returns the newly stable text: a delta is held
+    back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD) and released once the
+    sequence completes. The concatenation of deltas (plus `flush()`) equals
+    `tokenizer.decode(generated_ids, skip_special_tokens)`.
+
+    The last few prompt ids are used as left context, so decoders that treat the start of a
+    sequence specially (e.g. stripping a leading space) behave as in the middle of a text.
+    """
+
+    _CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        ctx = list(prompt_ids)[-self._CONTEXT:]
+        self._ids: list[int] = ctx
+        self._prefix_offset = 0  # start of the context window re-decoded each step
+        self._read_offset = len(ctx)  # ids before this have been emitted
+        self._n_context = len(ctx)
+        self.text = ""  # all text emitted so far
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(int(token_id))
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            delta = new_text[len(prefix_text):]
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            self.text += delta
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Release whatever is held back (an incomplete sequence at the end of generation)."""
+        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset:])
+        delta = new_text[len(prefix_text):]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        self.text += delta
+        return delta

@@ -1,0 +1,235 @@
+"""Hugging Face checkpoints: config.json -> ModelConfig, *.safetensors -> params layout.
+
+Safetensors files are read with a small header parser over a memory map (F32/F16/BF16 and
+the integer types), so BF16 checkpoints load without torch and nothing is copied twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from jaxserve.config import ModelConfig
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+def config_from_hf(config_json: dict) -> ModelConfig:
+    """A Hugging Face config.json (as a dict) for Llama, Qwen2 or Mistral -> ModelConfig."""
+    c = config_json
+    archs = c.get("architectures") or []
+    arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
+    if arch is None:
+        model_type = c.get("model_type")
+        if model_type in _ARCHITECTURES.values():
+            arch = model_type
+        else:
+            raise ValueError(f"unsupported architecture {archs or model_type!r}; supported: "
+                             f"{sorted(_ARCHITECTURES)}")
+    hidden = int(c["hidden_size"])
+    n_head = int(c["num_attention_heads"])
+    n_kv = int(c.get("num_key_value_heads") or n_head)
+    head_dim = int(c.get("head_dim") or hidden // n_head)
+    rope_params = c.get("rope_parameters") or {}
+    rope_theta = c.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling") or rope_params
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if rope_type not in (None, "default"):
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial rotary embeddings are not supported")
+    max_pos = int(c.get("max_position_embeddings", 2048))
+    window = c.get("sliding_window")
+    use_window = c.get("use_sliding_window", arch == "mistral")
+    if window and use_window and int(window) < max_pos:
+        # Within the window, sliding-window attention equals full attention: cap the context.
+        max_pos = int(window)
+    if arch == "qwen2":
+        bias = True
+    else:
+        bias = bool(c.get("attention_bias", False))
+    eos = c.get("eos_token_id")
+    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
+    bos = c.get("bos_token_id")
+    return ModelConfig(
+        vocab_size=int(c["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(c["intermediate_size"]),
+        num_layers=int(c["num_hidden_layers"]),
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        rope_theta=float(rope_theta),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=bias,
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=eos_ids,
+        architecture=arch,
+    )
+
+
+_LAYER_KEYS = {
+    "attn_norm": ("input_layernorm.weight", False),
+    "wq": ("self_attn.q_proj.weight", True),
+    "wk": ("self_attn.k_proj.weight", True),
+    "wv": ("self_attn.v_proj.weight", True),
+    "wo": ("self_attn.o_proj.weight", True),
+    "mlp_norm": ("post_attention_layernorm.weight", False),
+    "w_gate": ("mlp.gate_proj.weight", True),
+    "w_up": ("mlp.up_proj.weight", True),
+    "w_down": ("mlp.down_proj.weight", True),
+}
+_BIAS_KEYS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
+              "bv": "self_attn.v_proj.bias"}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def params_from_hf_state_dict(config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
+    """Hugging Face Llama/Qwen2/Mistral tensor names -> the jaxserve params layout
+    (float32 numpy, matrices (in, out), layers stacked on axis 0)."""
+    used: set[str] = set()
+
+    def take(name: str) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"missing tensor {name!r} in checkpoint")
+        used.add(name)
+        return np.asarray(tensors[name])
+
+    L = config.num_layers
+    H, D = config.hidden_size, config.head_dim
+    expected = {
+        "attn_norm": (H,), "wq": (H, config.num_heads * D), "wk": (H, config.num_kv_heads * D),
+        "wv": (H, config.num_kv_heads * D), "wo": (config.num_heads * D, H), "mlp_norm": (H,),
+        "w_gate": (H, config.intermediate_size), "w_up": (H, config.intermediate_size),
+        "w_down": (config.intermediate_size, H),
+        "bq": (config.num_heads * D,), "bk": (config.num_kv_heads * D,),
+        "bv": (config.num_kv_heads * D,),
+    }
+    keys = dict(_LAYER_KEYS)
+    if config.attention_bias:
+        keys.update({k: (v, False) for k, v in _BIAS_KEYS.items()})
+    layers = {}
+    for key, (suffix, transpose) in keys.items():
+        out = np.empty((L, *expected[key]), dtype=np.float32)
+        for i in range(L):
+            w = take(f"model.layers.{i}.{suffix}")
+            w = w.T if transpose else w
+            if w.shape != expected[key]:
+                raise ValueError(f"model.layers.{i}.{suffix}: shape {w.shape} (after transpose: "
+                                 f"{transpose}) != expected {expected[key]}")
+            out[i] = w
+        layers[key] = out
+    embed = take("model.embed_tokens.weight")
+    if embed.shape != (config.vocab_size, H):
+        raise ValueError(f"embed_tokens shape {embed.shape} != {(config.vocab_size, H)}")
+    params = {"embed": np.ascontiguousarray(embed, dtype=np.float32), "layers": layers,
+              "final_norm": np.ascontiguousarray(take("model.norm.weight"), dtype=np.float32)}
+    if config.tie_word_embeddings:
+        used.add("lm_head.weight")  # some checkpoints store the tied copy anyway
+    else:
+        lm = take("lm_head.weight")
+        if lm.shape != (config.vocab_size, H):
+            raise ValueError(f"lm_head shape {lm.shape} != {(config.vocab_size, H)}")
+        params["lm_head"] = np.ascontiguousarray(lm.T, dtype=np.float32)
+    unused = sorted(k for k in tensors if k not in used and not k.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        raise ValueError(f"checkpoint has tensors this model layout does not use (unsupported "
+                         f"variant?): {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    return params
+
+
+# --- safetensors -------------------------------------------------------------------------------
+
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
+              "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def read_safetensors(path: str, digest=None) -> dict[str, np.ndarray]:
+    """All tensors of one .safetensors file; float types become float32. If `digest` (a hashlib
+    object) is given, the file's header and raw data bytes are fed to it."""
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    (n,) = struct.unpack("<Q", raw[:8].tobytes())
+    header = json.loads(raw[8:8 + n].tobytes())
+    base = 8 + n
+    if digest is not None:
+        digest.update(raw[8:])
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = meta["data_offsets"]
+        buf = raw[base + start:base + end]
+        dt = meta["dtype"]
+        if dt == "BF16":
+            arr = (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        elif dt in _ST_DTYPES:
+            arr = buf.view(_ST_DTYPES[dt])
+        else:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {dt}")
+        arr = arr.reshape(meta["shape"])
+        if arr.dtype.kind == "f" and arr.dtype != np.float32:
+            arr = arr.astype(np.float32)
+        out[name] = arr
+    return out
+
+
+def safetensors_files(directory: str) -> list[str]:
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(directory, fn) for fn in sorted(set(weight_map.values()))]
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    return sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+
+
+def is_hf_dir(directory: str) -> bool:
+    return (os.path.isfile(os.path.join(directory, "config.json"))
+            and bool(safetensors_files(directory)))
+
+
+def load_hf_dir(directory: str):
+    from jaxserve.tokenizer import Tokenizer
+    from jaxserve.weights import LoadedModel
+
+    directory = os.path.abspath(directory)
+    with open(os.path.join(directory, "config.json")) as f:
+        cfg_json: dict[str, Any] = json.load(f)
+    tokenizer = Tokenizer.from_hf_dir(directory)
+    config = config_from_hf(cfg_json)
+    # Stop tokens: config.json, generation_config.json and the tokenizer's eos, merged in order.
+    eos = list(config.eos_token_ids)
+    gen_path = os.path.join(directory, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            g = json.load(f).get("eos_token_id")
+        eos += [int(e) for e in (g if isinstance(g, list) else [g]) if e is not None]
+    eos += list(tokenizer.eos_token_ids)
+    eos = tuple(dict.fromkeys(eos))
+    bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
+    config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
+    tokenizer = tokenizer.with_eos_token_ids(eos)
+    h = hashlib.sha256()
+    h.update(json.dumps(config.fingerprint_fields(), sort_keys=True, default=str).encode())
+    tensors: dict[str, np.ndarray] = {}
+    for fn in safetensors_files(directory):
+        h.update(b"safetensors\0")
+        tensors.update(read_safetensors(fn, digest=h))
+    params = params_from_hf_state_dict(config, tensors)
+    return LoadedModel(config=config, params=params, tokenizer=tokenizer,
+                       fingerprint=h.hexdigest(), source=directory)
