@@ -1,1 +1,27 @@
-"""jaxserve: a JAX-native language-model serving engine."""
+"""jaxserve: a JAX-native language-model serving engine.
+
+    from jaxserve import LLM, SamplingParams
+    llm = LLM(model="smollm2-135m")
+    llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+"""
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.outputs import CompletionOutput, RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+
+def __getattr__(name):
+    # LLM and LLMEngine pull in JAX; import them lazily so `import jaxserve` stays cheap.
+    if name == "LLM":
+        from jaxserve.llm import LLM
+
+        return LLM
+    if name == "LLMEngine":
+        from jaxserve.engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
+           "EngineConfig", "ModelConfig"]

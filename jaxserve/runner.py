@@ -39,7 +39,7 @@ def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: 
                   v=pool.v.at[:, batch.copy_dst].set(pool.v[:, batch.copy_src]))
     pool, hidden = llama.forward(params, pool, batch.token_ids, batch.attn, cfg=cfg,
                                  backend=backend)
-    logits = llama.logits(params, hidden[batch.logits_indices], cfg)
+    logits = llama.logits(params, hidden[batch.logits_indices])
     return pool, sample(logits, batch.sampling)
 
 

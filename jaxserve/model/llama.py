@@ -81,10 +81,9 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: Mode
     return pool, rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
-def logits(params, hidden, cfg: ModelConfig):
-    """hidden f[R, H] -> f32 logits [R, V]."""
-    if cfg.tie_word_embeddings:
-        out = hidden @ params["embed"].T
-    else:
-        out = matmul(hidden, params["lm_head"])
-    return out.astype(jnp.float32)
+def logits(params, hidden):
+    """hidden f[R, H] -> f32 logits [R, V]. A tied model reads the embedding table unless a
+    separate (e.g. quantized) lm_head was added."""
+    if "lm_head" in params:
+        return matmul(hidden, params["lm_head"]).astype(jnp.float32)
+    return (hidden @ params["embed"].T).astype(jnp.float32)

@@ -1,0 +1,40 @@
+"""Engine options as absl flags, named as EngineConfig fields; mapped onto it in one place."""
+
+from __future__ import annotations
+
+from absl import flags
+
+from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, PRIORITY_POLICIES, QUANTIZATIONS,
+                             SCHEDULING_POLICIES, EngineConfig)
+
+_D = EngineConfig()
+flags.DEFINE_string("model", _D.model, "Model name (smollm2-135m), GGUF file, HF or orbax directory.")
+flags.DEFINE_enum("dtype", _D.dtype, DTYPES, "Weights, activations and KV dtype.")
+flags.DEFINE_enum("quantization", _D.quantization, QUANTIZATIONS, "Weight-only quantization.")
+flags.DEFINE_enum("attention_backend", _D.attention_backend, ATTENTION_BACKENDS,
+                  "auto: pallas on TPU/GPU, xla on CPU.")
+flags.DEFINE_integer("page_size", _D.page_size, "KV slots per page.")
+flags.DEFINE_integer("num_pages", None, "KV pages in the pool, scratch page 0 included.")
+flags.DEFINE_integer("kv_cache_bytes", None, "KV memory budget in bytes (instead of num_pages).")
+flags.DEFINE_integer("max_model_len", None, "Longest prompt + output; default: the model's context.")
+flags.DEFINE_integer("max_num_seqs", _D.max_num_seqs, "Most sequences per step.")
+flags.DEFINE_integer("max_num_batched_tokens", _D.max_num_batched_tokens, "Most tokens per step.")
+flags.DEFINE_bool("enable_prefix_caching", _D.enable_prefix_caching, "Share full prompt pages.")
+flags.DEFINE_bool("enable_chunked_prefill", _D.enable_chunked_prefill, "Split long prompts.")
+flags.DEFINE_enum("scheduling", _D.scheduling, SCHEDULING_POLICIES,
+                  "iteration: continuous batching; static: request-level batching (ablation).")
+flags.DEFINE_enum("scheduling_policy", _D.scheduling_policy, PRIORITY_POLICIES, "Queue order.")
+flags.DEFINE_float("watermark", _D.watermark, "Fraction of pages kept free at admission.")
+flags.DEFINE_string("cache_salt", None, "Prefix-cache salt (isolates tenants).")
+flags.DEFINE_integer("seed", _D.seed, "Engine seed for unseeded requests.")
+flags.DEFINE_integer("max_waiting", None, "Refuse new requests beyond this many waiting.")
+
+FLAGS = flags.FLAGS
+_NAMES = ("model", "dtype", "quantization", "attention_backend", "page_size", "num_pages",
+          "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+          "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
+          "watermark", "cache_salt", "seed", "max_waiting")
+
+
+def engine_options() -> dict:
+    return {name: FLAGS[name].value for name in _NAMES}

@@ -1,0 +1,152 @@
+"""LLMEngine: add_request / abort / step. Each step: the scheduler plans, the batch builder pads,
+the runner executes one jitted call, the scheduler and output processor consume the tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+
+import numpy as np
+
+from jaxserve.batch import Buckets, build_batch
+from jaxserve.config import EngineConfig
+from jaxserve.model.attention import resolve_backend
+from jaxserve.output_processor import OutputProcessor
+from jaxserve.outputs import RequestOutput
+from jaxserve.runner import ModelRunner
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import RequestRejected, Scheduler
+from jaxserve.sequence import Request, SequenceStatus
+from jaxserve.step_plan import StepPlan
+from jaxserve.weights import LoadedModel, load_model
+
+Prompt = str | list[int] | dict
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        loaded = loaded or load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.num_pages = config.resolve_num_pages(loaded.config, self.max_model_len)
+        eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.scheduler = Scheduler(
+            config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
+            model_fingerprint=f"{loaded.fingerprint}:{config.dtype}:{config.quantization}")
+        params = loaded.params
+        if config.quantization == "int8":
+            from jaxserve.quantize import quantize_int8
+
+            params = quantize_int8(params)
+        self.backend = resolve_backend(config.attention_backend)
+        self.runner = ModelRunner(loaded.config, params, num_pages=self.num_pages,
+                                  page_size=config.page_size, dtype=config.dtype,
+                                  backend=self.backend)
+        self.buckets = Buckets.for_engine(
+            config.max_num_seqs, config.max_num_batched_tokens,
+            math.ceil(self.max_model_len / config.page_size), max_sample_rows=config.max_num_seqs)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._requests: dict[str, tuple[Request, str | None]] = {}
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(config.seed)
+        self.num_steps = 0
+        self.peak_referenced_pages = 0
+
+    # ----------------------------------------------------------------- requests
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = [int(t) for t in prompt["prompt_token_ids"]]
+                if any(t < 0 or t >= self.model_config.vocab_size for t in ids):
+                    raise ValueError(f"prompt_token_ids must be in [0, {self.model_config.vocab_size})")
+                return prompt.get("prompt"), ids
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return self.tokenize({"prompt_token_ids": prompt})
+        raise TypeError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
+                        f"'prompt_token_ids'; got {type(prompt).__name__}")
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                    request_id: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> Request:
+        """Queue a request. Raises ValueError (RequestRejected) at once if it can never run."""
+        text, ids = self.tokenize(prompt)
+        params = dataclasses.replace(params or SamplingParams())
+        if params.seed is None:  # unseeded: a fresh seed per request, fixed for its lifetime
+            params.seed = int(self._rng.integers(0, 2**31 - 1))
+        request = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=ids,
+                          sampling_params=params, priority=priority,
+                          cache_salt=self.config.cache_salt)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+        self._requests[request.request_id] = (request, text)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        entry = self._requests.pop(request_id, None)
+        aborted = self.scheduler.abort(request_id)
+        if entry is not None:
+            self.outputs.release(entry[0])
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns a snapshot of every request that progressed."""
+        plan: StepPlan = self.scheduler.schedule()
+        if plan.is_empty:
+            self.scheduler.update(plan, [])
+            return []
+        batch, num_rows = build_batch(plan, self.buckets, self.config.page_size)
+        out = self.runner.execute(batch, num_rows)
+        self._record_logprobs(plan, out)
+        changed = self.scheduler.update(plan, [int(t) for t in out.token_ids])
+        self.num_steps += 1
+        self.peak_referenced_pages = max(self.peak_referenced_pages,
+                                         self.scheduler.stats()["referenced_pages"])
+        return self._process(changed)
+
+    def _record_logprobs(self, plan: StepPlan, out) -> None:
+        for i, (_, seq) in enumerate(plan.sample_rows):
+            if seq.sampling_params.logprobs is None:
+                continue
+            entry = {int(t): float(lp) for t, lp in zip(out.top_ids[i][:seq.sampling_params.logprobs],
+                                                          out.top_logprobs[i])}
+            entry[int(out.token_ids[i])] = float(out.logprobs[i])
+            seq.output_logprobs.append(entry)
+
+    def _process(self, changed: list[Request]) -> list[RequestOutput]:
+        now = time.monotonic()
+        results = []
+        for request in changed:
+            for seq, stop in self.outputs.update(request, now):
+                self.scheduler.finish_sequence(seq, SequenceStatus.FINISHED_STOPPED, stop)
+            if request.is_finished and request.finished_time is None:
+                request.finished_time = now
+            entry = self._requests.get(request.request_id)
+            results.append(self.outputs.snapshot(request, entry[1] if entry else None))
+            if request.is_finished:
+                self._requests.pop(request.request_id, None)
+                self.outputs.release(request)
+        return results
+
+    # ----------------------------------------------------------------- introspection
+    def stats(self) -> dict:
+        stats = dict(self.scheduler.stats())
+        stats.update(compilations=self.runner.compilations, steps=self.num_steps,
+                     peak_referenced_pages=self.peak_referenced_pages,
+                     kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes)
+        return stats
+
+
+__all__ = ["LLMEngine", "RequestRejected"]

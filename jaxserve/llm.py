@@ -1,0 +1,86 @@
+"""The offline Python API, in the shape vLLM users know: LLM(...).generate / .chat."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine, Prompt
+from jaxserve.outputs import RequestOutput
+from jaxserve.sampling_params import SamplingParams
+
+Messages = list[dict[str, str]]
+
+
+class LLM:
+    """`LLM(model="smollm2-135m", **engine_options)`; options are EngineConfig fields."""
+
+    def __init__(self, model: str = "smollm2-135m", **engine_options: Any):
+        self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt through the scheduler together; one RequestOutput per prompt, in order.
+        All prompts are validated before any runs: a bad one raises ValueError and runs nothing."""
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        for p in params:
+            p.validate()
+        tokenized = [self.engine.tokenize(p) for p in prompts]  # raises before anything is queued
+        added: list[str] = []
+        try:
+            for (text, token_ids), p in zip(tokenized, params):
+                prompt = {"prompt_token_ids": token_ids, "prompt": text}
+                added.append(self.engine.add_request(prompt, p).request_id)
+        except ValueError:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        return self._run(added, use_tqdm)
+
+    def chat(self, messages: Messages | list[Messages],
+             sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
+                   for c in conversations]
+        tokenized = [{"prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False),
+                      "prompt": p} for p in prompts]
+        return self.generate(tokenized, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="requests", unit="req")
+        while pending:
+            if not self.engine.has_unfinished():
+                raise RuntimeError(f"engine stopped with {len(pending)} request(s) unfinished")
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [final[rid] for rid in request_ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()
