@@ -1,0 +1,161 @@
+"""A fake model with hand-computable outputs, to check KV bookkeeping end to end without JAX.
+
+The "KV pool" is a dict slot -> token id. For each chunk the runner writes the chunk's token ids at
+slot page_ids[pos // B] * B + pos % B (after applying the plan's copy-on-write copies), and to sample
+it "attends" by reading tokens 0..pos back through the page table:
+
+    next_token(context) = (sum_i (i + 1) * (context[i] + 1) + 17 * fork_index * [first output]) % V
+
+so a wrong page table, a missed copy, a bad prefix hit or a lost page changes the output (a page
+never written raises KeyError). `reference_outputs` computes the same from the true token list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.scheduler import Scheduler
+from jaxserve.sequence import Request
+from jaxserve.step_plan import StepPlan
+
+V = 1009
+
+
+def next_token(context: list[int], num_prompt_tokens: int, fork_index: int) -> int:
+    h = sum((i + 1) * (t + 1) for i, t in enumerate(context))
+    if len(context) == num_prompt_tokens:  # first output token: forks diverge here
+        h += 17 * fork_index
+    return h % V
+
+
+def reference_outputs(prompt: list[int], params: SamplingParams, *, eos: tuple[int, ...] = (),
+                      max_model_len: int = 10**9) -> list[list[int]]:
+    """Each fork's output tokens computed from its own true token list, alone."""
+    outs = []
+    for k in range(params.n):
+        tokens = list(prompt)
+        while True:
+            t = next_token(tokens, len(prompt), k)
+            tokens.append(t)
+            n_out = len(tokens) - len(prompt)
+            if (not params.ignore_eos and t in eos) or t in params.stop_token_ids:
+                break
+            if params.max_tokens is not None and n_out >= params.max_tokens:
+                break
+            if len(tokens) >= max_model_len:
+                break
+        outs.append(tokens[len(prompt):])
+    return outs
+
+
+class FakeRunner:
+    """Executes plans against a dict KV pool, checking ownership rules as it goes."""
+
+    def __init__(self, scheduler: Scheduler, *, strict: bool = True):
+        self.sched = scheduler
+        self.page_size = scheduler.page_size
+        self.slots: dict[int, int] = {}
+        self.strict = strict
+
+    def run(self, plan: StepPlan) -> list[int]:
+        b, sched = self.page_size, self.sched
+        kinds = [c.is_decode for c in plan.chunks]
+        assert kinds == sorted(kinds, reverse=True), "decode chunks must come first"
+        assert len(plan.chunks) <= sched.config.max_num_seqs
+        assert plan.num_tokens <= sched.config.max_num_batched_tokens
+        assert len({c.seq.seq_id for c in plan.chunks}) == len(plan.chunks)
+        for src, dst in plan.copies:
+            assert src != 0 and dst != 0 and src != dst
+            for o in range(b):
+                if src * b + o in self.slots:
+                    self.slots[dst * b + o] = self.slots[src * b + o]
+                else:
+                    self.slots.pop(dst * b + o, None)
+        live = sched.live_sequences()
+        for chunk in plan.chunks:
+            seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
+            assert start == seq.num_computed_tokens and 0 < chunk.num_tokens and end <= seq.num_tokens
+            assert len(seq.page_ids) >= -(-end // b), "page table too short for the chunk"
+            allowed = {id(seq)} | {id(s) for s in chunk.sample_seqs}
+            for idx in range(start // b, -(-end // b)):
+                page = seq.page_ids[idx]
+                assert page != 0, "page 0 handed out"
+                holders = {id(s) for s in live if page in s.page_ids}
+                assert holders <= allowed, f"write into page {page} shared with another sequence"
+                if sched.cache is not None:
+                    assert not sched.cache.is_cached(page), f"write into cached page {page}"
+            for pos in range(start, end):
+                self.slots[seq.page_ids[pos // b] * b + pos % b] = seq.token_ids[pos]
+        out = []
+        for chunk, s in plan.sample_rows:
+            seq, end = chunk.seq, chunk.start + chunk.num_tokens
+            assert s.page_ids == seq.page_ids
+            ctx = [self.slots[seq.page_ids[p // b] * b + p % b] for p in range(end)]
+            if self.strict:
+                assert ctx == seq.token_ids[:end], f"seq {seq.seq_id} reads wrong KV"
+            out.append(next_token(ctx, seq.num_prompt_tokens, s.fork_index))
+        return out
+
+
+@dataclasses.dataclass
+class RunResult:
+    outputs: dict[str, list[list[int]]]
+    finish_reasons: dict[str, list[str | None]]
+    plans: list[StepPlan]
+    steps: int
+    preemptions: int
+
+
+def make_request(rid: str, prompt: list[int], *, max_tokens: int = 8, n: int = 1, priority: int = 0,
+                 cache_salt: str | None = None, **params) -> Request:
+    return Request(request_id=rid, prompt_token_ids=list(prompt),
+                   sampling_params=SamplingParams(n=n, max_tokens=max_tokens, temperature=0.0, **params),
+                   priority=priority, cache_salt=cache_salt)
+
+
+def run_to_completion(scheduler: Scheduler, requests, *, abort_at: dict[int, list[str]] | None = None,
+                      runner: FakeRunner | None = None, max_steps: int = 100_000,
+                      check: bool = True, keep_plans: bool = False) -> RunResult:
+    """Drive schedule -> fake run -> update until everything finishes.
+
+    requests: Requests (all added before step 0) or (arrival_step, Request) pairs.
+    abort_at: step -> request ids aborted while that step's plan is in flight (after schedule(),
+    before update()). Checks invariants after every operation and that nothing leaks at the end."""
+    runner = runner or FakeRunner(scheduler)
+    arrivals: dict[int, list[Request]] = {}
+    all_requests = []
+    for item in requests:
+        step, req = item if isinstance(item, tuple) else (0, item)
+        arrivals.setdefault(step, []).append(req)
+        all_requests.append(req)
+    abort_at = abort_at or {}
+    plans, step = [], 0
+    last_event = max(list(arrivals) + list(abort_at) + [0])
+    while step <= last_event or scheduler.has_unfinished():
+        assert step < max_steps, "scheduler made no progress (hang)"
+        for req in arrivals.get(step, []):
+            scheduler.add_request(req)
+        plan = scheduler.schedule()
+        if check:
+            scheduler.check_invariants()
+        sampled = runner.run(plan)
+        for rid in abort_at.get(step, []):
+            scheduler.abort(rid)
+            if check:
+                scheduler.check_invariants()
+        returned = scheduler.update(plan, sampled)
+        assert len({id(r) for r in returned}) == len(returned), "a request returned twice"
+        if check:
+            scheduler.check_invariants()
+        if keep_plans:
+            plans.append(plan)
+        step += 1
+    st = scheduler.stats()
+    assert st["referenced_pages"] == 0 and st["running"] == 0 and st["waiting"] == 0
+    assert st["free_pages"] + st["cached_pages"] == st["total_pages"]
+    scheduler.check_invariants()
+    return RunResult(
+        outputs={r.request_id: [s.output_token_ids for s in r.sequences] for r in all_requests},
+        finish_reasons={r.request_id: [s.status.finish_reason for s in r.sequences] for r in all_requests},
+        plans=plans, steps=step, preemptions=st["num_preempted_total"])
