@@ -1,0 +1,357 @@
+"""Paged attention kernels: references against hand values and float64 numpy, kernels against
+references (Pallas interpret mode on CPU), extreme logits, NaN isolation, validation.
+
+Tolerances (kernel vs reference, both accumulate in float32 at HIGHEST precision):
+  float32 inputs:  atol = rtol = 2e-5   (observed ~1e-6: evaluation order only)
+  bfloat16 inputs: atol = rtol = 1.6e-2 (outputs rounded to bf16: one ulp is 2^-8 relative)
+Reference (float32) vs dense float64 numpy: atol = rtol = 1e-5.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import (DecodeBlockSizes, PrefillBlockSizes, paged_decode_attention,
+                            ragged_prefill_attention, ref_paged_decode_attention,
+                            ref_ragged_prefill_attention, validate_decode_inputs,
+                            validate_prefill_inputs)
+
+TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
+F64_TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures: a paged pool with permuted pages, NaN in page 0 and in every unused page.
+
+
+def make_case(seed, *, seq_lens, q_lens=None, page_size, num_kv_heads, group, head_dim,
+              extra_pages=3, dtype=jnp.float32, table_width=None):
+    """Random pool and page tables. q is [S, Hq, D] (decode) or [T, Hq, D] (prefill, q_lens)."""
+    rng = np.random.default_rng(seed)
+    seq_lens = np.asarray(seq_lens, np.int32)
+    num_seqs = len(seq_lens)
+    pages_needed = -(-seq_lens // page_size)
+    width = table_width or max(1, int(pages_needed.max()))
+    num_pages = 1 + int(pages_needed.sum()) + extra_pages
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k = rng.standard_normal(shape).astype(np.float32)
+    v = rng.standard_normal(shape).astype(np.float32)
+    ids = rng.permutation(np.arange(1, num_pages))  # non-contiguous, shuffled page ids
+    table = np.zeros((num_seqs, width), np.int32)
+    used = np.zeros(num_pages, bool)
+    cursor = 0
+    for s, n in enumerate(pages_needed):
+        table[s, :n] = ids[cursor:cursor + n]
+        cursor += n
+        used[table[s, :n]] = True
+        # Slots past the length in the last page hold garbage too.
+        if seq_lens[s] % page_size:
+            k[table[s, n - 1], seq_lens[s] % page_size:] = np.nan
+            v[table[s, n - 1], seq_lens[s] % page_size:] = np.nan
+        # Unused table entries point at scratch page 0 or at an unused (NaN) page.
+        spare = ids[len(ids) - 1] if extra_pages else 0
+        table[s, n:] = np.where(np.arange(n, width) % 2, spare, 0)
+    k[~used] = np.nan
+    v[~used] = np.nan
+    num_q_heads = num_kv_heads * group
+    rows = num_seqs if q_lens is None else int(np.sum(q_lens)) + 3  # 3 padding rows
+    q = rng.standard_normal((rows, num_q_heads, head_dim)).astype(np.float32)
+    case = dict(q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype),
+                v_pages=jnp.asarray(v, dtype), page_tables=jnp.asarray(table),
+                seq_lens=jnp.asarray(seq_lens))
+    if q_lens is not None:
+        case["query_start"] = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    return case
+
+
+def dense_f64(case, sm_scale):
+    """Independent oracle: contiguous KV per sequence, causal softmax attention in float64."""
+    q = np.asarray(case["q"].astype(jnp.float32), np.float64)
+    k_pages = np.asarray(case["k_pages"].astype(jnp.float32), np.float64)
+    v_pages = np.asarray(case["v_pages"].astype(jnp.float32), np.float64)
+    table, seq_lens = np.asarray(case["page_tables"]), np.asarray(case["seq_lens"])
+    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    group = q.shape[1] // num_kv_heads
+    if "query_start" in case:
+        query_start = np.asarray(case["query_start"])
+    else:  # decode: one query per sequence (none for padding rows)
+        query_start = np.concatenate([[0], np.cumsum(seq_lens > 0)])
+        q = q[seq_lens > 0]
+    out = np.zeros_like(q)
+    for s, seq_len in enumerate(seq_lens):
+        q_lo, q_hi = query_start[s], query_start[s + 1]
+        if q_hi == q_lo:
+            continue
+        k = np.concatenate([k_pages[p] for p in table[s]])[:seq_len]  # [L, Hkv, D]
+        v = np.concatenate([v_pages[p] for p in table[s]])[:seq_len]
+        positions = seq_len - (q_hi - q_lo) + np.arange(q_hi - q_lo)
+        for hq in range(q.shape[1]):
+            scores = q[q_lo:q_hi, hq] @ k[:, hq // group].T * sm_scale  # [q_len, L]
+            scores = np.where(np.arange(seq_len)[None] <= positions[:, None], scores, -np.inf)
+            w = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[q_lo:q_hi, hq] = (w / w.sum(axis=1, keepdims=True)) @ v[:, hq // group]
+    if "query_start" not in case:
+        full = np.zeros((len(seq_lens),) + out.shape[1:])
+        full[seq_lens > 0] = out
+        return full
+    return out
+
+
+def _decode(case, fn=paged_decode_attention, **kw):
+    return fn(case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
+              **kw)
+
+
+def _prefill(case, fn=ragged_prefill_attention, **kw):
+    return fn(case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
+              case["query_start"], **kw)
+
+
+def _assert_close(out, expected, tol):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np.asarray(jnp.asarray(expected, jnp.float32)), **tol)
+
+
+# ---------------------------------------------------------------------------------------------
+# Oracle 1: references against hand-computed values and float64 numpy.
+
+
+def test_reference_decode_hand_values():
+    # One KV head, one query head, D = 2, B = 2. Keys (1,0), (0,1), (2,0); scores with scale 1:
+    # 1, 0, 2. Values (1,0), (0,1), (0,0) -> out = (e, 1) / (e + 1 + e^2).
+    k = np.full((3, 2, 1, 2), np.nan, np.float32)
+    v = np.full((3, 2, 1, 2), np.nan, np.float32)
+    k[2, :, 0], v[2, :, 0] = [[1, 0], [0, 1]], [[1, 0], [0, 1]]  # positions 0, 1 on page 2
+    k[1, 0, 0], v[1, 0, 0] = [2, 0], [0, 0]  # position 2 on page 1; slot 1 stays NaN
+    q = np.array([[[1, 0]], [[5, 5]], [[0, 0]]], np.float32)
+    table = np.array([[2, 1], [2, 0], [0, 0]], np.int32)
+    seq_lens = np.array([3, 1, 0], np.int32)
+    out = np.asarray(ref_paged_decode_attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                                jnp.asarray(table), jnp.asarray(seq_lens),
+                                                sm_scale=1.0))
+    z = math.e + 1 + math.e ** 2
+    np.testing.assert_allclose(out[0, 0], [math.e / z, 1 / z], rtol=1e-6)
+    np.testing.assert_array_equal(out[1, 0], [1, 0])  # a single key: its value exactly
+    np.testing.assert_array_equal(out[2, 0], [0, 0])  # padding row
+
+
+def test_reference_prefill_hand_values():
+    # Sequence of 2 tokens, both queries in this step, q = k = (1,0) and (0,1), scale 1.
+    # Row 0 sees key 0 only -> v0. Row 1 sees scores (0, 1) -> (v0 + e v1) / (1 + e).
+    k = np.full((2, 4, 1, 2), np.nan, np.float32)
+    v = np.full((2, 4, 1, 2), np.nan, np.float32)
+    k[1, :2, 0] = [[1, 0], [0, 1]]
+    v[1, :2, 0] = [[3, 0], [0, 3]]
+    q = np.array([[[1, 0]], [[0, 1]], [[7, 7]]], np.float32)  # row 2 is padding
+    out = np.asarray(ref_ragged_prefill_attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.array([[1]], jnp.int32),
+        jnp.array([2], jnp.int32), jnp.array([0, 2], jnp.int32), sm_scale=1.0))
+    np.testing.assert_array_equal(out[0, 0], [3, 0])
+    np.testing.assert_allclose(out[1, 0], [3 / (1 + math.e), 3 * math.e / (1 + math.e)], rtol=1e-6)
+    np.testing.assert_array_equal(out[2, 0], [0, 0])
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_reference_decode_matches_float64(group):
+    case = make_case(0, seq_lens=[1, 7, 8, 9, 30, 0], page_size=8, num_kv_heads=2, group=group,
+                     head_dim=16)
+    out = _decode(case, ref_paged_decode_attention, sm_scale=0.3)
+    _assert_close(out, dense_f64(case, 0.3), F64_TOL)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_reference_prefill_matches_float64(group):
+    # Chunked prefill and prefix hits: q_len < seq_len attends to earlier pages; one empty sequence.
+    case = make_case(1, seq_lens=[5, 20, 9, 17, 4], q_lens=[5, 3, 0, 17, 1], page_size=8,
+                     num_kv_heads=2, group=group, head_dim=16)
+    out = _prefill(case, ref_ragged_prefill_attention, sm_scale=0.3)
+    _assert_close(out, dense_f64(case, 0.3), F64_TOL)
+
+
+# ---------------------------------------------------------------------------------------------
+# Oracle 2: kernels (interpret mode) against the references.
+
+# (page_size, head_dim, num_kv_heads, group, block size, dtype): page sizes 8/16/32, head dims
+# 64/128, GQA 1/3/8, several block sizes, f32 and bf16, without a full cross product.
+DECODE_CASES = [
+    (8, 64, 2, 1, 1, jnp.float32),
+    (8, 64, 1, 8, 3, jnp.float32),
+    (16, 128, 2, 3, 2, jnp.float32),
+    (32, 64, 3, 3, 1, jnp.float32),
+    (16, 64, 2, 3, 4, jnp.bfloat16),
+    (32, 128, 1, 8, 2, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("page_size,head_dim,num_kv_heads,group,pages_per_block,dtype",
+                         DECODE_CASES)
+def test_decode_kernel_matches_reference(page_size, head_dim, num_kv_heads, group,
+                                         pages_per_block, dtype):
+    b = page_size
+    case = make_case(2, seq_lens=[1, b - 1, b, b + 1, 3 * b + 5, 0], page_size=b,
+                     num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = _decode(case, sm_scale=scale,
+                  block_sizes=DecodeBlockSizes(pages_per_block=pages_per_block))
+    assert out.shape == case["q"].shape and out.dtype == dtype
+    _assert_close(out, _decode(case, ref_paged_decode_attention, sm_scale=scale), TOL[dtype])
+    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0)  # padding row
+
+
+PREFILL_CASES = [  # (page_size, head_dim, num_kv_heads, group, block_q, block_kv_pages, dtype)
+    (8, 64, 2, 1, 8, 1, jnp.float32),
+    (8, 64, 1, 8, 16, 3, jnp.float32),
+    (16, 128, 2, 3, 8, 2, jnp.float32),
+    (32, 64, 3, 3, 32, 1, jnp.float32),
+    (16, 64, 2, 3, 16, 2, jnp.bfloat16),
+    (32, 128, 1, 8, 8, 4, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize(
+    "page_size,head_dim,num_kv_heads,group,block_q,block_kv_pages,dtype", PREFILL_CASES)
+def test_prefill_kernel_matches_reference(page_size, head_dim, num_kv_heads, group, block_q,
+                                          block_kv_pages, dtype):
+    b = page_size
+    # Lengths 1, B-1, B, B+1 and a long one; full prompts, a chunk after a prefix, an empty one.
+    seq_lens = [1, b - 1, b, b + 1, 3 * b + 5, 2 * b + 3]
+    q_lens = [1, b - 1, 3, b + 1, b + 2, 0]
+    case = make_case(3, seq_lens=seq_lens, q_lens=q_lens, page_size=b, num_kv_heads=num_kv_heads,
+                     group=group, head_dim=head_dim, dtype=dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = _prefill(case, sm_scale=scale,
+                   block_sizes=PrefillBlockSizes(block_q=block_q, block_kv_pages=block_kv_pages))
+    assert out.shape == case["q"].shape and out.dtype == dtype
+    _assert_close(out, _prefill(case, ref_ragged_prefill_attention, sm_scale=scale), TOL[dtype])
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)  # padding rows
+
+
+def test_kernels_match_float64_and_run_under_jit():
+    case = make_case(4, seq_lens=[9, 17, 2], q_lens=[9, 4, 1], page_size=8, num_kv_heads=2,
+                     group=3, head_dim=64, table_width=5)
+    prefill = jax.jit(lambda c: _prefill(c, sm_scale=0.125))
+    _assert_close(prefill(case), dense_f64(case, 0.125), F64_TOL)
+    decode_case = {k: v for k, v in case.items() if k != "query_start"}
+    decode_case["q"] = case["q"][:3]
+    decode = jax.jit(lambda c: _decode(c, sm_scale=0.125))
+    _assert_close(decode(decode_case), dense_f64(decode_case, 0.125), F64_TOL)
+
+
+def test_chunked_prefill_equals_whole_prompt():
+    # The same 21-token prompt prefilled at once, and as chunks 13 + 8 (the second chunk reads
+    # the first chunk's pages): identical attention rows.
+    case = make_case(5, seq_lens=[21], q_lens=[21], page_size=8, num_kv_heads=1, group=3,
+                     head_dim=64)
+    whole = _prefill(case, sm_scale=0.125, block_sizes=PrefillBlockSizes(block_q=8,
+                                                                         block_kv_pages=1))
+    chunk = dict(case, q=case["q"][13:21], seq_lens=jnp.array([21], jnp.int32),
+                 query_start=jnp.array([0, 8], jnp.int32))
+    second = _prefill(chunk, sm_scale=0.125, block_sizes=PrefillBlockSizes(block_q=8,
+                                                                           block_kv_pages=1))
+    np.testing.assert_allclose(np.asarray(second), np.asarray(whole[13:21]), atol=2e-6, rtol=2e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Extreme logits: scores near +-1e4, where a naive exp overflows float32.
+
+
+def _extreme_case():
+    """Scores +-1e4 (plus O(1) noise); in sequence 1, one key dominates its last row by ~1e4."""
+    case = make_case(6, seq_lens=[12, 5], q_lens=[12, 5], page_size=8, num_kv_heads=1, group=2,
+                     head_dim=64)
+    rng = np.random.default_rng(6)
+    u = np.sign(rng.standard_normal(64)).astype(np.float32)  # |q . k| = 12.5^2 * 64 = 1e4
+    q, k = np.array(case["q"]), np.array(case["k_pages"])
+    q = 12.5 * u * np.sign(q[..., :1])
+    finite = np.isfinite(k[..., :1])
+    k = np.where(finite, 12.5 * u * np.sign(k[..., :1]) + 0.01 * k, k).astype(np.float32)
+    k[int(case["page_tables"][1, 0]), 2, 0] = 2 * q[16, 0]  # row 16 = seq 1, position 4
+    case.update(q=jnp.asarray(q), k_pages=jnp.asarray(k))
+    return case
+
+
+# float32 scores of magnitude 1e4 carry ~1e4 * 2^-24 absolute rounding, so outputs match float64
+# to ~1e-3 (softmax conditioning, not instability); a naive exp(1e4) is inf in float32.
+EXTREME_TOL = dict(atol=5e-3, rtol=5e-3)
+
+
+def test_extreme_logits_prefill_and_decode():
+    case = _extreme_case()
+    expected = dense_f64(case, 1.0)
+    q, k = np.asarray(case["q"]), np.asarray(case["k_pages"])
+    score = q[0, 0] @ k[int(case["page_tables"][0, 0]), 0, 0]
+    assert 9e3 < abs(score) < 1.1e4
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.exp(np.float32(abs(score))))  # a naive softmax overflows
+    out = _prefill(case, sm_scale=1.0, block_sizes=PrefillBlockSizes(block_q=8, block_kv_pages=1))
+    _assert_close(out, expected, EXTREME_TOL)
+    _assert_close(_prefill(case, ref_ragged_prefill_attention, sm_scale=1.0), expected,
+                  EXTREME_TOL)
+    # The dominating key: the row's output is exactly that key's value.
+    v = np.asarray(case["v_pages"])[int(case["page_tables"][1, 0]), 2, 0]
+    np.testing.assert_allclose(np.asarray(out)[16, 0], v, atol=1e-6)
+    decode = dict(case, q=case["q"][jnp.array([11, 16])])
+    del decode["query_start"]
+    out = _decode(decode, sm_scale=1.0, block_sizes=DecodeBlockSizes(pages_per_block=1))
+    _assert_close(out, dense_f64(decode, 1.0), EXTREME_TOL)
+    np.testing.assert_allclose(np.asarray(out)[1, 0], v, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: clear errors for bad shapes, dtypes and (when concrete) page-table values.
+
+
+def _small():
+    return make_case(7, seq_lens=[5, 9], q_lens=[5, 2], page_size=8, num_kv_heads=2, group=2,
+                     head_dim=16)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: c.update(q=c["q"][:, :3]), "multiple of KV heads"),
+    (lambda c: c.update(q=c["q"][..., :8]), "head dim"),
+    (lambda c: c.update(v_pages=c["v_pages"][:3]), "shapes differ"),
+    (lambda c: c.update(v_pages=c["v_pages"].astype(jnp.bfloat16)), "one floating dtype"),
+    (lambda c: c.update(page_tables=c["page_tables"].astype(jnp.float32)), "page_tables"),
+    (lambda c: c.update(seq_lens=c["seq_lens"][:1]), "seq_lens must be i32"),
+    (lambda c: c.update(page_tables=c["page_tables"].at[1, 1].set(999)), "outside the pool"),
+    (lambda c: c.update(seq_lens=jnp.array([5, 17], jnp.int32)), r"outside \[0, P\*B"),
+    (lambda c: c.update(query_start=jnp.array([0, 5], jnp.int32)), "query_start must be i32"),
+    (lambda c: c.update(query_start=jnp.array([0, 6, 5], jnp.int32)), "non-decreasing"),
+    (lambda c: c.update(query_start=jnp.array([0, 7, 9], jnp.int32)), "seq_lens must include"),
+    (lambda c: c.update(query_start=jnp.array([0, 5, 99], jnp.int32)), "exceeds the T"),
+])
+def test_prefill_validation_errors(change, message):
+    case = _small()
+    change(case)
+    with pytest.raises(ValueError, match=message):
+        _prefill(case, validate_prefill_inputs)
+
+
+def test_decode_validation_errors():
+    case = _small()
+    del case["query_start"]
+    case["q"] = case["q"][:2]
+    validate_decode_inputs(**case)  # valid as built
+    with pytest.raises(ValueError, match="rows but page_tables"):
+        _decode(dict(case, q=case["q"][:1]), sm_scale=1.0)
+    with pytest.raises(ValueError, match="outside the pool"):
+        _decode(dict(case, page_tables=case["page_tables"].at[0, 0].set(-1)), sm_scale=1.0)
+    # Entries past a sequence's length are never read, so they need not be valid page ids.
+    validate_decode_inputs(**dict(case, page_tables=case["page_tables"].at[0, 1].set(-1)))
+
+
+@pytest.mark.parametrize("make", [
+    lambda: DecodeBlockSizes(pages_per_block=0),
+    lambda: PrefillBlockSizes(block_q=0),
+    lambda: PrefillBlockSizes(block_kv_pages=2.0),
+    lambda: DecodeBlockSizes(4),  # keyword-only
+])
+def test_block_sizes_rejected(make):
+    with pytest.raises((ValueError, TypeError)):
+        make()
