@@ -14,7 +14,7 @@ import math
 import jax
 import numpy as np
 
-from jaxserve.model.attention import AttentionMetadata, _pytree_dataclass
+from jaxserve.model.attention import AttentionMetadata, _pytree_dataclass, static_field
 from jaxserve.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata
 from jaxserve.step_plan import StepPlan
 
@@ -62,10 +62,14 @@ class StepBatch:
     sampling: SamplingMetadata
     copy_src: jax.Array  # i32[C] copy-on-write: page copy_src[i] -> copy_dst[i] before writes
     copy_dst: jax.Array  # i32[C]
+    prompt_targets: jax.Array  # i32[T] next prompt token after each token (for prompt logprobs)
+    prompt_logprobs: int = static_field()  # -1: none; k >= 0: return prompt logprobs and top k
 
 
-def build_batch(plan: StepPlan, buckets: Buckets, page_size: int) -> tuple[StepBatch, int]:
-    """Returns the padded batch and the number of real sample rows (the first rows of R)."""
+def build_batch(plan: StepPlan, buckets: Buckets,
+                page_size: int) -> tuple[StepBatch, int, list[int]]:
+    """Returns the padded batch, the number of real sample rows (the first rows of R), and the
+    flat index of each chunk's first token (in plan.chunks order)."""
     decode = [c for c in plan.chunks if c.is_decode]
     prefill = [c for c in plan.chunks if not c.is_decode]
     assert plan.chunks[:len(decode)] == decode, "decode chunks must come first in the plan"
@@ -83,11 +87,15 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int) -> tuple[StepB
     page_tables = np.zeros((num_rows, width), np.int32)
     seq_lens = np.zeros(num_rows, np.int32)
     query_start = np.zeros(num_rows + 1, np.int32)
+    prompt_targets = np.zeros(t, np.int32)
+    prompt_k = -1
     rows = []  # (flat index of the token whose logits are sampled, sequence)
+    offsets = []
 
     def place(row: int, chunk, first: int):
         seq, n, start = chunk.seq, chunk.num_tokens, chunk.start
         end = start + n
+        offsets.append(first)
         pages = seq.page_ids[:math.ceil(end / page_size)]
         page_tables[row, :len(pages)] = pages
         seq_lens[row] = end
@@ -97,6 +105,12 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int) -> tuple[StepB
         slots[first:first + n] = np.asarray(pages, np.int32)[pos // page_size] * page_size \
             + pos % page_size
         token_row[first:first + n] = row
+        nonlocal prompt_k
+        wanted = seq.sampling_params.prompt_logprobs
+        if wanted is not None and start < seq.num_prompt_tokens:
+            prompt_k = max(prompt_k, wanted)
+            targets = seq.token_ids[start + 1:min(end + 1, seq.num_prompt_tokens)]
+            prompt_targets[first:first + len(targets)] = targets
         rows.extend((first + n - 1, s) for s in chunk.sample_seqs)
 
     for i, chunk in enumerate(decode):
@@ -150,5 +164,6 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int) -> tuple[StepB
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
             forks=forks, positions=sample_pos, mode=mode,
             num_top_logprobs=Buckets.fit(buckets.logprobs, max_logprobs)),
-        copy_src=copy_src, copy_dst=copy_dst)
-    return batch, len(rows)
+        copy_src=copy_src, copy_dst=copy_dst, prompt_targets=prompt_targets,
+        prompt_logprobs=-1 if prompt_k < 0 else Buckets.fit((0,) + buckets.logprobs, prompt_k))
+    return batch, len(rows), offsets

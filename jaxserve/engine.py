@@ -107,9 +107,11 @@ class LLMEngine:
         if plan.is_empty:
             self.scheduler.update(plan, [])
             return []
-        batch, num_rows = build_batch(plan, self.buckets, self.config.page_size)
+        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
         out = self.runner.execute(batch, num_rows)
         self._record_logprobs(plan, out)
+        if out.prompt_logprobs is not None:
+            self._record_prompt_logprobs(plan, offsets, out)
         changed = self.scheduler.update(plan, [int(t) for t in out.token_ids])
         self.num_steps += 1
         self.peak_referenced_pages = max(self.peak_referenced_pages,
@@ -124,6 +126,27 @@ class LLMEngine:
                                                           out.top_logprobs[i])}
             entry[int(out.token_ids[i])] = float(out.logprobs[i])
             seq.output_logprobs.append(entry)
+
+    @staticmethod
+    def _record_prompt_logprobs(plan: StepPlan, offsets: list[int], out) -> None:
+        """request.prompt_logprobs[i] = {prompt token i: logprob, top-k...} (None for i = 0)."""
+        for chunk, first in zip(plan.chunks, offsets):
+            seq = chunk.seq
+            k = seq.sampling_params.prompt_logprobs
+            if k is None or seq.fork_index:
+                continue
+            request = seq.request
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None]
+            for p in range(chunk.start, chunk.start + chunk.num_tokens):
+                target = p + 1
+                if target >= seq.num_prompt_tokens or target < len(request.prompt_logprobs):
+                    continue  # past the prompt, or already recorded (recompute after preemption)
+                i = first + p - chunk.start
+                entry = {int(t): float(lp) for t, lp in
+                         zip(out.prompt_top_ids[i][:k], out.prompt_top_logprobs[i][:k])}
+                entry[seq.token_ids[target]] = float(out.prompt_logprobs[i])
+                request.prompt_logprobs.append(entry)
 
     def _process(self, changed: list[Request]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -141,6 +164,27 @@ class LLMEngine:
         return results
 
     # ----------------------------------------------------------------- introspection
+    def kv_usage(self) -> dict:
+        """The KV pool right now, in slots: useful (computed tokens, shared pages counted once),
+        tail fragmentation (allocated to live sequences but empty), cached-unreferenced and free,
+        plus host page-table bytes (4 bytes per entry)."""
+        filled: dict[int, int] = {}
+        table_entries = 0
+        b = self.config.page_size
+        for seq in self.scheduler.live_sequences():
+            table_entries += len(seq.page_ids)
+            for j, page in enumerate(seq.page_ids):
+                filled[page] = max(filled.get(page, 0),
+                                   min(b, max(0, seq.num_computed_tokens - j * b)))
+        stats = self.scheduler.stats()
+        useful = sum(filled.values())
+        return {"page_size": b, "referenced_pages": stats["referenced_pages"],
+                "useful_slots": useful,
+                "fragmented_slots": stats["referenced_pages"] * b - useful,
+                "cached_pages": stats["cached_pages"], "free_pages": stats["free_pages"],
+                "page_table_bytes": 4 * table_entries,
+                "bytes_per_slot": self.model_config.kv_bytes_per_token(self.config.dtype_bytes)}
+
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
         stats.update(compilations=self.runner.compilations, steps=self.num_steps,

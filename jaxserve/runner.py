@@ -31,6 +31,10 @@ class StepOutput:
     logprobs: np.ndarray  # f32[rows] logprob of each sampled token
     top_ids: np.ndarray  # i32[rows, K]
     top_logprobs: np.ndarray  # f32[rows, K]
+    # With batch.prompt_logprobs >= 0, per flat token: logprob of the next prompt token, top k.
+    prompt_logprobs: np.ndarray | None = None  # f32[T]
+    prompt_top_ids: np.ndarray | None = None  # i32[T, k]
+    prompt_top_logprobs: np.ndarray | None = None  # f32[T, k]
 
 
 def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: str):
@@ -40,7 +44,14 @@ def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: 
     pool, hidden = llama.forward(params, pool, batch.token_ids, batch.attn, cfg=cfg,
                                  backend=backend)
     logits = llama.logits(params, hidden[batch.logits_indices])
-    return pool, sample(logits, batch.sampling)
+    out = {"sampled": sample(logits, batch.sampling)}
+    if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
+        logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
+        target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logprobs, max(batch.prompt_logprobs, 1))
+        k = batch.prompt_logprobs
+        out["prompt"] = (target, top_ids[:, :k], top_lp[:, :k])
+    return pool, out
 
 
 def _signature(batch: StepBatch) -> tuple:
@@ -86,8 +97,12 @@ class ModelRunner:
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:
         """Block on a dispatched step and copy its first num_rows rows to the host."""
-        ids, lp, top_ids, top_lp = jax.device_get(out)
-        return StepOutput(ids[:num_rows], lp[:num_rows], top_ids[:num_rows], top_lp[:num_rows])
+        out = jax.device_get(out)
+        ids, lp, top_ids, top_lp = out["sampled"]
+        result = StepOutput(ids[:num_rows], lp[:num_rows], top_ids[:num_rows], top_lp[:num_rows])
+        if "prompt" in out:
+            result.prompt_logprobs, result.prompt_top_ids, result.prompt_top_logprobs = out["prompt"]
+        return result
 
     def execute(self, batch: StepBatch, num_rows: int) -> StepOutput:
         return self.fetch(self.dispatch(batch), num_rows)

@@ -46,7 +46,7 @@ class _Logits:
     def step(self, plan: StepPlan) -> np.ndarray:
         import jax
 
-        batch, rows = build_batch(plan, self.buckets, self.page_size)
+        batch, rows, _ = build_batch(plan, self.buckets, self.page_size)
         runner = self.runner
         # Same forward as the jitted step, but returning logits for comparison.
         pool, hidden = llama.forward(runner.params, runner.pool, jax.numpy.asarray(batch.token_ids),
