@@ -115,12 +115,11 @@ class KVManager:
 
     # ---- release ----------------------------------------------------------------------------------
     def free(self, seq: Sequence) -> None:
-        """Drop all of seq's references (tail first, so its tail pages are evicted first) and reset
-        its computed state."""
+        """Drop all of seq's references (tail first, so its tail pages are evicted first). The caller
+        resets num_computed_tokens when the sequence will be recomputed (preemption)."""
         for page in reversed(seq.page_ids):
             self.pool.decref(page)
         seq.page_ids = []
-        seq.num_computed_tokens = 0
         self._keys.pop(seq.seq_id, None)
         self._salt.pop(seq.seq_id, None)
 

@@ -157,14 +157,14 @@ class Scheduler:
                 if n == 0:
                     continue
             while self.kv.pages_needed(seq, n) > self.pool.num_available:
+                fit = 0 if decode else self._fit_chunk(seq, n)
+                if 0 < fit < n:  # a shorter prefill chunk fits: take it rather than preempt
+                    n = fit
+                    continue
                 if i < len(queue):  # a later (lower-priority) sequence not yet scheduled
                     victim = queue.pop()
                     decodes_left -= self._is_decode_ready(victim)
                     self._preempt(victim, plan)
-                    continue
-                fit = 0 if decode else self._fit_chunk(seq, n)
-                if 0 < fit < n:
-                    n = fit
                     continue
                 if any(s is not seq for s in self.running):
                     self._preempt(seq, plan)
