@@ -1,0 +1,108 @@
+"""Time the paged attention kernels against their pure-jnp references on the default device.
+
+Each function is jitted, warmed up once (compile excluded), then timed over --repeats calls;
+the table reports the median wall time per call. On CPU (or any non-TPU backend) the kernels run
+in Pallas interpret mode, which is a correctness tool, not a performance number: the table says
+so. Shapes follow the default model (9 query heads, 3 KV heads, head dim 64).
+
+  python scripts/bench_kernels.py [--repeats 5] [--page-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import (DecodeBlockSizes, PrefillBlockSizes, paged_decode_attention,
+                            ragged_prefill_attention, ref_paged_decode_attention,
+                            ref_ragged_prefill_attention)
+
+
+def _pool(rng, seq_lens, page_size, num_kv_heads, head_dim, dtype):
+    pages_needed = -(-np.asarray(seq_lens) // page_size)
+    width = int(pages_needed.max())
+    num_pages = 1 + int(pages_needed.sum())
+    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape), dtype)
+    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    ids = rng.permutation(np.arange(1, num_pages))
+    table = np.zeros((len(seq_lens), width), np.int32)
+    cursor = 0
+    for s, n in enumerate(pages_needed):
+        table[s, :n] = ids[cursor:cursor + n]
+        cursor += n
+    return k, v, jnp.asarray(table), jnp.asarray(seq_lens, jnp.int32)
+
+
+def _time(fn, args, repeats):
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    flags = parser.parse_args()
+    backend = jax.default_backend()
+    interpret = backend != "tpu"
+    mode = "Pallas interpret mode (not a performance number)" if interpret else "compiled"
+    dtype = jnp.dtype(flags.dtype)
+    rng = np.random.default_rng(0)
+    num_q_heads, num_kv_heads, head_dim, b = 9, 3, 64, flags.page_size
+    scale = head_dim ** -0.5
+    rows = []
+
+    # Decode: 8 sequences, lengths from 1 to a few hundred.
+    seq_lens = [1, b - 1, b + 1, 37, 91, 128, 201, 255]
+    k, v, table, lens = _pool(rng, seq_lens, b, num_kv_heads, head_dim, dtype)
+    q = jnp.asarray(rng.standard_normal((len(seq_lens), num_q_heads, head_dim)), dtype)
+    decode = jax.jit(lambda *a: paged_decode_attention(
+        *a, sm_scale=scale, block_sizes=DecodeBlockSizes(pages_per_block=4), interpret=interpret))
+    ref_decode = jax.jit(lambda *a: ref_paged_decode_attention(*a, sm_scale=scale))
+    args = (q, k, v, table, lens)
+    err = float(jnp.max(jnp.abs(decode(*args).astype(jnp.float32)
+                                - ref_decode(*args).astype(jnp.float32))))
+    rows.append(("paged_decode_attention", f"S={len(seq_lens)} max_len={max(seq_lens)}",
+                 _time(decode, args, flags.repeats), _time(ref_decode, args, flags.repeats), err))
+
+    # Prefill: 4 sequences, two with a cached prefix (chunked prefill / prefix hit).
+    seq_lens, q_lens = [64, 100, 160, 31], [64, 36, 96, 31]
+    k, v, table, lens = _pool(rng, seq_lens, b, num_kv_heads, head_dim, dtype)
+    q = jnp.asarray(rng.standard_normal((int(sum(q_lens)), num_q_heads, head_dim)), dtype)
+    query_start = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    prefill = jax.jit(lambda *a: ragged_prefill_attention(
+        *a, sm_scale=scale, block_sizes=PrefillBlockSizes(block_q=32, block_kv_pages=4),
+        interpret=interpret))
+    ref_prefill = jax.jit(lambda *a: ref_ragged_prefill_attention(*a, sm_scale=scale))
+    args = (q, k, v, table, lens, query_start)
+    err = float(jnp.max(jnp.abs(prefill(*args).astype(jnp.float32)
+                                - ref_prefill(*args).astype(jnp.float32))))
+    rows.append(("ragged_prefill_attention", f"T={q.shape[0]} S={len(seq_lens)}",
+                 _time(prefill, args, flags.repeats), _time(ref_prefill, args, flags.repeats),
+                 err))
+
+    print(f"device: {jax.devices()[0].device_kind} ({backend}); kernels: {mode}")
+    print(f"Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} B={b} dtype={dtype.name}; "
+          f"median of {flags.repeats} calls after warm-up")
+    header = f"{'kernel':<26} {'shape':<20} {'kernel ms':>10} {'ref ms':>9} {'ratio':>7} {'max|diff|':>10}"
+    print(header)
+    print("-" * len(header))
+    for name, shape, t_kernel, t_ref, err in rows:
+        print(f"{name:<26} {shape:<20} {t_kernel * 1e3:>10.2f} {t_ref * 1e3:>9.2f} "
+              f"{t_kernel / t_ref:>7.1f} {err:>10.2e}")
+
+
+if __name__ == "__main__":
+    main()
