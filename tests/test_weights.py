@@ -47,7 +47,7 @@ def assert_params_match(params: dict, config: ModelConfig, ref: dict[str, np.nda
 # --- the default model ---------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_default_model_config_and_load_time(default_model_path):
+def test_default_model_config_and_load_time(default_model_path, default_loaded):
     t0 = time.perf_counter()
     m = load_model("smollm2-135m")
     elapsed = time.perf_counter() - t0
@@ -61,8 +61,8 @@ def test_default_model_config_and_load_time(default_model_path):
     assert c.bos_token_id == 1 and c.eos_token_ids == (2,) and c.architecture == "llama"
     assert len(m.fingerprint) == 64
     # Name and path loads agree; the fingerprint is stable across loads.
-    again = load_model(default_model_path)
-    assert again.fingerprint == m.fingerprint
+    assert default_loaded.fingerprint == m.fingerprint
+    assert default_loaded.config == m.config
 
 
 @pytest.mark.slow
@@ -150,6 +150,8 @@ def test_hf_directory_round_trip(tmp_path, kind, tie, shard):
     assert c.eos_token_ids[0] == 260 and c.bos_token_id == 259
     ref = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     assert_params_match(loaded.params, c, ref, atol=0.0)
+    for arr in _flatten(loaded.params).values():
+        assert type(arr) is np.ndarray and arr.flags.writeable and arr.flags.c_contiguous
     tok = loaded.tokenizer
     assert tok.encode(" the") == [259, 258]  # add_bos_token from tokenizer_config.json; merges
     assert tok.encode(" the", add_special_tokens=False) == [258]

@@ -135,15 +135,16 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict[str, np.ndarray
     embed = take("model.embed_tokens.weight")
     if embed.shape != (config.vocab_size, H):
         raise ValueError(f"embed_tokens shape {embed.shape} != {(config.vocab_size, H)}")
-    params = {"embed": np.ascontiguousarray(embed, dtype=np.float32), "layers": layers,
-              "final_norm": np.ascontiguousarray(take("model.norm.weight"), dtype=np.float32)}
+    # np.array copies: inputs may be read-only memory maps of the checkpoint file.
+    params = {"embed": np.array(embed, dtype=np.float32), "layers": layers,
+              "final_norm": np.array(take("model.norm.weight"), dtype=np.float32)}
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some checkpoints store the tied copy anyway
     else:
         lm = take("lm_head.weight")
         if lm.shape != (config.vocab_size, H):
             raise ValueError(f"lm_head shape {lm.shape} != {(config.vocab_size, H)}")
-        params["lm_head"] = np.ascontiguousarray(lm.T, dtype=np.float32)
+        params["lm_head"] = np.array(lm.T, dtype=np.float32, order="C")
     unused = sorted(k for k in tensors if k not in used and not k.endswith(_IGNORED_SUFFIXES))
     if unused:
         raise ValueError(f"checkpoint has tensors this model layout does not use (unsupported "
