@@ -269,7 +269,7 @@ def test_victim_is_most_recent_or_lowest_priority(policy, victim):
     assert sched.waiting[0].request.request_id == victim
     assert sched.waiting[0].num_computed_tokens == 0 and not sched.waiting[0].page_ids
     sched.update(plan, runner.run(plan))
-    res = run_to_completion(sched, [], runner=runner)
+    run_to_completion(sched, [], runner=runner)
     assert {r.request_id: [s.output_token_ids for s in r.sequences] for r in reqs} == expected(reqs)
 
 
@@ -346,7 +346,7 @@ def test_abort_everywhere_frees_everything():
     assert reqs["run"] not in returned and sched.stats()["pending_free_pages"] == 0
     assert reqs["run"].sequences[0].status is SequenceStatus.FINISHED_ABORTED
     assert reqs["run"].finished_time is not None
-    res = run_to_completion(sched, [], runner=runner, abort_at={2: ["wait", "fork"]})
+    run_to_completion(sched, [], runner=runner, abort_at={2: ["wait", "fork"]})
     assert not sched.has_unfinished()
     assert sched.stats()["num_aborted_total"] == 4 and sched.stats()["referenced_pages"] == 0
 
@@ -360,3 +360,35 @@ def test_finish_sequence_for_stop_strings_frees_pages():
     sched.finish_sequence(r.sequences[0], SequenceStatus.FINISHED_STOPPED, "</s>")
     assert r.is_finished and not sched.has_unfinished() and sched.stats()["referenced_pages"] == 0
     assert r.sequences[0].stop_reason == "</s>"
+
+
+def test_watermark_holds_back_admission_but_not_when_idle():
+    sched = make_sched(num_pages=11, page_size=4, watermark=0.2)  # 10 usable, watermark 2 pages
+    runner = FakeRunner(sched)
+    sched.add_request(make_request("a", list(range(30)), max_tokens=20))  # 8 pages: admitted alone
+    assert chunk_shape(step(sched, runner)) == [("a", 0, 0, 30)]
+    sched.add_request(make_request("b", list(range(100, 104)), max_tokens=2))  # 1 page, 2 free
+    plan = step(sched, runner)
+    assert chunk_shape(plan) == [("a", 0, 30, 1)] and sched.stats()["waiting"] == 1
+    run_to_completion(sched, [], runner=runner)
+
+
+def test_second_schedule_before_update_skips_sequences_in_flight():
+    sched = make_sched(max_num_batched_tokens=16)
+    runner = FakeRunner(sched)
+    a = make_request("a", [1, 2, 3], max_tokens=4)
+    b = make_request("b", [4, 5, 6, 7, 8], max_tokens=4)
+    sched.add_request(a)
+    p1 = sched.schedule()
+    s1 = runner.run(p1)
+    sched.add_request(b)
+    p2 = sched.schedule()  # a is in flight: only b is scheduled
+    assert chunk_shape(p2) == [("b", 0, 0, 5)]
+    s2 = runner.run(p2)
+    sched.abort("b")  # freed while two plans are outstanding
+    sched.update(p1, s1)
+    assert sched.stats()["pending_free_pages"] == 2  # still held for p2
+    sched.update(p2, s2)
+    assert sched.stats()["pending_free_pages"] == 0
+    run_to_completion(sched, [], runner=runner)
+    assert a.sequences[0].output_token_ids == expected([a])["a"][0]
