@@ -15,7 +15,9 @@ causal range are masked with a select before exp, V rows at positions >= seq_len
 with a select (garbage/NaN never leaks), and rows with no valid key (padding) give zeros.
 
 What has been run: Pallas TPU interpret mode on CPU only (`interpret=pltpu.InterpretParams()`),
-jax/jaxlib 0.10.2. Nothing here has been compiled with Mosaic or run on a TPU or GPU. Known gaps
+jax/jaxlib 0.10.2, and Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU
+(no TPU needed; tested). Nothing here has been compiled by the Mosaic/TPU compiler, run on a
+TPU or GPU, or timed on hardware. Known gaps
 for real hardware: no double buffering of key blocks; the in-kernel reshapes (block_q, G, D) ->
 (block_q*G, D) and (pages, B, D) -> (pages*B, D) assume Mosaic-friendly sizes (G*block_q and B
 multiples of 8, D a multiple of 128 ideally); a query block spanning several sequences computes
@@ -79,7 +81,7 @@ def _prefill_kernel(seq_lens_ref, table_ref, query_start_ref, first_seq_ref, las
     block_len = block_kv_pages * page_size
     q = q_ref[...].astype(jnp.float32).reshape(rows, head_dim)
     first_row = qb * block_q
-    token = first_row + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group  # [R, 1]
+    token = first_row + jax.lax.div(jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0), group)
 
     def seq_body(s, carry):
         q_lo, q_hi = query_start_ref[s], query_start_ref[s + 1]

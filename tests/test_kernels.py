@@ -257,6 +257,20 @@ def test_chunked_prefill_equals_whole_prompt():
     np.testing.assert_allclose(np.asarray(second), np.asarray(whole[13:21]), atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_lower_to_mosaic(dtype):
+    # Pallas -> Mosaic lowering for platform "tpu" runs without a TPU (jax.export); this catches
+    # ops with no Mosaic rule and illegal block shapes. Mosaic compilation itself needs a TPU.
+    case = make_case(8, seq_lens=[5, 40], q_lens=[5, 8], page_size=16, num_kv_heads=2, group=4,
+                     head_dim=128, dtype=dtype)
+    decode_case = dict(case, q=case["q"][:2])
+    del decode_case["query_start"]
+    for fn, args in [(lambda c: _prefill(c, sm_scale=0.1, interpret=False), case),
+                     (lambda c: _decode(c, sm_scale=0.1, interpret=False), decode_case)]:
+        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(args)
+        assert "tpu_custom_call" in exported.mlir_module()
+
+
 # ---------------------------------------------------------------------------------------------
 # Extreme logits: scores near +-1e4, where a naive exp overflows float32.
 
