@@ -74,15 +74,14 @@ class LLMEngine:
                         f"'prompt_token_ids'; got {type(prompt).__name__}")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                    request_id: str | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> Request:
+                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
         """Queue a request. Raises ValueError (RequestRejected) at once if it can never run."""
         text, ids = self.tokenize(prompt)
         params = dataclasses.replace(params or SamplingParams())
         if params.seed is None:  # unseeded: a fresh seed per request, fixed for its lifetime
             params.seed = int(self._rng.integers(0, 2**31 - 1))
         request = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=ids,
-                          sampling_params=params, priority=priority,
+                          sampling_params=params, priority=params.priority,
                           cache_salt=self.config.cache_salt)
         if arrival_time is not None:
             request.arrival_time = arrival_time

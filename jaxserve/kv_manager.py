@@ -48,8 +48,9 @@ class KVManager:
 
     # ---- admission ------------------------------------------------------------------------------
     def find_prefix(self, seq: Sequence, salt: str | None) -> tuple[list[int], list[bytes]]:
-        """Cached pages for the head of seq.token_ids, never covering its last token."""
-        if self.cache is None:
+        """Cached pages for the head of seq.token_ids, never covering its last token. Requests that
+        score their prompt (prompt_logprobs) compute every prompt token, so they take no hits."""
+        if self.cache is None or seq.sampling_params.prompt_logprobs is not None:
             return [], []
         max_pages = (seq.num_tokens - 1) // self.page_size
         return self.cache.lookup(seq.token_ids, salt, max_pages=max_pages)
