@@ -12,14 +12,13 @@ scratch page 0, in unused pages, or in the tail of the last page never reaches t
 seq_len == 0 rows give zeros.
 
 What has been run: Pallas TPU interpret mode on CPU only (`interpret=pltpu.InterpretParams()`),
-jax/jaxlib 0.10.2, and Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU
-(no TPU needed; tested). Nothing here has been compiled by the Mosaic/TPU compiler, run on a
-TPU or GPU, or timed on hardware. Known gaps
-for real hardware: no double buffering (each block's copies are started and waited before its
-compute), the per-head strided page copy and the (pages, B, D) -> (pages*B, D) reshape assume
-Mosaic-friendly B (a multiple of 8) and D (a multiple of 128 is ideal), and m/l are kept as
-[G, 1] values rather than lane-broadcast [G, 128]. The kernel is TPU-style; on GPU it only runs
-in interpret mode.
+jax/jaxlib 0.10.2, and Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU (no TPU
+needed; tested). Nothing here has been compiled by the Mosaic/TPU compiler, run on a TPU or GPU,
+or timed on hardware. Known gaps for real hardware: no double buffering (each block's copies are
+started and waited before its compute), the per-head strided page copy and the (pages, B, D) ->
+(pages*B, D) reshape assume Mosaic-friendly B (a multiple of 8) and D (a multiple of 128 is
+ideal), and m/l are kept as [G, 1] values rather than lane-broadcast [G, 128]. The kernel is
+TPU-style; on GPU it only runs in interpret mode.
 """
 
 from __future__ import annotations

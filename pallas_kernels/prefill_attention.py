@@ -15,13 +15,13 @@ causal range are masked with a select before exp, V rows at positions >= seq_len
 with a select (garbage/NaN never leaks), and rows with no valid key (padding) give zeros.
 
 What has been run: Pallas TPU interpret mode on CPU only (`interpret=pltpu.InterpretParams()`),
-jax/jaxlib 0.10.2, and Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU
-(no TPU needed; tested). Nothing here has been compiled by the Mosaic/TPU compiler, run on a
-TPU or GPU, or timed on hardware. Known gaps
-for real hardware: no double buffering of key blocks; the in-kernel reshapes (block_q, G, D) ->
-(block_q*G, D) and (pages, B, D) -> (pages*B, D) assume Mosaic-friendly sizes (G*block_q and B
-multiples of 8, D a multiple of 128 ideally); a query block spanning several sequences computes
-every key block of each of them for all its rows (masked), wasting work on short sequences.
+jax/jaxlib 0.10.2, and Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU (no TPU
+needed; tested). Nothing here has been compiled by the Mosaic/TPU compiler, run on a TPU or GPU,
+or timed on hardware. Known gaps for real hardware: no double buffering of key blocks; the
+in-kernel reshapes (block_q, G, D) -> (block_q*G, D) and (pages, B, D) -> (pages*B, D) assume
+Mosaic-friendly sizes (G*block_q and B multiples of 8, D a multiple of 128 ideally); a query block
+spanning several sequences computes every key block of each of them for all its rows (masked),
+wasting work on short sequences.
 """
 
 from __future__ import annotations
