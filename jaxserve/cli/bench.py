@@ -1,0 +1,246 @@
+"""`jaxserve bench`: a serving benchmark under a stated workload (DESIGN.md, "Serving evaluation
+protocol"), in-process against the engine or, with --url, against an OpenAI-compatible server.
+
+  jaxserve bench --num_prompts=64 --request_rate=inf --input_len=128 --output_len=64 \\
+      --json_out=bench.json --plot_dir=bench_plots --ablate=paging,scheduling
+  jaxserve bench --workload=configs/bench_shared_prefix.json --ablate=prefix_caching
+  jaxserve bench --url=http://127.0.0.1:8000 --num_prompts=32 --request_rate=4
+
+Workload flags given explicitly override the --workload file. Prompts are seeded random token ids
+(exact lengths); greedy and ignore_eos by default (exact output lengths). --seed seeds both the
+workload and the engine. Each ablation runs the same workload with a fresh engine per variant
+(baseline = the configuration from the flags) and prints one side-by-side table.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import sys
+
+from absl import flags
+
+from jaxserve.cli import engine_flags  # noqa: F401  (defines the engine flags)
+
+FLAGS = flags.FLAGS
+ABLATIONS = ("paging", "scheduling", "prefix_caching", "backend")
+
+flags.DEFINE_string("workload", None, "Workload JSON file (see configs/bench_*.json).")
+flags.DEFINE_integer("num_prompts", 32, "Requests in the timed run.")
+flags.DEFINE_string("request_rate", "inf", "Requests per second; inf = all at once.")
+flags.DEFINE_enum("arrival", "poisson", ["poisson", "gamma"], "Arrival process at a finite rate.")
+flags.DEFINE_float("burstiness", 1.0, "Gamma shape (1 = Poisson, < 1 burstier).")
+flags.DEFINE_string("input_len", "64", "Prompt length: N, uniform:LO:HI, normal:MEAN:STD[:MAX], "
+                    "list:A,B,...")
+flags.DEFINE_string("output_len", "32", "Output length (same forms as --input_len).")
+flags.DEFINE_integer("shared_prefix_len", 0, "Tokens of a prefix shared by each group.")
+flags.DEFINE_integer("prefix_group_size", 1, "Requests per shared prefix.")
+flags.DEFINE_bool("ignore_eos", True, "Generate exactly the output length.")
+flags.DEFINE_float("temperature", 0.0, "Sampling temperature (0 = greedy).")
+flags.DEFINE_integer("num_warmup", 2, "Untimed warm-up requests before the run.")
+flags.DEFINE_string("json_out", None, "Write the report (and ablations) as JSON here.")
+flags.DEFINE_string("plot_dir", None, "Write latency CDF, throughput and memory plots here.")
+flags.DEFINE_float("slo_ttft_ms", None, "Goodput SLO on time to first token.")
+flags.DEFINE_float("slo_tpot_ms", None, "Goodput SLO on time per output token.")
+flags.DEFINE_list("ablate", [], f"Ablations: {','.join(ABLATIONS)} or all.")
+flags.DEFINE_bool("force_pallas", False, "Run the backend ablation on CPU (Pallas interpret mode, "
+                  "very slow; uses a tiny workload).")
+flags.DEFINE_string("url", None, "Benchmark a running OpenAI-compatible server at this base URL.")
+flags.DEFINE_string("served_model_name", None, "The `model` field sent to the server "
+                    "(default: --model).")
+flags.DEFINE_integer("vocab_size", 32000, "With --url: prompt token ids are drawn below this.")
+flags.DEFINE_integer("server_pid", None, "With --url: sample this process's RSS.")
+flags.DEFINE_bool("progress", False, "Show a progress bar.")
+
+_WORKLOAD_FLAGS = {"num_prompts": "num_prompts", "request_rate": "request_rate",
+                   "arrival": "arrival", "burstiness": "burstiness", "input_len": "input_len",
+                   "output_len": "output_len", "shared_prefix_len": "shared_prefix_len",
+                   "prefix_group_size": "prefix_group_size", "seed": "seed",
+                   "ignore_eos": "ignore_eos", "temperature": "temperature",
+                   "num_warmup": "num_warmup"}
+
+
+class _Usage(Exception):
+    pass
+
+
+def workload_from_flags():
+    from jaxserve.bench.workload import WorkloadSpec
+
+    base = WorkloadSpec.from_json(FLAGS.workload).to_dict() if FLAGS.workload else {}
+    for flag, field in _WORKLOAD_FLAGS.items():
+        if not FLAGS.workload or FLAGS[flag].present:
+            base[field] = FLAGS[flag].value
+    try:
+        base["request_rate"] = float(base.get("request_rate", math.inf))
+    except ValueError:
+        raise _Usage(f"--request_rate must be a number or inf, got {base['request_rate']!r}")
+    return WorkloadSpec.from_dict(base)
+
+
+def _ablations() -> list[str]:
+    names = [a.strip() for a in FLAGS.ablate if a.strip()]
+    if "all" in names:
+        return list(ABLATIONS)
+    bad = sorted(set(names) - set(ABLATIONS))
+    if bad:
+        raise _Usage(f"unknown ablation(s) {bad}; choose from {list(ABLATIONS)} or all")
+    return names
+
+
+class Bench:
+    """Runs (engine options, workload) pairs with one loaded model; identical runs are reused."""
+
+    def __init__(self, options: dict, slo: tuple):
+        from jaxserve.weights import load_model
+
+        self.options = options
+        self.loaded = load_model(options["model"])
+        self.slo = slo
+        self._cache: dict = {}
+
+    def run(self, label: str, options: dict, workload):
+        from jaxserve.bench import build_report, run_engine
+        from jaxserve.config import EngineConfig
+        from jaxserve.engine import LLMEngine
+
+        key = (json.dumps(options, sort_keys=True), json.dumps(workload.to_dict(), sort_keys=True))
+        if key in self._cache:
+            rep, res = self._cache[key]
+            return dict(rep, label=label), res
+        print(f"[bench] {label}: {workload.describe()}", flush=True)
+        engine = LLMEngine(EngineConfig.from_options(**options), self.loaded)
+        res = run_engine(engine, workload, progress=FLAGS.progress)
+        rep = build_report(res, workload=workload, slo_ttft_ms=self.slo[0], slo_tpot_ms=self.slo[1],
+                           label=label)
+        print(f"[bench] {label}: {rep['completed']} done, {rep['output_throughput']:.1f} out tok/s, "
+              f"TTFT p50 {rep['ttft_ms']['p50']:.0f} ms, peak {rep['peak_kv_pages']} pages",
+              flush=True)
+        del engine
+        gc.collect()
+        self._cache[key] = (rep, res)
+        return rep, res
+
+    def paging(self, workload):
+        from jaxserve.config import EngineConfig
+
+        longest = workload.max_total_len
+        base = dict(self.options, max_model_len=longest)
+        cfg = EngineConfig.from_options(**base)
+        note = None
+        var = dict(base, page_size=longest)
+        if cfg.kv_cache_bytes is None:  # same KV slots for both: convert the page budget
+            pages = cfg.resolve_num_pages(self.loaded.config, longest)
+            slots = (pages - 1) * cfg.page_size
+            var["num_pages"] = 1 + max(1, slots // longest)
+            note = (f"paging: same KV budget of {slots} slots: {pages - 1} pages of {cfg.page_size} "
+                    f"vs {var['num_pages'] - 1} reserved slots of {longest} (max_model_len)")
+        b, _ = self.run(f"page {cfg.page_size}", base, workload)
+        v, _ = self.run(f"reserve {longest}/request", var, workload)
+        return b, v, note
+
+    def scheduling(self, workload):
+        b, _ = self.run("iteration", dict(self.options, scheduling="iteration"), workload)
+        v, _ = self.run("static", dict(self.options, scheduling="static"), workload)
+        return b, v, None
+
+    def prefix_caching(self, workload):
+        note = None
+        if not workload.shared_prefix_len or workload.prefix_group_size < 2:
+            workload = workload.replace(shared_prefix_len=max(workload.input_len.max, 16),
+                                        prefix_group_size=8)
+            note = (f"prefix_caching: workload given shared prefixes of "
+                    f"{workload.shared_prefix_len} tokens per 8 requests")
+        b, _ = self.run("prefix cache on", dict(self.options, enable_prefix_caching=True), workload)
+        v, _ = self.run("prefix cache off", dict(self.options, enable_prefix_caching=False), workload)
+        return b, v, note
+
+    def backend(self, workload):
+        import jax
+
+        if jax.default_backend() == "cpu":
+            if not FLAGS.force_pallas:
+                return None, None, ("backend: skipped on CPU (Pallas runs in interpret mode, far "
+                                    "slower than XLA); --force_pallas runs it on a tiny workload")
+            workload = workload.replace(num_prompts=min(workload.num_prompts, 4), input_len="16",
+                                        output_len="4", shared_prefix_len=0, num_warmup=1)
+        b, _ = self.run("xla", dict(self.options, attention_backend="xla"), workload)
+        v, _ = self.run("pallas", dict(self.options, attention_backend="pallas"), workload)
+        note = "backend: tiny workload (4 x 16+4 tokens) on CPU" if jax.default_backend() == "cpu" else None
+        return b, v, note
+
+
+def _write_ablation_plot(pairs, out_dir):
+    from jaxserve import plots
+    from jaxserve.bench.report import MIB
+
+    fig, ax1 = plots.new_figure(width=8, height=4.5)
+    names, rows = [], []
+    for i, (name, b, v) in enumerate(pairs):
+        for j, rep in enumerate((b, v)):
+            names.append(f"{name}\n{rep['label']}")
+            rows.append([name, rep["label"], rep["output_throughput"], rep["ttft_ms"]["p50"],
+                         rep.get("peak_kv_bytes", 0) / MIB])
+    for k, r in enumerate(rows):
+        ax1.bar(k, r[2], color=f"C{k // 2}", hatch="//" if k % 2 else None,
+                edgecolor="black", linewidth=0.5)
+        ax1.annotate(f"{r[2]:.1f}", (k, r[2]), ha="center", va="bottom", fontsize="x-small")
+    ax1.set_xticks(list(range(len(rows))), names, fontsize="x-small")
+    ax1.set(title="Ablations: output token throughput", ylabel="output tokens/s")
+    return plots.save_bundle(fig, out_dir, "bench_ablations",
+                             ["ablation", "variant", "output_tok_s", "ttft_p50_ms", "peak_kv_mib"],
+                             rows)
+
+
+def main(argv):
+    del argv
+    from jaxserve.bench import format_ablation, format_report
+
+    try:
+        workload = workload_from_flags()
+        ablations = _ablations()
+        if FLAGS.url and ablations:
+            raise _Usage("--ablate runs the engine in-process; it cannot be combined with --url")
+        slo = (FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
+        out: dict = {}
+        if FLAGS.url:
+            from jaxserve.bench import build_report, run_http
+
+            res = run_http(FLAGS.url, workload, vocab_size=FLAGS.vocab_size,
+                           model=FLAGS.served_model_name or FLAGS.model,
+                           server_pid=FLAGS.server_pid)
+            rep = build_report(res, workload=workload, slo_ttft_ms=slo[0], slo_tpot_ms=slo[1],
+                               label=FLAGS.url)
+        else:
+            bench = Bench(engine_flags.engine_options(), slo)
+            rep, res = bench.run("baseline", bench.options, workload)
+        print(format_report(rep))
+        out["report"] = rep
+        if FLAGS.plot_dir:
+            from jaxserve.bench.report import write_plots
+
+            paths = write_plots(rep, res, FLAGS.plot_dir)
+            print(f"\nplots: {', '.join(p['png'] for p in paths.values())}")
+        if ablations:
+            pairs, notes = [], []
+            for name in ablations:
+                b, v, note = getattr(bench, name)(workload)
+                if note:
+                    notes.append(note)
+                if b is not None:
+                    pairs.append((name, b, v))
+            print("\nAblations (latencies in ms; same workload and seed, fresh engine per row)")
+            print(format_ablation(pairs, notes))
+            out["ablations"] = [{"name": n, "baseline": b, "variant": v} for n, b, v in pairs]
+            out["ablation_notes"] = notes
+            if FLAGS.plot_dir and pairs:
+                _write_ablation_plot(pairs, FLAGS.plot_dir)
+        if FLAGS.json_out:
+            with open(FLAGS.json_out, "w") as f:
+                json.dump(out, f, indent=1, default=float)
+            print(f"\nwrote {FLAGS.json_out}")
+    except (_Usage, ValueError, OSError) as e:
+        print(f"jaxserve bench: error: {e}", file=sys.stderr)
+        return 2
+    return 0
