@@ -1,0 +1,8 @@
+"""OpenAI-compatible HTTP serving: the async engine loop, request translation and the FastAPI app."""
+
+from jaxserve.server.app import ServerConfig, build_app
+from jaxserve.server.async_engine import AsyncEngine, EngineOverloaded
+from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
+
+__all__ = ["APIError", "AsyncEngine", "EngineOverloaded", "ProtocolContext", "ServerConfig",
+           "build_app", "parse_request"]

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible FastAPI app: `build_app(engine, ServerConfig(...))`.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
+stream=true), GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /debug/stats (JSON).
+Every error is OpenAI's shape {"error": {message, type, param, code}}. With an API key, /v1 and
+/debug need `Authorization: Bearer <key>` (compared in constant time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import time
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from jaxserve.engine import LLMEngine
+from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
+from jaxserve.server.protocol import APIError, ProtocolContext, ResponseBuilder, parse_request
+
+log = logging.getLogger("jaxserve.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    api_key: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    max_tokens_limit: int | None = None  # refuse larger max_tokens (None: the context bounds it)
+    served_model_names: tuple[str, ...] | None = None  # default: the engine's model name
+
+    def __post_init__(self):
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")
+
+
+class _AuthMiddleware:
+    """Pure ASGI (streams and disconnects pass through untouched)."""
+
+    PROTECTED = ("/v1", "/debug")
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+                err = APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                               status=401, code="invalid_api_key")
+                response = JSONResponse(err.body(), status_code=401,
+                                        headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that stop (and close the generator, aborting its requests) as soon as
+    the client disconnects, whatever ASGI version the server speaks."""
+
+    def __init__(self, content):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send):
+        async with anyio.create_task_group() as tg:
+            async def stream():
+                with contextlib.suppress(OSError):
+                    await self.stream_response(send)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+        with contextlib.suppress(Exception):
+            await self.body_iterator.aclose()
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+    """The app around one engine. Pass an AsyncEngine to share one engine loop between apps."""
+    config = config or ServerConfig()
+    owned = isinstance(engine, LLMEngine)
+    aengine = AsyncEngine(engine) if owned else engine
+    ctx = ProtocolContext.for_engine(aengine.engine, config.served_model_names,
+                                     config.max_tokens_limit)
+    metrics = ServerMetrics()
+    aengine.observers.append(metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        aengine.start()
+        yield
+        with contextlib.suppress(ValueError):
+            aengine.observers.remove(metrics)
+        if owned:
+            aengine.shutdown()
+
+    app = FastAPI(title="jaxserve", lifespan=lifespan)
+    app.state.engine = aengine
+    app.state.metrics = metrics
+    app.state.ctx = ctx
+    if config.api_key:
+        app.add_middleware(_AuthMiddleware, api_key=config.api_key)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        metrics.http_rejected.labels(status=str(e.status)).inc()
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        kind = "not_found" if e.status_code == 404 else "invalid_request_error"
+        return JSONResponse(APIError(str(e.detail), status=e.status_code, type=kind).body(),
+                            status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        log.exception("internal error")
+        return JSONResponse(APIError(f"internal server error: {type(e).__name__}", status=500,
+                                     type="internal_error").body(), status_code=500)
+
+    async def read_json(request: Request):
+        length = request.headers.get("content-length")
+        too_big = APIError(f"request body exceeds {config.max_body_bytes} bytes", status=413,
+                           code="request_too_large")
+        if length and length.isdigit() and int(length) > config.max_body_bytes:
+            raise too_big
+        data, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > config.max_body_bytes:
+                raise too_big
+            data.append(chunk)
+        try:
+            return json.loads(b"".join(data))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+
+    async def submit(parsed) -> RequestGroup:
+        try:
+            return await aengine.add(parsed.prompts, parsed.params)
+        except EngineOverloaded as e:
+            raise APIError(str(e), status=503, type="server_overloaded",
+                           code="overloaded") from None
+        except EngineDead as e:
+            raise APIError(str(e), status=503, type="server_error", code="engine_dead") from None
+        except ValueError as e:  # RequestRejected: can never run under this configuration
+            raise APIError(str(e), code="invalid_value") from None
+
+    async def events(group: RequestGroup, builder: ResponseBuilder):
+        try:
+            try:
+                async for index, out in group:
+                    for chunk in builder.chunks(index, out):
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                if builder.p.include_usage:
+                    yield f"data: {json.dumps(builder.usage_chunk())}\n\n"
+            except (EngineDead, RuntimeError) as e:
+                err = APIError(f"the engine failed: {e}", status=500, type="internal_error")
+                yield f"data: {json.dumps(err.body())}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            group.abort()
+
+    async def collect(group: RequestGroup, builder: ResponseBuilder) -> dict:
+        final = [None] * group.size
+        async for index, out in group:
+            if out.finished:
+                final[index] = out
+        return builder.response(final)
+
+    async def serve(kind: str, request: Request):
+        parsed = parse_request(kind, await read_json(request), ctx)
+        group = await submit(parsed)
+        builder = ResponseBuilder(parsed, ctx)
+        if parsed.stream:
+            return _EventStream(events(group, builder))
+        work = asyncio.ensure_future(collect(group, builder))
+        watch = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            group.abort()
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # the client went away
+        try:
+            return JSONResponse(work.result())
+        except EngineDead as e:
+            raise APIError(f"the engine failed: {e}", status=500, type="internal_error") from None
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await serve("completion", request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await serve("chat", request)
+
+    @app.get("/v1/models")
+    async def models():
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
+             "max_model_len": ctx.max_model_len} for name in ctx.model_names]}
+
+    @app.get("/health")
+    async def health():
+        if not aengine.alive:
+            return JSONResponse({"status": "dead", "error": repr(aengine.last_error)},
+                                status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        metrics.set_engine_stats(await aengine.call(lambda e: e.stats()))
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/debug/stats")
+    async def debug_stats():
+        return await aengine.call(lambda e: {**e.stats(), "kv_usage": e.kv_usage()})
+
+    return app
