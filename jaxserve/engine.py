@@ -74,15 +74,17 @@ class LLMEngine:
                         f"'prompt_token_ids'; got {type(prompt).__name__}")
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
-                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
-        """Queue a request. Raises ValueError (RequestRejected) at once if it can never run."""
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Queue a request. Raises ValueError (RequestRejected) at once if it can never run.
+        cache_salt (default: the engine's) isolates prefix-cache sharing per tenant."""
         text, ids = self.tokenize(prompt)
         params = dataclasses.replace(params or SamplingParams())
         if params.seed is None:  # unseeded: a fresh seed per request, fixed for its lifetime
             params.seed = int(self._rng.integers(0, 2**31 - 1))
         request = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=ids,
                           sampling_params=params, priority=params.priority,
-                          cache_salt=self.config.cache_salt)
+                          cache_salt=cache_salt if cache_salt is not None else self.config.cache_salt)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)

@@ -1,0 +1,57 @@
+"""`jaxserve generate` end to end through the installed console script, and its bad-input paths:
+each gives a clear message naming the problem and exit status 2, never a traceback."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+# The installed console script when present, else the same entry point through the interpreter.
+JAXSERVE = [shutil.which("jaxserve")] if shutil.which("jaxserve") else [
+    sys.executable, "-m", "jaxserve.cli.main"]
+
+
+def run(*args, timeout=300):
+    return subprocess.run(JAXSERVE + list(args), capture_output=True, text=True, timeout=timeout)
+
+
+def test_chat_answers_paris(default_model_path):
+    proc = run("generate", "--chat", "--prompt=What is the capital of France?",
+               "--temperature=0", "--max_tokens=16", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "Paris" in out["text"]
+    assert out["finish_reason"] == "stop"
+    assert out["token_ids"] and out["prompt_token_ids"]
+    assert out["timings"]["ttft_s"] > 0
+
+
+@pytest.mark.parametrize("flag,message", [
+    ("--temperature=-1", "temperature must be >= 0"),
+    ("--top_p=0", "top_p must be in (0, 1]"),
+    ("--top_p=1.5", "top_p must be in (0, 1]"),
+    ("--max_tokens=0", "max_tokens must be an integer >= 1"),
+    ("--model=no-such-model", "no-such-model"),
+    ("--model=/nonexistent/model.gguf", "/nonexistent/model.gguf"),
+    ("--page_size=0", "page_size must be >= 1"),
+])
+def test_bad_input_gives_clear_error(flag, message):
+    proc = run("generate", "--prompt=hello", flag)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_prompt_longer_than_context(default_model_path):
+    proc = run("generate", "--prompt=" + "word " * 200, "--max_model_len=64")
+    assert proc.returncode == 2
+    assert "max_model_len" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_subcommand():
+    proc = run("frobnicate")
+    assert proc.returncode == 2 and "unknown subcommand" in proc.stderr

@@ -1,0 +1,28 @@
+"""The model with attention_backend="pallas" (interpret mode on CPU) produces the same greedy
+tokens as the XLA path on the default model. Interpret mode is slow: short prompts, few tokens."""
+
+from __future__ import annotations
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+
+
+def _generate(loaded, backend, prompts, params):
+    engine = LLMEngine(EngineConfig.from_options(
+        attention_backend=backend, num_pages=32, max_num_seqs=2, max_num_batched_tokens=64,
+        enable_prefix_caching=False), loaded)
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return [done[i] for i in ids], engine.backend
+
+
+def test_pallas_greedy_equals_xla(default_loaded):
+    prompts = ["The capital of France is", "Water boils at a temperature of"]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    xla, xla_name = _generate(default_loaded, "xla", prompts, params)
+    pallas, pallas_name = _generate(default_loaded, "pallas", prompts, params)
+    assert (xla_name, pallas_name) == ("xla", "pallas")
+    assert pallas == xla
