@@ -1,0 +1,187 @@
+"""OpenAI batch files, run offline through one in-process engine.
+
+Input: JSONL, one request per line: {"custom_id", "method": "POST", "url": "/v1/completions" or
+"/v1/chat/completions", "body": {...}}; bodies are validated and translated by the server's code
+(jaxserve.server.protocol), so both accept the same bodies. Output: JSONL in input order, one line
+per input line: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}.
+A request the server would refuse gets its 4xx response; a line that is not a request at all
+(malformed JSON, missing fields, unknown url) gets `error` and no response. Nothing aborts the file.
+
+Resumable: lines whose custom_id already has a result in the output file are skipped. Results are
+appended as they finish (so an interrupted run keeps them), and the file is rewritten in input
+order at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import uuid
+
+from jaxserve.engine import LLMEngine
+from jaxserve.server.protocol import APIError, ParsedRequest, ProtocolContext, ResponseBuilder, \
+    parse_request
+
+URL_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+
+
+@dataclasses.dataclass
+class BatchSummary:
+    total: int = 0  # request lines in the input
+    skipped: int = 0  # already in the output (resumed)
+    succeeded: int = 0
+    failed: int = 0  # per-line errors and 4xx responses written by this run
+
+
+@dataclasses.dataclass
+class _Line:
+    index: int
+    custom_id: str
+    parsed: ParsedRequest
+    request_ids: list[str] = dataclasses.field(default_factory=list)
+    finals: list = dataclasses.field(default_factory=list)
+
+
+def _result(custom_id, *, response=None, error=None) -> dict:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response,
+            "error": error}
+
+
+def _line_error(custom_id, code: str, message: str) -> dict:
+    return _result(custom_id, error={"code": code, "message": message})
+
+
+def _api_error(custom_id, e: APIError) -> dict:
+    return _result(custom_id, response={"status_code": e.status,
+                                        "request_id": f"req_{uuid.uuid4().hex}", "body": e.body()})
+
+
+def read_results(path: str) -> dict[str, dict]:
+    """custom_id -> result line of an existing output file (unreadable lines are ignored)."""
+    done: dict[str, dict] = {}
+    if not os.path.exists(path):
+        return done
+    with open(path, encoding="utf-8") as f:
+        for raw in f:
+            try:
+                result = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(result, dict) and isinstance(result.get("custom_id"), str):
+                done[result["custom_id"]] = result
+    return done
+
+
+def _parse_line(raw: str, ctx: ProtocolContext) -> tuple[str | None, ParsedRequest | dict]:
+    """(custom_id, parsed request) or (custom_id or None, an error result)."""
+    try:
+        line = json.loads(raw)
+    except ValueError as e:
+        return None, _line_error(None, "invalid_json", f"malformed JSON: {e}")
+    if not isinstance(line, dict):
+        return None, _line_error(None, "invalid_request", "each line must be a JSON object")
+    cid = line.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return None, _line_error(None, "invalid_request", "'custom_id' must be a non-empty string")
+    if line.get("method", "POST") != "POST":
+        return cid, _line_error(cid, "invalid_request", "'method' must be POST")
+    kind = URL_KINDS.get(line.get("url"))
+    if kind is None:
+        return cid, _line_error(cid, "invalid_url", f"'url' must be one of {list(URL_KINDS)}, "
+                                                    f"got {line.get('url')!r}")
+    try:
+        parsed = parse_request(kind, line.get("body"), ctx)
+    except APIError as e:
+        return cid, _api_error(cid, e)
+    parsed.stream = parsed.include_usage = False
+    return cid, parsed
+
+
+def run_batch(engine: LLMEngine, input_path: str, output_path: str, *,
+              ctx: ProtocolContext | None = None, progress: bool = False,
+              max_in_flight: int | None = None) -> BatchSummary:
+    """Run every request line of `input_path` through `engine` together; write `output_path`."""
+    ctx = ctx or ProtocolContext.for_engine(engine)
+    max_in_flight = max_in_flight or max(256, 4 * engine.config.max_num_seqs)
+    with open(input_path, encoding="utf-8") as f:
+        raws = [raw for raw in f if raw.strip()]
+    done = read_results(output_path)
+    summary = BatchSummary(total=len(raws))
+    results: list[dict | None] = [None] * len(raws)
+    todo: list[tuple[int, str, ParsedRequest]] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raws):
+        cid, item = _parse_line(raw, ctx)
+        if cid is not None and cid in done:
+            results[i] = done[cid]
+            summary.skipped += 1
+        elif cid is not None and cid in seen:
+            results[i] = _line_error(cid, "duplicate_custom_id",
+                                     f"custom_id {cid!r} appears more than once in the input")
+            summary.failed += 1
+        elif isinstance(item, dict):
+            results[i] = item
+            summary.failed += 1
+        else:
+            todo.append((i, cid, item))
+        if cid is not None:
+            seen.add(cid)
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), desc="batch", unit="req")
+    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+    with open(output_path, "a", encoding="utf-8") as sink:
+        def emit(i: int, result: dict) -> None:
+            results[i] = result
+            if result["custom_id"] is not None:
+                sink.write(json.dumps(result) + "\n")
+                sink.flush()
+            ok = result["error"] is None and result["response"]["status_code"] == 200
+            summary.succeeded += ok
+            summary.failed += not ok
+            if bar is not None:
+                bar.update(1)
+
+        owner: dict[str, _Line] = {}
+        pending = list(reversed(todo))
+        live = 0
+        while pending or live:
+            while pending and live < max_in_flight:
+                i, cid, parsed = pending.pop()
+                line = _Line(i, cid, parsed, finals=[None] * len(parsed.prompts))
+                try:
+                    for k, prompt in enumerate(parsed.prompts):
+                        rid = f"batch-{i}-{k}"
+                        engine.add_request(prompt, parsed.params, request_id=rid)
+                        line.request_ids.append(rid)
+                        owner[rid] = line
+                except ValueError as e:  # RequestRejected: never runnable here
+                    for rid in line.request_ids:
+                        engine.abort(rid)
+                        owner.pop(rid, None)
+                    emit(i, _api_error(cid, APIError(str(e), code="invalid_value")))
+                    continue
+                live += 1
+            for out in engine.step():
+                line = owner.get(out.request_id)
+                if line is None or not out.finished:
+                    continue
+                del owner[out.request_id]
+                line.finals[line.request_ids.index(out.request_id)] = out
+                if all(f is not None for f in line.finals):
+                    live -= 1
+                    body = ResponseBuilder(line.parsed, ctx).response(line.finals)
+                    emit(line.index, _result(line.custom_id, response={
+                        "status_code": 200, "request_id": body["id"], "body": body}))
+    if bar is not None:
+        bar.close()
+    tmp = output_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for result in results:
+            f.write(json.dumps(result) + "\n")
+    os.replace(tmp, output_path)
+    return summary
