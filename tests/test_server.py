@@ -1,4 +1,5 @@
-"""The OpenAI-compatible server on a loopback port, driven by the official `openai` client and httpx:
+"""The OpenAI-compatible server on a loopback port, driven by the official `openai` client and
+httpx:
 completions and chat (streamed and not), n > 1, stop strings and token ids, usage, logprobs against
 transformers, bad input, API keys, /metrics, and a 200-stream load test with disconnects.
 
@@ -27,7 +28,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 MODEL = "smollm2-135m"
 API_KEY = "test-key-123"
-LOGPROB_TOL = 2e-3  # absolute, float32 engine vs float32 transformers on the same dequantised weights
+# Absolute tolerance: float32 engine vs float32 transformers on the same dequantised weights.
+LOGPROB_TOL = 2e-3
 
 
 @contextlib.contextmanager
@@ -384,6 +386,17 @@ def test_metrics_count_what_was_sent(server, engine, client):
     assert after["jaxserve:kv_total_pages"] == engine.num_pages - 1
     assert delta("jaxserve:prefix_cache_queries_total") >= 0
     assert "jaxserve:num_preemptions_total" in after
+
+
+def test_disconnect_aborts_whole_request(server):
+    _wait_idle(server)
+    before = _stats(server)["num_aborted_total"]
+    body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 2000,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up; the server must notice
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
+    stats = _wait_idle(server, timeout=10)
+    assert stats["num_aborted_total"] == before + 1
 
 
 # ------------------------------------------------------------------------------- load

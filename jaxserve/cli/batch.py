@@ -13,7 +13,8 @@ flags.DEFINE_string("input", None, "Input JSONL: custom_id, method, url, body pe
                     required=True)
 flags.DEFINE_string("output", None, "Output JSONL (results in input order; re-running resumes).",
                     required=True)
-flags.DEFINE_integer("max_tokens_limit", None, "Largest max_tokens accepted (default: the context).")
+flags.DEFINE_integer("max_tokens_limit", None,
+                     "Largest max_tokens accepted (default: the context).")
 flags.DEFINE_multi_string("served_model_name", None, "Model name(s) bodies may use "
                           "(default: --model).")
 flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")

@@ -14,8 +14,10 @@ flags.DEFINE_integer("port", 8000, "TCP port.")
 flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer <key>' on /v1 and /debug "
                     "(default: env JAXSERVE_API_KEY).")
 flags.DEFINE_integer("max_body_bytes", 4 * 1024 * 1024, "Largest request body accepted.")
-flags.DEFINE_integer("max_tokens_limit", None, "Largest max_tokens accepted (default: the context).")
-flags.DEFINE_multi_string("served_model_name", None, "Model name(s) clients use (default: --model).")
+flags.DEFINE_integer("max_tokens_limit", None,
+                     "Largest max_tokens accepted (default: the context).")
+flags.DEFINE_multi_string("served_model_name", None,
+                          "Model name(s) clients use (default: --model).")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
                   "uvicorn log level.")
 FLAGS = flags.FLAGS

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP serving: the async engine loop, request translation and the FastAPI app."""
+"""OpenAI-compatible HTTP serving: async engine loop, request translation, the FastAPI app."""
 
 from jaxserve.server.app import ServerConfig, build_app
 from jaxserve.server.async_engine import AsyncEngine, EngineOverloaded

@@ -154,7 +154,8 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = Non
         try:
             return json.loads(b"".join(data))
         except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
+            raise APIError(f"malformed JSON in the request body: {e}",
+                           code="invalid_json") from None
 
     async def submit(parsed) -> RequestGroup:
         try:

@@ -420,7 +420,8 @@ class ResponseBuilder:
                         logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                     "text_offset": []}
                     choices.append({"index": index, "text": text, "logprobs": logprobs,
-                                    "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason})
+                                    "finish_reason": _finish_reason(c),
+                                    "stop_reason": c.stop_reason})
                 else:
                     logprobs = (chat_logprobs(self.tok, ids, lps, self.p.num_logprobs)
                                 if self.p.num_logprobs is not None else None)
