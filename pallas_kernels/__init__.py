@@ -1,5 +1,8 @@
 """Pallas attention kernels over a paged KV pool, each with a pure-jnp reference beside it.
 
+The pool is head-major, k_pages/v_pages f[Hkv, N, B, D] (KV heads, pages, page size, head dim),
+as in JAX's TPU paged_attention: one head's page k_pages[h, page] is a contiguous [B, D] block.
+
   paged_decode_attention      one query token per sequence, pages walked via the page table
   ragged_prefill_attention    blocked causal attention for ragged batches (chunked prefill)
   ref_*                       same-signature references (gather, mask, float32 softmax)

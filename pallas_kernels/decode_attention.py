@@ -3,8 +3,9 @@
 Grid (S, Hkv), both parallel. Program (s, h) holds the G = Hq // Hkv query heads that share KV
 head h (grouped-query attention without repeating K/V in memory) and walks sequence s's pages in
 blocks of `pages_per_block`, reading page ids from the page table in SMEM (scalar prefetch,
-`pltpu.PrefetchScalarGridSpec`) and copying each page's [B, D] slice for head h from the pool
-(left in HBM, `memory_space=ANY`) into VMEM with async copies. Online softmax in float32:
+`pltpu.PrefetchScalarGridSpec`) and copying each page's block for head h, the contiguous
+k_pages[h, page] of shape [B, D] in the head-major pool f[Hkv, N, B, D] (left in HBM,
+`memory_space=ANY`), into VMEM with async copies. Online softmax in float32:
 m' = max(m, max_j s_j); l' = exp(m - m') l + sum_j exp(s_j - m'); acc' = exp(m - m') acc + p V.
 Only ceil(seq_len / (pages_per_block * B)) blocks are visited; keys at positions >= seq_len are
 masked with a select before exp and their V rows zeroed with a select, so garbage or NaN in the
@@ -15,10 +16,11 @@ What has been run: Pallas TPU interpret mode on CPU only (`interpret=pltpu.Inter
 jax/jaxlib 0.10.2, and Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU (no TPU
 needed; tested). Nothing here has been compiled by the Mosaic/TPU compiler, run on a TPU or GPU,
 or timed on hardware. Known gaps for real hardware: no double buffering (each block's copies are
-started and waited before its compute), the per-head strided page copy and the (pages, B, D) ->
-(pages*B, D) reshape assume Mosaic-friendly B (a multiple of 8) and D (a multiple of 128 is
-ideal), and m/l are kept as [G, 1] values rather than lane-broadcast [G, 128]. The kernel is
-TPU-style; on GPU it only runs in interpret mode.
+started and waited before its compute); one DMA per page, each moving a single contiguous B*D
+block (e.g. 16 * 128 * 2 B = 4 KiB in bf16), so small pages mean many small copies; the
+(pages, B, D) -> (pages*B, D) reshape assumes Mosaic-friendly B (a multiple of 8) and D (a
+multiple of 128 is ideal); and m/l are kept as [G, 1] values rather than lane-broadcast
+[G, 128]. The kernel is TPU-style; on GPU it only runs in interpret mode.
 """
 
 from __future__ import annotations
@@ -61,14 +63,15 @@ def check_pool(q, k_pages, v_pages, page_tables, seq_lens, *, q_rank_name: str) 
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"q must be floating point, got {q.dtype}")
     if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be f[N, B, Hkv, D], got shape {k_pages.shape}")
+        raise ValueError(f"k_pages must be f[Hkv, N, B, D] (head-major), got shape "
+                         f"{k_pages.shape}")
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}")
     if k_pages.dtype != v_pages.dtype or not jnp.issubdtype(k_pages.dtype, jnp.floating):
         raise ValueError(f"k_pages and v_pages must share one floating dtype, got "
                          f"{k_pages.dtype} and {v_pages.dtype}")
     num_q_heads, head_dim = q.shape[1:]
-    _, _, num_kv_heads, head_dim_kv = k_pages.shape
+    num_kv_heads, _, _, head_dim_kv = k_pages.shape
     if head_dim != head_dim_kv:
         raise ValueError(f"head dim of q ({head_dim}) != head dim of k/v pages ({head_dim_kv})")
     if num_q_heads % num_kv_heads:
@@ -116,11 +119,12 @@ def prepare_page_tables(page_tables, seq_lens, *, num_pages: int, page_size: int
 
 
 def copy_kv_block(pages_hbm, buf, sem, table_ref, first_entry, kv_head, pages_per_block):
-    """Copy pages table_ref[first_entry + i], i < pages_per_block, head kv_head, into buf."""
+    """Copy the contiguous [B, D] blocks pages_hbm[kv_head, table_ref[first_entry + i]],
+    i < pages_per_block, into buf [pages_per_block, B, D]; return them as f32[pages*B, D]."""
     copies = []
     for i in range(pages_per_block):
         page = table_ref[first_entry + i]
-        copy = pltpu.make_async_copy(pages_hbm.at[page, :, kv_head, :], buf.at[i], sem)
+        copy = pltpu.make_async_copy(pages_hbm.at[kv_head, page], buf.at[i], sem)
         copy.start()
         copies.append(copy)
     for copy in copies:
@@ -165,12 +169,12 @@ def validate_decode_inputs(q, k_pages, v_pages, page_tables, seq_lens) -> None:
     if q.shape[0] != page_tables.shape[0]:
         raise ValueError(f"q has {q.shape[0]} rows but page_tables has S={page_tables.shape[0]}")
     if is_concrete(page_tables, seq_lens):
-        check_page_values(page_tables, seq_lens, k_pages.shape[0], k_pages.shape[1])
+        check_page_values(page_tables, seq_lens, k_pages.shape[1], k_pages.shape[2])
 
 
 def _decode_kernel(seq_lens_ref, table_ref,  # scalar prefetch (SMEM): i32[S], i32[S * P']
                    q_ref,  # [G, D] query heads of sequence s that share KV head h
-                   k_hbm, v_hbm,  # [N, B, Hkv, D], left in HBM
+                   k_hbm, v_hbm,  # [Hkv, N, B, D], left in HBM
                    o_ref,  # [G, D]
                    k_buf, v_buf,  # VMEM [pages_per_block, B, D]
                    sems,  # DMA semaphores (2,)
@@ -197,8 +201,8 @@ def _decode_kernel(seq_lens_ref, table_ref,  # scalar prefetch (SMEM): i32[S], i
 
 def paged_decode_attention(
     q: jax.Array,  # f[S, Hq, D], the newest token of each sequence
-    k_pages: jax.Array,  # f[N, B, Hkv, D]
-    v_pages: jax.Array,  # f[N, B, Hkv, D]
+    k_pages: jax.Array,  # f[Hkv, N, B, D], head-major
+    v_pages: jax.Array,  # f[Hkv, N, B, D], head-major
     page_tables: jax.Array,  # i32[S, P]
     seq_lens: jax.Array,  # i32[S], KV length including the query token; 0 = padding row
     *,
@@ -209,13 +213,14 @@ def paged_decode_attention(
     """Decode attention over a paged KV pool; see the module docstring.
 
     The query of row s sits at position seq_lens[s]-1 and attends to KV positions
-    0..seq_lens[s]-1; position j is at page page_tables[s, j // B], slot j % B. Padding rows
-    (seq_lens[s] == 0) give zeros. interpret=None interprets unless the backend is a TPU.
+    0..seq_lens[s]-1; position j of KV head h is k_pages[h, page_tables[s, j // B], j % B].
+    Padding rows (seq_lens[s] == 0) give zeros. interpret=None interprets unless the backend is a
+    TPU.
     """
     validate_decode_inputs(q, k_pages, v_pages, page_tables, seq_lens)
     block_sizes = block_sizes or DecodeBlockSizes()
     num_seqs, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
     group = num_q_heads // num_kv_heads
     pages_per_block = min(block_sizes.pages_per_block, page_tables.shape[1])
     table = prepare_page_tables(page_tables, seq_lens, num_pages=num_pages, page_size=page_size,

@@ -5,9 +5,10 @@ are cut into blocks of block_q rows. Grid (T / block_q, Hkv), both parallel. Pro
 holds the block_q x G queries that share KV head h (grouped-query attention, K/V never repeated)
 and, for each sequence overlapping its rows (range found on the host side of the call and passed
 by scalar prefetch), walks that sequence's pages in key blocks of block_kv_pages pages: page ids
-come from the page table in SMEM (`pltpu.PrefetchScalarGridSpec`), each page's [B, D] slice for
-head h is copied from the pool (left in HBM) into VMEM. Online softmax in float32 with running
-max m and normaliser l, the accumulator rescaled by exp(m - m'). Causality is by absolute
+come from the page table in SMEM (`pltpu.PrefetchScalarGridSpec`), and each page's block for
+head h, the contiguous k_pages[h, page] of shape [B, D] in the head-major pool f[Hkv, N, B, D]
+(left in HBM), is copied into VMEM. Online softmax in float32 with running max m and
+normaliser l, the accumulator rescaled by exp(m - m'). Causality is by absolute
 position: the query of s at position p = seq_lens[s] - q_len + (row - query_start[s]) attends to
 keys 0..p, so chunked prefill and prefix-cache hits see earlier pages already in the pool. Key
 blocks past the block's last query position are skipped. Scores outside a row's sequence or
@@ -17,8 +18,9 @@ with a select (garbage/NaN never leaks), and rows with no valid key (padding) gi
 What has been run: Pallas TPU interpret mode on CPU only (`interpret=pltpu.InterpretParams()`),
 jax/jaxlib 0.10.2, and Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU (no TPU
 needed; tested). Nothing here has been compiled by the Mosaic/TPU compiler, run on a TPU or GPU,
-or timed on hardware. Known gaps for real hardware: no double buffering of key blocks; the
-in-kernel reshapes (block_q, G, D) -> (block_q*G, D) and (pages, B, D) -> (pages*B, D) assume
+or timed on hardware. Known gaps for real hardware: no double buffering of key blocks; one DMA
+per page, each of one contiguous B*D block, so small pages mean many small copies; the in-kernel
+reshapes (block_q, G, D) -> (block_q*G, D) and (pages, B, D) -> (pages*B, D) assume
 Mosaic-friendly sizes (G*block_q and B multiples of 8, D a multiple of 128 ideally); a query block
 spanning several sequences computes every key block of each of them for all its rows (masked),
 wasting work on short sequences.
@@ -50,7 +52,7 @@ def validate_prefill_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_st
                          f"{query_start.dtype}{list(query_start.shape)}")
     if not is_concrete(page_tables, seq_lens, query_start):
         return
-    check_page_values(page_tables, seq_lens, k_pages.shape[0], k_pages.shape[1])
+    check_page_values(page_tables, seq_lens, k_pages.shape[1], k_pages.shape[2])
     query_start = np.asarray(query_start)
     seq_lens = np.asarray(seq_lens)
     q_lens = np.diff(query_start)
@@ -69,7 +71,7 @@ def validate_prefill_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_st
 def _prefill_kernel(seq_lens_ref, table_ref, query_start_ref, first_seq_ref, last_seq_ref,
                     # scalar prefetch (SMEM): i32[S], i32[S * P'], i32[S+1], i32[T'/block_q] x2
                     q_ref,  # [block_q, G, D] queries of this row block sharing KV head h
-                    k_hbm, v_hbm,  # [N, B, Hkv, D], left in HBM
+                    k_hbm, v_hbm,  # [Hkv, N, B, D], left in HBM
                     o_ref,  # [block_q, G, D]
                     k_buf, v_buf,  # VMEM [block_kv_pages, B, D]
                     sems,  # DMA semaphores (2,)
@@ -123,8 +125,8 @@ def _sequences_per_block(query_start, num_tokens: int, block_q: int):
 
 def ragged_prefill_attention(
     q: jax.Array,  # f[T, Hq, D], flat query tokens of all sequences, then padding
-    k_pages: jax.Array,  # f[N, B, Hkv, D], this step's K already written
-    v_pages: jax.Array,  # f[N, B, Hkv, D], this step's V already written
+    k_pages: jax.Array,  # f[Hkv, N, B, D] head-major, this step's K already written
+    v_pages: jax.Array,  # f[Hkv, N, B, D] head-major, this step's V already written
     page_tables: jax.Array,  # i32[S, P]
     seq_lens: jax.Array,  # i32[S], total KV length of s including its queries
     query_start: jax.Array,  # i32[S+1], cumulative; s owns rows query_start[s]:query_start[s+1]
@@ -140,7 +142,7 @@ def ragged_prefill_attention(
     validate_prefill_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start)
     block_sizes = block_sizes or PrefillBlockSizes()
     num_tokens, num_q_heads, head_dim = q.shape
-    num_pages, page_size, num_kv_heads, _ = k_pages.shape
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs = page_tables.shape[0]
     group = num_q_heads // num_kv_heads
     block_q = block_sizes.block_q

@@ -8,10 +8,11 @@ fast path. Dimension letters:
   N pages in the pool               B page size (slots/page)   Hq query heads, Hkv KV heads, D head dim
   G = Hq // Hkv query heads per KV head (grouped-query attention)
 
-Key position j of sequence s lives at page page_tables[s, j // B], slot j % B. Entries past a
-sequence's length, and the scratch page 0, may hold garbage or NaN: scores are masked with a
-select (not an add) and V rows outside the valid length are zeroed with a select, so nothing from
-them reaches the output (0 * NaN would be NaN).
+The pool is head-major, k_pages/v_pages f[Hkv, N, B, D]: key position j of sequence s for KV
+head h is k_pages[h, page_tables[s, j // B], j % B], so one head's page is a contiguous [B, D]
+block. Entries past a sequence's length, and the scratch page 0, may hold garbage or NaN: scores
+are masked with a select (not an add) and V rows outside the valid length are zeroed with a
+select, so nothing from them reaches the output (0 * NaN would be NaN).
 """
 
 from __future__ import annotations
@@ -23,36 +24,36 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _gather_kv(pages: jax.Array, page_tables: jax.Array) -> jax.Array:
-    """pages: f[N, B, Hkv, D]; page_tables: i32[S, P] -> f32[S, P*B, Hkv, D]."""
+    """pages: f[Hkv, N, B, D]; page_tables: i32[S, P] -> f32[S, Hkv, P*B, D]."""
     num_seqs, pages_per_seq = page_tables.shape
-    _, page_size, num_kv_heads, head_dim = pages.shape
-    gathered = pages[page_tables]  # [S, P, B, Hkv, D]
-    return gathered.reshape(num_seqs, pages_per_seq * page_size, num_kv_heads, head_dim).astype(
-        jnp.float32)
+    num_kv_heads, _, page_size, head_dim = pages.shape
+    gathered = pages[:, page_tables]  # [Hkv, S, P, B, D]
+    gathered = gathered.reshape(num_kv_heads, num_seqs, pages_per_seq * page_size, head_dim)
+    return jnp.swapaxes(gathered, 0, 1).astype(jnp.float32)
 
 
 def _masked_attention(q, k, v, valid, sm_scale):
     """Grouped softmax attention with a boolean mask.
 
-    q: f32[R, Hkv, G, D]; k, v: f32[R, L, Hkv, D]; valid: bool[R, L] -> f32[R, Hkv, G, D].
+    q: f32[R, Hkv, G, D]; k, v: f32[R, Hkv, L, D]; valid: bool[R, L] -> f32[R, Hkv, G, D].
     A row with no valid key gives zeros.
     """
-    scores = jnp.einsum("rhgd,rlhd->rhgl", q, k, precision=_HIGHEST) * sm_scale
+    scores = jnp.einsum("rhgd,rhld->rhgl", q, k, precision=_HIGHEST) * sm_scale
     mask = valid[:, None, None, :]
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
-    v = jnp.where(valid[:, :, None, None], v, 0.0)
-    out = jnp.einsum("rhgl,rlhd->rhgd", weights, v, precision=_HIGHEST)
+    v = jnp.where(valid[:, None, :, None], v, 0.0)
+    out = jnp.einsum("rhgl,rhld->rhgd", weights, v, precision=_HIGHEST)
     return jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
 
 
 def ref_paged_decode_attention(
     q: jax.Array,  # f[S, Hq, D], one query token per sequence
-    k_pages: jax.Array,  # f[N, B, Hkv, D]
-    v_pages: jax.Array,  # f[N, B, Hkv, D]
+    k_pages: jax.Array,  # f[Hkv, N, B, D], head-major
+    v_pages: jax.Array,  # f[Hkv, N, B, D], head-major
     page_tables: jax.Array,  # i32[S, P]
     seq_lens: jax.Array,  # i32[S], KV length including the query token; 0 = padding row
     *,
@@ -60,11 +61,11 @@ def ref_paged_decode_attention(
 ) -> jax.Array:  # f[S, Hq, D] in q.dtype
     """Query of row s (position seq_lens[s]-1) attends to KV positions 0..seq_lens[s]-1."""
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_pages.shape[2]
+    num_kv_heads = k_pages.shape[0]
     group = num_q_heads // num_kv_heads
     k = _gather_kv(k_pages, page_tables)
     v = _gather_kv(v_pages, page_tables)
-    positions = jnp.arange(k.shape[1], dtype=jnp.int32)
+    positions = jnp.arange(k.shape[2], dtype=jnp.int32)
     valid = positions[None, :] < seq_lens[:, None]  # [S, P*B]
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
     out = _masked_attention(qg, k, v, valid, sm_scale)
@@ -73,8 +74,8 @@ def ref_paged_decode_attention(
 
 def ref_ragged_prefill_attention(
     q: jax.Array,  # f[T, Hq, D], flat query tokens of all sequences, then padding
-    k_pages: jax.Array,  # f[N, B, Hkv, D]
-    v_pages: jax.Array,  # f[N, B, Hkv, D]
+    k_pages: jax.Array,  # f[Hkv, N, B, D], head-major
+    v_pages: jax.Array,  # f[Hkv, N, B, D], head-major
     page_tables: jax.Array,  # i32[S, P]
     seq_lens: jax.Array,  # i32[S], total KV length of s including its queries
     query_start: jax.Array,  # i32[S+1], cumulative; s owns rows query_start[s]:query_start[s+1]
@@ -84,7 +85,7 @@ def ref_ragged_prefill_attention(
     """Causal: the query of s at position p attends to KV positions 0..p (earlier pages included)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = page_tables.shape[0]
-    num_kv_heads = k_pages.shape[2]
+    num_kv_heads = k_pages.shape[0]
     group = num_q_heads // num_kv_heads
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
     # Owner of each row: the last s with query_start[s] <= row (skips empty sequences).
@@ -92,9 +93,9 @@ def ref_ragged_prefill_attention(
     is_query = rows < query_start[num_seqs]
     q_lens = query_start[1:] - query_start[:-1]
     position = seq_lens[owner] - q_lens[owner] + (rows - query_start[owner])  # [T]
-    k = _gather_kv(k_pages, page_tables)[owner]  # [T, P*B, Hkv, D]
+    k = _gather_kv(k_pages, page_tables)[owner]  # [T, Hkv, P*B, D]
     v = _gather_kv(v_pages, page_tables)[owner]
-    key_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
+    key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
     valid = is_query[:, None] & (key_pos[None, :] <= position[:, None])  # [T, P*B]
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     out = _masked_attention(qg, k, v, valid, sm_scale)

@@ -3,7 +3,8 @@
 Each function is jitted, warmed up once (compile excluded), then timed over --repeats calls;
 the table reports the median wall time per call. On CPU (or any non-TPU backend) the kernels run
 in Pallas interpret mode, which is a correctness tool, not a performance number: the table says
-so. Shapes follow the default model (9 query heads, 3 KV heads, head dim 64).
+so. Shapes follow the default model (9 query heads, 3 KV heads, head dim 64); the KV pool is
+head-major, f[Hkv, N, B, D], as the engine stores it.
 
   python scripts/bench_kernels.py [--repeats 5] [--page-size 16]
 """
@@ -27,7 +28,7 @@ def _pool(rng, seq_lens, page_size, num_kv_heads, head_dim, dtype):
     pages_needed = -(-np.asarray(seq_lens) // page_size)
     width = int(pages_needed.max())
     num_pages = 1 + int(pages_needed.sum())
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    shape = (num_kv_heads, num_pages, page_size, head_dim)  # head-major pool
     k = jnp.asarray(rng.standard_normal(shape), dtype)
     v = jnp.asarray(rng.standard_normal(shape), dtype)
     ids = rng.permutation(np.arange(1, num_pages))

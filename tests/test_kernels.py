@@ -26,19 +26,21 @@ F64_TOL = dict(atol=1e-5, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
-# Fixtures: a paged pool with permuted pages, NaN in page 0 and in every unused page.
+# Fixtures: a head-major paged pool f[Hkv, N, B, D] with permuted pages, NaN in page 0 and in
+# every unused page.
 
 
 def make_case(seed, *, seq_lens, q_lens=None, page_size, num_kv_heads, group, head_dim,
               extra_pages=3, dtype=jnp.float32, table_width=None):
-    """Random pool and page tables. q is [S, Hq, D] (decode) or [T, Hq, D] (prefill, q_lens)."""
+    """Random head-major pool f[Hkv, N, B, D] and page tables. q is [S, Hq, D] (decode) or
+    [T, Hq, D] (prefill, q_lens)."""
     rng = np.random.default_rng(seed)
     seq_lens = np.asarray(seq_lens, np.int32)
     num_seqs = len(seq_lens)
     pages_needed = -(-seq_lens // page_size)
     width = table_width or max(1, int(pages_needed.max()))
     num_pages = 1 + int(pages_needed.sum()) + extra_pages
-    shape = (num_pages, page_size, num_kv_heads, head_dim)
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
     k = rng.standard_normal(shape).astype(np.float32)
     v = rng.standard_normal(shape).astype(np.float32)
     ids = rng.permutation(np.arange(1, num_pages))  # non-contiguous, shuffled page ids
@@ -51,13 +53,13 @@ def make_case(seed, *, seq_lens, q_lens=None, page_size, num_kv_heads, group, he
         used[table[s, :n]] = True
         # Slots past the length in the last page hold garbage too.
         if seq_lens[s] % page_size:
-            k[table[s, n - 1], seq_lens[s] % page_size:] = np.nan
-            v[table[s, n - 1], seq_lens[s] % page_size:] = np.nan
+            k[:, table[s, n - 1], seq_lens[s] % page_size:] = np.nan
+            v[:, table[s, n - 1], seq_lens[s] % page_size:] = np.nan
         # Unused table entries point at scratch page 0 or at an unused (NaN) page.
         spare = ids[len(ids) - 1] if extra_pages else 0
         table[s, n:] = np.where(np.arange(n, width) % 2, spare, 0)
-    k[~used] = np.nan
-    v[~used] = np.nan
+    k[:, ~used] = np.nan
+    v[:, ~used] = np.nan
     num_q_heads = num_kv_heads * group
     rows = num_seqs if q_lens is None else int(np.sum(q_lens)) + 3  # 3 padding rows
     q = rng.standard_normal((rows, num_q_heads, head_dim)).astype(np.float32)
@@ -75,7 +77,7 @@ def dense_f64(case, sm_scale):
     k_pages = np.asarray(case["k_pages"].astype(jnp.float32), np.float64)
     v_pages = np.asarray(case["v_pages"].astype(jnp.float32), np.float64)
     table, seq_lens = np.asarray(case["page_tables"]), np.asarray(case["seq_lens"])
-    page_size, num_kv_heads = k_pages.shape[1], k_pages.shape[2]
+    num_kv_heads, _, page_size, _ = k_pages.shape
     group = q.shape[1] // num_kv_heads
     if "query_start" in case:
         query_start = np.asarray(case["query_start"])
@@ -87,14 +89,14 @@ def dense_f64(case, sm_scale):
         q_lo, q_hi = query_start[s], query_start[s + 1]
         if q_hi == q_lo:
             continue
-        k = np.concatenate([k_pages[p] for p in table[s]])[:seq_len]  # [L, Hkv, D]
-        v = np.concatenate([v_pages[p] for p in table[s]])[:seq_len]
+        k = np.concatenate([k_pages[:, p] for p in table[s]], axis=1)[:, :seq_len]  # [Hkv, L, D]
+        v = np.concatenate([v_pages[:, p] for p in table[s]], axis=1)[:, :seq_len]
         positions = seq_len - (q_hi - q_lo) + np.arange(q_hi - q_lo)
         for hq in range(q.shape[1]):
-            scores = q[q_lo:q_hi, hq] @ k[:, hq // group].T * sm_scale  # [q_len, L]
+            scores = q[q_lo:q_hi, hq] @ k[hq // group].T * sm_scale  # [q_len, L]
             scores = np.where(np.arange(seq_len)[None] <= positions[:, None], scores, -np.inf)
             w = np.exp(scores - scores.max(axis=1, keepdims=True))
-            out[q_lo:q_hi, hq] = (w / w.sum(axis=1, keepdims=True)) @ v[:, hq // group]
+            out[q_lo:q_hi, hq] = (w / w.sum(axis=1, keepdims=True)) @ v[hq // group]
     if "query_start" not in case:
         full = np.zeros((len(seq_lens),) + out.shape[1:])
         full[seq_lens > 0] = out
@@ -125,10 +127,10 @@ def _assert_close(out, expected, tol):
 def test_reference_decode_hand_values():
     # One KV head, one query head, D = 2, B = 2. Keys (1,0), (0,1), (2,0); scores with scale 1:
     # 1, 0, 2. Values (1,0), (0,1), (0,0) -> out = (e, 1) / (e + 1 + e^2).
-    k = np.full((3, 2, 1, 2), np.nan, np.float32)
-    v = np.full((3, 2, 1, 2), np.nan, np.float32)
-    k[2, :, 0], v[2, :, 0] = [[1, 0], [0, 1]], [[1, 0], [0, 1]]  # positions 0, 1 on page 2
-    k[1, 0, 0], v[1, 0, 0] = [2, 0], [0, 0]  # position 2 on page 1; slot 1 stays NaN
+    k = np.full((1, 3, 2, 2), np.nan, np.float32)  # [Hkv, N, B, D]
+    v = np.full((1, 3, 2, 2), np.nan, np.float32)
+    k[0, 2], v[0, 2] = [[1, 0], [0, 1]], [[1, 0], [0, 1]]  # positions 0, 1 on page 2
+    k[0, 1, 0], v[0, 1, 0] = [2, 0], [0, 0]  # position 2 on page 1; slot 1 stays NaN
     q = np.array([[[1, 0]], [[5, 5]], [[0, 0]]], np.float32)
     table = np.array([[2, 1], [2, 0], [0, 0]], np.int32)
     seq_lens = np.array([3, 1, 0], np.int32)
@@ -144,10 +146,10 @@ def test_reference_decode_hand_values():
 def test_reference_prefill_hand_values():
     # Sequence of 2 tokens, both queries in this step, q = k = (1,0) and (0,1), scale 1.
     # Row 0 sees key 0 only -> v0. Row 1 sees scores (0, 1) -> (v0 + e v1) / (1 + e).
-    k = np.full((2, 4, 1, 2), np.nan, np.float32)
-    v = np.full((2, 4, 1, 2), np.nan, np.float32)
-    k[1, :2, 0] = [[1, 0], [0, 1]]
-    v[1, :2, 0] = [[3, 0], [0, 3]]
+    k = np.full((1, 2, 4, 2), np.nan, np.float32)  # [Hkv, N, B, D]
+    v = np.full((1, 2, 4, 2), np.nan, np.float32)
+    k[0, 1, :2] = [[1, 0], [0, 1]]
+    v[0, 1, :2] = [[3, 0], [0, 3]]
     q = np.array([[[1, 0]], [[0, 1]], [[7, 7]]], np.float32)  # row 2 is padding
     out = np.asarray(ref_ragged_prefill_attention(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.array([[1]], jnp.int32),
@@ -285,7 +287,7 @@ def _extreme_case():
     q = 12.5 * u * np.sign(q[..., :1])
     finite = np.isfinite(k[..., :1])
     k = np.where(finite, 12.5 * u * np.sign(k[..., :1]) + 0.01 * k, k).astype(np.float32)
-    k[int(case["page_tables"][1, 0]), 2, 0] = 2 * q[16, 0]  # row 16 = seq 1, position 4
+    k[0, int(case["page_tables"][1, 0]), 2] = 2 * q[16, 0]  # row 16 = seq 1, position 4
     case.update(q=jnp.asarray(q), k_pages=jnp.asarray(k))
     return case
 
@@ -299,7 +301,7 @@ def test_extreme_logits_prefill_and_decode():
     case = _extreme_case()
     expected = dense_f64(case, 1.0)
     q, k = np.asarray(case["q"]), np.asarray(case["k_pages"])
-    score = q[0, 0] @ k[int(case["page_tables"][0, 0]), 0, 0]
+    score = q[0, 0] @ k[0, int(case["page_tables"][0, 0]), 0]
     assert 9e3 < abs(score) < 1.1e4
     with np.errstate(over="ignore"):
         assert np.isinf(np.exp(np.float32(abs(score))))  # a naive softmax overflows
@@ -308,7 +310,7 @@ def test_extreme_logits_prefill_and_decode():
     _assert_close(_prefill(case, ref_ragged_prefill_attention, sm_scale=1.0), expected,
                   EXTREME_TOL)
     # The dominating key: the row's output is exactly that key's value.
-    v = np.asarray(case["v_pages"])[int(case["page_tables"][1, 0]), 2, 0]
+    v = np.asarray(case["v_pages"])[0, int(case["page_tables"][1, 0]), 2]
     np.testing.assert_allclose(np.asarray(out)[16, 0], v, atol=1e-6)
     decode = dict(case, q=case["q"][jnp.array([11, 16])])
     del decode["query_start"]
@@ -329,7 +331,7 @@ def _small():
 @pytest.mark.parametrize("change,message", [
     (lambda c: c.update(q=c["q"][:, :3]), "multiple of KV heads"),
     (lambda c: c.update(q=c["q"][..., :8]), "head dim"),
-    (lambda c: c.update(v_pages=c["v_pages"][:3]), "shapes differ"),
+    (lambda c: c.update(v_pages=c["v_pages"][:, :3]), "shapes differ"),
     (lambda c: c.update(v_pages=c["v_pages"].astype(jnp.bfloat16)), "one floating dtype"),
     (lambda c: c.update(page_tables=c["page_tables"].astype(jnp.float32)), "page_tables"),
     (lambda c: c.update(seq_lens=c["seq_lens"][:1]), "seq_lens must be i32"),
