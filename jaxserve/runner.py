@@ -39,8 +39,10 @@ class StepOutput:
 
 def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: str):
     # Copy-on-write page copies happen before any of this step's KV writes.
-    pool = KVPool(k=pool.k.at[:, batch.copy_dst].set(pool.k[:, batch.copy_src]),
-                  v=pool.v.at[:, batch.copy_dst].set(pool.v[:, batch.copy_src]))
+    if batch.copy_src.shape[0]:
+        src, dst = batch.copy_src, batch.copy_dst
+        pool = KVPool(k=pool.k.at[:, :, dst].set(pool.k[:, :, src], mode="promise_in_bounds"),
+                      v=pool.v.at[:, :, dst].set(pool.v[:, :, src], mode="promise_in_bounds"))
     pool, hidden = llama.forward(params, pool, batch.token_ids, batch.attn, cfg=cfg,
                                  backend=backend)
     logits = llama.logits(params, hidden[batch.logits_indices])
@@ -65,7 +67,7 @@ class ModelRunner:
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
         self.params = jax.tree_util.tree_map(self._to_device, params)
-        shape = (cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
         self.pool = KVPool(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype))
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
         self._step = jax.jit(functools.partial(_step, cfg=cfg, backend=backend),
