@@ -56,6 +56,9 @@ class LLMEngine:
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
         self.peak_referenced_pages = 0
+        # Wall time per step split into host work (schedule, batch, outputs) and the device call.
+        self.host_seconds = 0.0
+        self.device_seconds = 0.0
 
     # ----------------------------------------------------------------- requests
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -104,20 +107,26 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns a snapshot of every request that progressed."""
+        t0 = time.perf_counter()
         plan: StepPlan = self.scheduler.schedule()
         if plan.is_empty:
             self.scheduler.update(plan, [])
             return []
         batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        t1 = time.perf_counter()
         out = self.runner.execute(batch, num_rows)
+        t2 = time.perf_counter()
         self._record_logprobs(plan, out)
         if out.prompt_logprobs is not None:
             self._record_prompt_logprobs(plan, offsets, out)
         changed = self.scheduler.update(plan, [int(t) for t in out.token_ids])
         self.num_steps += 1
         self.peak_referenced_pages = max(self.peak_referenced_pages,
-                                         self.scheduler.stats()["referenced_pages"])
-        return self._process(changed)
+                                         self.scheduler.pool.num_referenced)
+        results = self._process(changed)
+        self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
+        self.device_seconds += t2 - t1
+        return results
 
     def _record_logprobs(self, plan: StepPlan, out) -> None:
         for i, (_, seq) in enumerate(plan.sample_rows):
@@ -189,6 +198,7 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
         stats.update(compilations=self.runner.compilations, steps=self.num_steps,
+                     host_seconds=self.host_seconds, device_seconds=self.device_seconds,
                      peak_referenced_pages=self.peak_referenced_pages,
                      kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes)
         return stats
