@@ -33,7 +33,8 @@ class Buckets:
 
     seqs: tuple[int, ...]  # decode rows, prefill rows, sample rows
     tokens: tuple[int, ...]  # prefill tokens
-    pages: tuple[int, ...]  # page-table width
+    pages: int  # page-table width: the most pages one sequence can hold (attention loops only
+    #             as far as the longest sequence in the step, so the width is not a bucket)
     copies: tuple[int, ...] = (4, 32)
     logprobs: tuple[int, ...] = (1, 5, 20)
 
@@ -42,7 +43,7 @@ class Buckets:
                    max_sample_rows: int) -> "Buckets":
         return cls(seqs=_powers_of_two(1, max(max_num_seqs, max_sample_rows)),
                    tokens=_powers_of_two(16, max(16, max_num_batched_tokens)),
-                   pages=_powers_of_two(4, max(4, max_pages_per_seq)))
+                   pages=max_pages_per_seq)
 
     @staticmethod
     def fit(sizes: tuple[int, ...], n: int) -> int:
@@ -77,8 +78,7 @@ def build_batch(plan: StepPlan, buckets: Buckets,
     sp = Buckets.fit(buckets.seqs, len(prefill))
     tp = Buckets.fit(buckets.tokens, sum(c.num_tokens for c in prefill))
     num_rows = sd + sp
-    width = Buckets.fit(buckets.pages, max(math.ceil((c.start + c.num_tokens) / page_size)
-                                           for c in plan.chunks))
+    width = buckets.pages
     t = sd + tp
     token_ids = np.zeros(t, np.int32)
     positions = np.zeros(t, np.int32)

@@ -176,10 +176,17 @@ class Scheduler:
             if n:
                 self._schedule_chunk(seq, n, plan)
 
-        can_admit = not plan.preempted and (cfg.scheduling == "iteration" or not anything_running)
-        while can_admit and self.waiting and plan.num_tokens < budget:
-            if not self._admit_one(plan, budget - plan.num_tokens):
-                break
+        if cfg.scheduling == "iteration":
+            while not plan.preempted and self.waiting and plan.num_tokens < budget:
+                if not self._admit_one(plan, budget - plan.num_tokens):
+                    break
+        elif not anything_running:
+            # Static (request-level) batching: once the previous batch has drained, admit a whole
+            # new batch up to max_num_seqs; members beyond this step's token budget are admitted
+            # without a chunk and prefilled in later steps. Nothing joins until it drains again.
+            while self.waiting:
+                if not self._admit_one(plan, budget - plan.num_tokens, allow_empty=True):
+                    break
 
         plan.chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first
         if plan.chunks:
@@ -190,18 +197,21 @@ class Scheduler:
             self.counters["num_cow_copies"] += len(plan.copies)
         return plan
 
-    def _admit_one(self, plan: StepPlan, budget_left: int) -> bool:
-        """Admit the head waiting sequence with its first chunk; False if it does not fit now."""
+    def _admit_one(self, plan: StepPlan, budget_left: int, allow_empty: bool = False) -> bool:
+        """Admit the head waiting sequence with its first chunk; False if it does not fit now.
+        With allow_empty, a sequence for which no budget is left is admitted without a chunk."""
         seq = self._head_waiting()
-        if len(self.running) + self._seats(seq) > self.config.max_num_seqs:
+        # Seats, not sequences: a running request not yet forked still needs room for its n.
+        if sum(map(self._seats, self.running)) + self._seats(seq) > self.config.max_num_seqs:
             return False
         salt = seq.request.cache_salt if seq.request.cache_salt is not None else self.config.cache_salt
         hit = self.kv.find_prefix(seq, salt)
         hit_tokens = len(hit[0]) * self.page_size
-        n = self._chunk_len(seq, hit_tokens, budget_left)
-        if n == 0:
+        n = self._chunk_len(seq, hit_tokens, budget_left) if budget_left > 0 else 0
+        if n == 0 and not allow_empty:
             return False
-        need = self.kv.pages_for(hit_tokens + n) - len(hit[0])
+        # A static batch reserves room for each member's whole prompt before admitting more.
+        need = self.kv.pages_for(seq.num_tokens if allow_empty else hit_tokens + n) - len(hit[0])
         available = self.pool.num_available - sum(self.pool.is_evictable(p) for p in hit[0])
         alone = not self.running
         if need > available - (0 if alone else self.watermark_pages):
@@ -221,7 +231,8 @@ class Scheduler:
         self.running.append(seq)
         if seq.request.first_scheduled_time is None:
             seq.request.first_scheduled_time = time.monotonic()
-        self._schedule_chunk(seq, n, plan)
+        if n:
+            self._schedule_chunk(seq, n, plan)
         return True
 
     def _schedule_chunk(self, seq: Sequence, n: int, plan: StepPlan) -> None:
@@ -342,7 +353,7 @@ class Scheduler:
         return self.waiting[0]
 
     def _seats(self, seq: Sequence) -> int:
-        """Running slots a waiting sequence takes: all n of a request not yet forked."""
+        """Running slots a sequence takes: all n of a request not yet forked."""
         request = seq.request
         if seq.fork_index == 0 and len(request.sequences) < request.sampling_params.n:
             return request.sampling_params.n

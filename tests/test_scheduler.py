@@ -392,3 +392,20 @@ def test_second_schedule_before_update_skips_sequences_in_flight():
     assert sched.stats()["pending_free_pages"] == 0
     run_to_completion(sched, [], runner=runner)
     assert a.sequences[0].output_token_ids == expected([a])["a"][0]
+
+
+def test_static_batch_forms_beyond_one_steps_budget_then_drains():
+    """Static batching admits a whole batch (up to max_num_seqs) even when the prompts take
+    several steps of token budget to prefill; later arrivals wait for the batch to drain."""
+    sched = make_sched(scheduling="static", max_num_seqs=3, max_num_batched_tokens=8)
+    reqs = [make_request(f"r{i}", [i + 1] * 8, max_tokens=3) for i in range(5)]
+    res = run_to_completion(sched, [(0, r) for r in reqs], keep_plans=True)
+    batches = []
+    for plan in res.plans:
+        ids = {c.seq.request.request_id for c in plan.chunks}
+        if not batches or not ids <= batches[-1] and ids & batches[-1] == set():
+            batches.append(set(ids))
+        else:
+            batches[-1] |= ids
+    assert batches == [{"r0", "r1", "r2"}, {"r3", "r4"}]
+    assert res.outputs == expected(reqs)
