@@ -1,0 +1,78 @@
+"""The engine's XLA attention path (jaxserve.model.attention) against the kernels' pure-jnp
+references: mixed decode + ragged prefill steps, permuted pages, lengths around page boundaries,
+GQA, and a page table wider than any sequence (the blocked loop stops at the longest row)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.model.attention import AttentionMetadata, KVPool, attend
+from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_prefill_attention
+
+
+def _step(rng, page_size, decode_lens, prefill, hkv, g, d, width):
+    """decode_lens: KV lengths of decode rows; prefill: (query tokens, KV length) per row."""
+    rows = len(decode_lens) + len(prefill)
+    num_pages = 1 + rows * width
+    perm = rng.permutation(np.arange(1, num_pages))
+    tables = np.zeros((rows, width), np.int32)
+    seq_lens = np.array(list(decode_lens) + [kv for _, kv in prefill], np.int32)
+    for r in range(rows):
+        used = -(-seq_lens[r] // page_size)
+        tables[r, :used] = perm[r * width:r * width + used]
+    q_lens = [1] * len(decode_lens) + [n for n, _ in prefill]
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(query_start[-1]) + 3  # three padding tokens
+    positions = np.zeros(t, np.int32)
+    token_row = np.full(t, rows, np.int32)
+    for r in range(rows):
+        a, b = query_start[r], query_start[r + 1]
+        positions[a:b] = np.arange(seq_lens[r] - (b - a), seq_lens[r])
+        token_row[a:b] = r
+    k = rng.standard_normal((1, hkv, num_pages, page_size, d)).astype(np.float32)
+    v = rng.standard_normal((1, hkv, num_pages, page_size, d)).astype(np.float32)
+    q = rng.standard_normal((t, hkv * g, d)).astype(np.float32)
+    md = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.zeros(t, jnp.int32),
+                           page_tables=jnp.asarray(tables), seq_lens=jnp.asarray(seq_lens),
+                           query_start=jnp.asarray(query_start), token_row=jnp.asarray(token_row),
+                           num_decode=len(decode_lens))
+    return q, KVPool(k=jnp.asarray(k), v=jnp.asarray(v)), md
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("hkv,g,d", [(1, 1, 8), (3, 3, 64), (2, 8, 16)])
+def test_xla_path_matches_references(page_size, hkv, g, d):
+    rng = np.random.default_rng(page_size * 100 + g)
+    b = page_size
+    decode_lens = [1, b - 1, b, b + 1, 5 * b + 3]
+    prefill = [(b + 1, 3 * b + 2), (1, 1), (7, 7), (2 * b, 2 * b)]  # chunk after earlier pages
+    q, pool, md = _step(rng, b, decode_lens, prefill, hkv, g, d, width=12)
+    out = np.asarray(attend("xla", q, pool, 0, md, sm_scale=d ** -0.5))
+    sd = len(decode_lens)
+    ref_decode = ref_paged_decode_attention(q[:sd], pool.k[0], pool.v[0], md.page_tables[:sd],
+                                            md.seq_lens[:sd], sm_scale=d ** -0.5)
+    ref_prefill = ref_ragged_prefill_attention(q[sd:], pool.k[0], pool.v[0], md.page_tables[sd:],
+                                               md.seq_lens[sd:], md.query_start[sd:] - sd,
+                                               sm_scale=d ** -0.5)
+    real = int(md.query_start[-1])
+    np.testing.assert_allclose(out[:sd], np.asarray(ref_decode), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out[sd:real], np.asarray(ref_prefill)[:real - sd], atol=2e-5,
+                               rtol=2e-5)
+    assert np.all(np.isfinite(out))  # padding tokens give finite (discarded) values
+
+
+def test_decode_only_and_prefill_only_steps():
+    rng = np.random.default_rng(0)
+    for decode_lens, prefill in (([3, 40, 17], []), ([], [(9, 30), (4, 4)])):
+        q, pool, md = _step(rng, 8, decode_lens, prefill, 3, 3, 16, width=8)
+        out = np.asarray(attend("xla", q, pool, 0, md, sm_scale=0.25))
+        if decode_lens:
+            ref = ref_paged_decode_attention(q[:3], pool.k[0], pool.v[0], md.page_tables,
+                                             md.seq_lens, sm_scale=0.25)
+            np.testing.assert_allclose(out[:3], np.asarray(ref), atol=2e-5, rtol=2e-5)
+        else:
+            ref = ref_ragged_prefill_attention(q, pool.k[0], pool.v[0], md.page_tables,
+                                               md.seq_lens, md.query_start, sm_scale=0.25)
+            np.testing.assert_allclose(out[:13], np.asarray(ref)[:13], atol=2e-5, rtol=2e-5)
