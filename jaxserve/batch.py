@@ -124,7 +124,8 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         query_start[sd + j + 1] = first
     query_start[sd + len(prefill) + 1:] = first
 
-    r = Buckets.fit(buckets.seqs, len(rows))
+    # Decode rows sample once each; sizing R from (Sd, prefill rows) adds no compile dimension.
+    r = sd + Buckets.fit(buckets.seqs, max(sp, len(rows) - len(decode)))
     logits_indices = np.zeros(r, np.int32)
     temperature = np.zeros(r, np.float32)
     top_k = np.zeros(r, np.int32)

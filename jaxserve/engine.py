@@ -18,8 +18,8 @@ from jaxserve.outputs import RequestOutput
 from jaxserve.runner import ModelRunner
 from jaxserve.sampling_params import SamplingParams
 from jaxserve.scheduler import RequestRejected, Scheduler
-from jaxserve.sequence import Request, SequenceStatus
-from jaxserve.step_plan import StepPlan
+from jaxserve.sequence import Request, Sequence, SequenceStatus
+from jaxserve.step_plan import ScheduledChunk, StepPlan
 from jaxserve.weights import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
@@ -172,6 +172,45 @@ class LLMEngine:
                 self._requests.pop(request.request_id, None)
                 self.outputs.release(request)
         return results
+
+    # ----------------------------------------------------------------- compilation
+    def warmup(self, full: bool = False) -> dict:
+        """Compile step shapes before traffic arrives. By default: every decode-only bucket and
+        every prefill-only token bucket with one row; full=True adds every combination of decode
+        rows, prefill tokens and prefill rows the scheduler can produce. Warm-up steps use only
+        the scratch page 0 and change no request state. Returns counts and seconds."""
+        t0, before = time.perf_counter(), self.runner.compilations
+        seqs = (0,) + self.buckets.seqs
+        tokens = (0,) + self.buckets.tokens
+        combos = set()
+        for sd, tp in itertools.product(seqs, tokens):
+            if sd + tp == 0:
+                continue
+            if tp == 0:
+                rows = [0]
+            else:
+                rows = [s for s in seqs if 0 < s <= tp] if full else [1]
+            combos.update((sd, tp, sp) for sp in rows if full or sd == 0 or tp == 0)
+        greedy = SamplingParams(temperature=0)
+        dummy = Request("warmup", [0], greedy)
+        width = self.buckets.pages
+
+        def seq(num_tokens: int) -> Sequence:
+            return Sequence(-1, dummy, [0] * num_tokens, 1, page_ids=[0] * width)
+
+        for sd, tp, sp in sorted(combos):
+            plan = StepPlan()
+            for _ in range(sd):
+                s = seq(2)
+                plan.chunks.append(ScheduledChunk(s, 1, 1, [s]))
+            for i in range(sp):
+                n = tp // sp + (i < tp % sp)
+                s = seq(n)
+                plan.chunks.append(ScheduledChunk(s, 0, n, [s]))
+            batch, rows, _ = build_batch(plan, self.buckets, self.config.page_size)
+            self.runner.execute(batch, rows)
+        return {"shapes": len(combos), "compilations": self.runner.compilations - before,
+                "seconds": time.perf_counter() - t0}
 
     # ----------------------------------------------------------------- introspection
     def kv_usage(self) -> dict:

@@ -1,0 +1,63 @@
+"""Compilations are bounded by the buckets: a full warm-up compiles every step shape the scheduler
+can produce, after which traffic compiles nothing. Uses a tiny random model (fast compiles)
+with the default model's tokenizer."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.sampling_params import SamplingParams
+from jaxserve.weights import LoadedModel
+
+
+def tiny_loaded(tokenizer) -> LoadedModel:
+    cfg = ModelConfig(vocab_size=49152, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_ids=(2,))
+    rng = np.random.default_rng(0)
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    layers = {"attn_norm": np.ones((2, 32), np.float32), "mlp_norm": np.ones((2, 32), np.float32),
+              "wq": w(2, 32, 32), "wk": w(2, 32, 16), "wv": w(2, 32, 16), "wo": w(2, 32, 32),
+              "w_gate": w(2, 32, 48), "w_up": w(2, 32, 48), "w_down": w(2, 48, 32)}
+    params = {"embed": w(49152, 32), "final_norm": np.ones(32, np.float32), "layers": layers}
+    return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, fingerprint="tiny",
+                       source="test")
+
+
+def test_full_warmup_then_traffic_compiles_nothing(default_loaded):
+    loaded = tiny_loaded(default_loaded.tokenizer)
+    engine = LLMEngine(EngineConfig.from_options(num_pages=80, max_num_seqs=4,
+                                                 max_num_batched_tokens=32, page_size=8), loaded)
+    report = engine.warmup(full=True)
+    assert report["compilations"] == engine.stats()["compilations"] > 0
+    rng = np.random.default_rng(1)
+    for i in range(12):  # mixed lengths: decode, chunked prefill and mixed steps all occur
+        prompt = [int(t) for t in rng.integers(3, 1000, int(rng.integers(1, 70)))]
+        engine.add_request({"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 12))))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert steps > 10
+    assert engine.stats()["compilations"] == report["compilations"]
+
+
+def test_default_warmup_covers_pure_decode_and_prefill(default_loaded):
+    loaded = dataclasses.replace(tiny_loaded(default_loaded.tokenizer))
+    engine = LLMEngine(EngineConfig.from_options(num_pages=40, max_num_seqs=2,
+                                                 max_num_batched_tokens=16, page_size=8), loaded)
+    report = engine.warmup()
+    # decode-only for 1 and 2 rows, prefill-only for 16 tokens
+    assert report == {**report, "shapes": 3, "compilations": 3}
+    engine.add_request({"prompt_token_ids": [5] * 10}, SamplingParams(temperature=0, max_tokens=4))
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["compilations"] == 3
