@@ -26,6 +26,9 @@ from jaxserve.cli import engine_flags  # noqa: F401  (defines the engine flags)
 FLAGS = flags.FLAGS
 ABLATIONS = ("paging", "scheduling", "prefix_caching", "backend")
 
+flags.DEFINE_enum("compile_warmup", "none", ["none", "default", "full"],
+                  "Compile step shapes before the warm-up requests: default = pure decode and "
+                  "prefill buckets; full = every bucket combination (slow on CPU).")
 flags.DEFINE_string("workload", None, "Workload JSON file (see configs/bench_*.json).")
 flags.DEFINE_integer("num_prompts", 32, "Requests in the timed run.")
 flags.DEFINE_string("request_rate", "inf", "Requests per second; inf = all at once.")
@@ -111,6 +114,9 @@ class Bench:
             return dict(rep, label=label), res
         print(f"[bench] {label}: {workload.describe()}", flush=True)
         engine = LLMEngine(EngineConfig.from_options(**options), self.loaded)
+        if FLAGS.compile_warmup != "none":  # compile bucket shapes before the warm-up requests
+            print(f"[bench] {label}: compile warm-up {engine.warmup(full=FLAGS.compile_warmup == 'full')}",
+                  flush=True)
         res = run_engine(engine, workload, progress=FLAGS.progress)
         rep = build_report(res, workload=workload, slo_ttft_ms=self.slo[0], slo_tpot_ms=self.slo[1],
                            label=label)
