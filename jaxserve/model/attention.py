@@ -107,6 +107,19 @@ def _over_page_blocks(page_tables, seq_lens, pages_per_block: int, page_size: in
     return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
+def _gather_block(pool: KVPool, layer, pages):
+    """Keys and values of `pages` (i32[R, ppb]) in one layer -> f32[Hkv, R, ppb*B, D] each.
+    Indexes the whole pool at once: slicing out the layer first would copy all of its pages."""
+    r, ppb = pages.shape
+    hkv, b, d = pool.k.shape[1], pool.page_size, pool.k.shape[4]
+
+    def take(x):
+        block = x[layer, :, pages]  # [R, ppb, Hkv, B, D]
+        return block.transpose(2, 0, 1, 3, 4).reshape(hkv, r, ppb * b, d).astype(jnp.float32)
+
+    return take(pool.k), take(pool.v)
+
+
 def _xla_decode(q, pool: KVPool, layer, page_tables, seq_lens, sm_scale):
     """q f[Sd, Hq, D], one token per row at position seq_lens - 1. Each query meets only its own
     row's keys (scores [Hkv, Sd, G, ppb*B] per block)."""
@@ -114,11 +127,9 @@ def _xla_decode(q, pool: KVPool, layer, page_tables, seq_lens, sm_scale):
     hkv, b = pool.k.shape[1], pool.page_size
     g = hq // hkv
     qg = q.reshape(sd, hkv, g, d).transpose(1, 0, 2, 3).astype(jnp.float32) * sm_scale
-    k_layer, v_layer = pool.k[layer], pool.v[layer]  # [Hkv, N, B, D]
 
     def block(first, pages, carry):
-        k = k_layer[:, pages].reshape(hkv, sd, -1, d).astype(jnp.float32)  # [Hkv, Sd, ppb*B, D]
-        v = v_layer[:, pages].reshape(hkv, sd, -1, d).astype(jnp.float32)
+        k, v = _gather_block(pool, layer, pages)  # [Hkv, Sd, ppb*B, D]
         s = jnp.einsum("ksgd,kscd->ksgc", qg, k)
         pos = first + jnp.arange(k.shape[2])
         s = jnp.where(pos[None, None, None, :] < seq_lens[None, :, None, None], s, _MASKED)
@@ -138,11 +149,10 @@ def _xla_prefill(q, pool: KVPool, layer, page_tables, seq_lens, positions, token
     hkv, b = pool.k.shape[1], pool.page_size
     g = hq // hkv
     qg = q.reshape(tp, hkv, g, d).astype(jnp.float32) * sm_scale
-    k_layer, v_layer = pool.k[layer], pool.v[layer]
 
     def block(first, pages, carry):
-        k = k_layer[:, pages].reshape(hkv, -1, d).astype(jnp.float32)  # [Hkv, Sp*ppb*B, D]
-        v = v_layer[:, pages].reshape(hkv, -1, d).astype(jnp.float32)
+        k, v = _gather_block(pool, layer, pages)
+        k, v = k.reshape(hkv, -1, d), v.reshape(hkv, -1, d)  # [Hkv, Sp*ppb*B, D]
         s = jnp.einsum("tkgd,kcd->tkgc", qg, k)
         slots = k.shape[1] // sp
         key_row, key_pos = jnp.arange(sp * slots) // slots, first + jnp.arange(sp * slots) % slots

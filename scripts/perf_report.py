@@ -1,0 +1,179 @@
+"""Measure this machine's limits and jaxserve against them, in one run.
+
+  python scripts/perf_report.py                      # full: 256 requests x (128 in, 128 out)
+  python scripts/perf_report.py --num_prompts=64     # quicker
+
+Bounds are computed in the same run, from measurements, never hard-coded:
+- compute bound (tokens/s) = measured f32 matmul GFLOP/s / model GFLOP per token;
+- single-stream decode bound (tokens/s) = measured read GB/s / weight bytes read per step.
+Reported: offline total throughput (prompt + output tokens/s) vs the compute bound, single-stream
+decode for f32 and int8 weights vs the bandwidth bound, host share of the step time, and
+compilations after warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("num_prompts", 256, "Offline workload requests.")
+flags.DEFINE_integer("input_len", 128, "Prompt tokens per request.")
+flags.DEFINE_integer("output_len", 128, "Output tokens per request (ignore_eos).")
+flags.DEFINE_integer("max_num_seqs", 256, "Engine max_num_seqs for the offline run.")
+flags.DEFINE_integer("max_num_batched_tokens", 1024, "Engine token budget per step.")
+flags.DEFINE_integer("decode_tokens", 64, "Tokens timed in the single-stream runs.")
+flags.DEFINE_string("json_out", None, "Write the results as JSON.")
+
+
+def best_of(fn, repeats: int = 5) -> float:
+    fn()  # compile / warm
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def measure_matmul_gflops() -> float:
+    import jax
+    import jax.numpy as jnp
+
+    n = 2048
+    a = jnp.ones((n, n), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    return 2 * n ** 3 / best_of(lambda: f(a).block_until_ready()) / 1e9
+
+
+def measure_read_gbps() -> float:
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((128, 1024, 1024), jnp.float32)  # 512 MiB
+    f = jax.jit(lambda x: jnp.sum(x))
+    return x.nbytes / best_of(lambda: f(x).block_until_ready()) / 1e9
+
+
+def make_engine(loaded, **options):
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+
+    return LLMEngine(EngineConfig.from_options(**options), loaded)
+
+
+def drain(engine) -> dict:
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+    return outs
+
+
+def single_stream(loaded, quantization: str) -> float:
+    from jaxserve.sampling_params import SamplingParams
+
+    engine = make_engine(loaded, quantization=quantization, max_num_seqs=1, num_pages=64,
+                         enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=FLAGS.decode_tokens, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(100, 132))}
+    engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4))  # compile
+    drain(engine)
+    engine.add_request(prompt, params)
+    out = next(iter(drain(engine).values()))
+    m = out.metrics
+    return (FLAGS.decode_tokens - 1) / (m.finished_time - m.first_token_time)
+
+
+def offline(loaded) -> dict:
+    from jaxserve.sampling_params import SamplingParams
+
+    pages_per_seq = -(-(FLAGS.input_len + FLAGS.output_len) // 16)
+    engine = make_engine(loaded, max_num_seqs=FLAGS.max_num_seqs,
+                         max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                         num_pages=1 + FLAGS.max_num_seqs * pages_per_seq,
+                         enable_prefix_caching=False)
+    warm = engine.warmup()
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=FLAGS.output_len, ignore_eos=True)
+    # Warm-up traffic (untimed): shapes the workload reaches that the bucket warm-up does not.
+    for _ in range(8):
+        engine.add_request({"prompt_token_ids": rng.integers(3, 49000, FLAGS.input_len).tolist()},
+                           SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    drain(engine)
+    compiled = engine.stats()["compilations"]
+    host0, dev0 = engine.host_seconds, engine.device_seconds
+    t = time.perf_counter()
+    for _ in range(FLAGS.num_prompts):
+        engine.add_request({"prompt_token_ids": rng.integers(3, 49000, FLAGS.input_len).tolist()},
+                           params)
+    outs = drain(engine)
+    wall = time.perf_counter() - t
+    assert all(len(o.outputs[0].token_ids) == FLAGS.output_len for o in outs.values())
+    tokens = FLAGS.num_prompts * (FLAGS.input_len + FLAGS.output_len)
+    host, dev = engine.host_seconds - host0, engine.device_seconds - dev0
+    return {"wall_s": wall, "total_tokens_per_s": tokens / wall,
+            "output_tokens_per_s": FLAGS.num_prompts * FLAGS.output_len / wall,
+            "host_share": host / (host + dev), "warmup": warm,
+            "compilations_after_warmup": engine.stats()["compilations"] - compiled}
+
+
+def main(argv):
+    del argv
+    import jax
+
+    from jaxserve.weights import load_model
+
+    loaded = load_model("smollm2-135m")
+    cfg = loaded.config
+    gflops = measure_matmul_gflops()
+    gbps = measure_read_gbps()
+    flops_per_token = cfg.flops_per_token()
+    weight_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(loaded.params))
+    compute_bound = gflops * 1e9 / flops_per_token
+    decode_bound = gbps * 1e9 / weight_bytes
+    f32 = single_stream(loaded, "none")
+    int8 = single_stream(loaded, "int8")
+    run = offline(loaded)
+    result = {
+        "machine": {"cpus": os.cpu_count(), "backend": jax.default_backend(),
+                    "matmul_gflops": gflops, "read_gbps": gbps},
+        "model": {"gflop_per_token": flops_per_token / 1e9, "weight_bytes_f32": weight_bytes},
+        "bounds": {"compute_tokens_per_s": compute_bound, "decode_f32_tokens_per_s": decode_bound},
+        "single_stream": {"f32_tokens_per_s": f32, "int8_tokens_per_s": int8,
+                          "f32_vs_bound": f32 / decode_bound, "int8_vs_f32": int8 / f32},
+        "offline": {**run, "vs_compute_bound": run["total_tokens_per_s"] / compute_bound},
+    }
+    rows = [
+        ("f32 matmul (measured)", f"{gflops:.0f} GFLOP/s"),
+        ("read bandwidth (measured)", f"{gbps:.1f} GB/s"),
+        ("model FLOPs per token", f"{flops_per_token / 1e9:.3f} GFLOP"),
+        ("compute bound", f"{compute_bound:.0f} tok/s"),
+        ("single-stream bound (f32 weights)", f"{decode_bound:.1f} tok/s"),
+        ("single-stream decode f32", f"{f32:.1f} tok/s ({f32 / decode_bound:.0%} of bound)"),
+        ("single-stream decode int8", f"{int8:.1f} tok/s ({int8 / f32:.2f}x f32)"),
+        (f"offline {FLAGS.num_prompts} x ({FLAGS.input_len} in, {FLAGS.output_len} out) total",
+         f"{run['total_tokens_per_s']:.0f} tok/s ({run['total_tokens_per_s'] / compute_bound:.0%}"
+         f" of compute bound)"),
+        ("offline output throughput", f"{run['output_tokens_per_s']:.0f} tok/s"),
+        ("host share of step time", f"{run['host_share']:.1%}"),
+        ("compilations after warm-up", str(run["compilations_after_warmup"])),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    app.run(main)
