@@ -35,15 +35,19 @@ class Buckets:
     tokens: tuple[int, ...]  # prefill tokens
     pages: int  # page-table width: the most pages one sequence can hold (attention loops only
     #             as far as the longest sequence in the step, so the width is not a bucket)
+    query_block: int = 1  # prefill chunks start at multiples of this (see AttentionMetadata)
     copies: tuple[int, ...] = (4, 32)
     logprobs: tuple[int, ...] = (1, 5, 20)
 
     @classmethod
     def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
-                   max_sample_rows: int) -> "Buckets":
-        return cls(seqs=_powers_of_two(1, max(max_num_seqs, max_sample_rows)),
-                   tokens=_powers_of_two(16, max(16, max_num_batched_tokens)),
-                   pages=max_pages_per_seq)
+                   max_sample_rows: int, query_block: int = 1) -> "Buckets":
+        tokens = _powers_of_two(16, max(16, max_num_batched_tokens))
+        if query_block > 1:  # room for the alignment padding of every prefill row
+            top = tokens[-1] + (query_block - 1) * min(max_num_seqs, tokens[-1])
+            tokens += (-(-top // query_block) * query_block,)
+        return cls(seqs=_powers_of_two(1, max(max_num_seqs, max_sample_rows)), tokens=tokens,
+                   pages=max_pages_per_seq, query_block=query_block)
 
     @staticmethod
     def fit(sizes: tuple[int, ...], n: int) -> int:
@@ -76,7 +80,8 @@ def build_batch(plan: StepPlan, buckets: Buckets,
     assert plan.chunks[:len(decode)] == decode, "decode chunks must come first in the plan"
     sd = Buckets.fit(buckets.seqs, len(decode))
     sp = Buckets.fit(buckets.seqs, len(prefill))
-    tp = Buckets.fit(buckets.tokens, sum(c.num_tokens for c in prefill))
+    qb = buckets.query_block
+    tp = Buckets.fit(buckets.tokens, sum(-(-c.num_tokens // qb) * qb for c in prefill))
     num_rows = sd + sp
     width = buckets.pages
     t = sd + tp
@@ -120,7 +125,7 @@ def build_batch(plan: StepPlan, buckets: Buckets,
     first = sd
     for j, chunk in enumerate(prefill):
         place(sd + j, chunk, first)
-        first += chunk.num_tokens
+        first += -(-chunk.num_tokens // qb) * qb
         query_start[sd + j + 1] = first
     query_start[sd + len(prefill) + 1:] = first
 
@@ -159,7 +164,7 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         token_ids=token_ids,
         attn=AttentionMetadata(positions=positions, slot_mapping=slots, page_tables=page_tables,
                                seq_lens=seq_lens, query_start=query_start, token_row=token_row,
-                               num_decode=sd),
+                               num_decode=sd, query_block=qb),
         logits_indices=logits_indices,
         sampling=SamplingMetadata(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,

@@ -23,6 +23,9 @@ from jaxserve.step_plan import ScheduledChunk, StepPlan
 from jaxserve.weights import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
+# The XLA path attends prefill tokens in blocks of this many, each within one sequence; the
+# packed (ragged) layout is for the Pallas kernels.
+XLA_QUERY_BLOCK = 16
 
 
 class LLMEngine:
@@ -49,7 +52,8 @@ class LLMEngine:
                                   backend=self.backend)
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
-            math.ceil(self.max_model_len / config.page_size), max_sample_rows=config.max_num_seqs)
+            math.ceil(self.max_model_len / config.page_size), max_sample_rows=config.max_num_seqs,
+            query_block=1 if self.backend == "pallas" else XLA_QUERY_BLOCK)
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, tuple[Request, str | None]] = {}
         self._ids = itertools.count()
@@ -189,7 +193,8 @@ class LLMEngine:
             if tp == 0:
                 rows = [0]
             else:
-                rows = [s for s in seqs if 0 < s <= tp] if full else [1]
+                units = tp // self.buckets.query_block  # each prefill row fills whole blocks
+                rows = [s for s in seqs if 0 < s <= units] if full else [1]
             combos.update((sd, tp, sp) for sp in rows if full or sd == 0 or tp == 0)
         greedy = SamplingParams(temperature=0)
         dummy = Request("warmup", [0], greedy)
@@ -204,7 +209,8 @@ class LLMEngine:
                 s = seq(2)
                 plan.chunks.append(ScheduledChunk(s, 1, 1, [s]))
             for i in range(sp):
-                n = tp // sp + (i < tp % sp)
+                units = tp // self.buckets.query_block
+                n = (units // sp + (i < units % sp)) * self.buckets.query_block
                 s = seq(n)
                 plan.chunks.append(ScheduledChunk(s, 0, n, [s]))
             batch, rows, _ = build_batch(plan, self.buckets, self.config.page_size)

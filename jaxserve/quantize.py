@@ -19,7 +19,11 @@ def quantize_weight(w: np.ndarray) -> dict:
 
 def quantize_int8(params: dict) -> dict:
     """Quantize the layer projections and the output head; embeddings and norms stay float.
-    A tied head gets its own quantized copy (the embedding lookup keeps the float table)."""
+    A tied head gets its own quantized copy (the embedding lookup keeps the float table). The
+    head is stored [V, H] ("q_t"): measured on XLA CPU, an int8 [H, V] head dequantised at a
+    single token ran 10x slower than f32, the [V, H] one 5x faster."""
     layers = {k: quantize_weight(v) if k in _QUANTIZED else v for k, v in params["layers"].items()}
     head = params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T
-    return {**params, "layers": layers, "lm_head": quantize_weight(head)}
+    q = quantize_weight(head)
+    return {**params, "layers": layers,
+            "lm_head": {"q_t": np.ascontiguousarray(q["q"].T), "scale": q["scale"]}}

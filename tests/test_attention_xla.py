@@ -76,3 +76,38 @@ def test_decode_only_and_prefill_only_steps():
             ref = ref_ragged_prefill_attention(q, pool.k[0], pool.v[0], md.page_tables,
                                                md.seq_lens, md.query_start, sm_scale=0.25)
             np.testing.assert_allclose(out[:13], np.asarray(ref)[:13], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("query_block", [4, 16])
+def test_aligned_prefill_layout_matches_packed_reference(query_block):
+    """The engine's XLA layout: each prefill chunk starts at a multiple of query_block (padding
+    tokens in between belong to no row); outputs of real tokens equal the packed reference."""
+    rng = np.random.default_rng(query_block)
+    b = 8
+    decode_lens = [3, 17]
+    prefill = [(5, 21), (1, 1), (16, 40), (9, 9)]
+    q, pool, md = _step(rng, b, decode_lens, prefill, 3, 3, 16, width=8)
+    sd, rows = len(decode_lens), len(decode_lens) + len(prefill)
+    starts = np.asarray(md.query_start)
+    index, row_of, pos_of = list(range(sd)), list(range(sd)), list(np.asarray(md.positions[:sd]))
+    for r in range(sd, rows):
+        a, e = starts[r], starts[r + 1]
+        index += list(range(a, e)) + [-1] * (-(e - a) % query_block)
+        row_of += [r] * (e - a) + [rows] * (-(e - a) % query_block)
+        pos_of += list(np.asarray(md.positions[a:e])) + [0] * (-(e - a) % query_block)
+    index = np.asarray(index)
+    q_aligned = np.where(index[:, None, None] >= 0, np.asarray(q)[index], 0.0)
+    aligned = AttentionMetadata(
+        positions=jnp.asarray(np.asarray(pos_of, np.int32)),
+        slot_mapping=jnp.zeros(len(index), jnp.int32), page_tables=md.page_tables,
+        seq_lens=md.seq_lens, query_start=md.query_start,
+        token_row=jnp.asarray(np.asarray(row_of, np.int32)), num_decode=sd,
+        query_block=query_block)
+    out = np.asarray(attend("xla", jnp.asarray(q_aligned), pool, 0, aligned, sm_scale=0.25))
+    packed = np.asarray(attend("xla", q, pool, 0, md, sm_scale=0.25))
+    real = index >= 0
+    np.testing.assert_allclose(out[real], packed[index[real]], atol=2e-5, rtol=2e-5)
+    ref = ref_ragged_prefill_attention(q[sd:], pool.k[0], pool.v[0], md.page_tables[sd:],
+                                       md.seq_lens[sd:], md.query_start[sd:] - sd, sm_scale=0.25)
+    n = int(starts[-1]) - sd
+    np.testing.assert_allclose(packed[sd:sd + n], np.asarray(ref)[:n], atol=2e-5, rtol=2e-5)

@@ -27,7 +27,7 @@ def test_int8_quantizes_projections_and_a_separate_head():
     q = quantize_int8(params)
     assert q["layers"]["wq"]["q"].dtype == np.int8
     assert q["layers"]["attn_norm"] is params["layers"]["attn_norm"]
-    assert q["lm_head"]["q"].shape == (4, 10)  # tied head transposed and quantized
+    assert q["lm_head"]["q_t"].shape == (10, 4)  # tied head quantized per vocabulary row
     assert q["embed"] is params["embed"]  # lookup stays float
 
 

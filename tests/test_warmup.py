@@ -55,9 +55,11 @@ def test_default_warmup_covers_pure_decode_and_prefill(default_loaded):
     engine = LLMEngine(EngineConfig.from_options(num_pages=40, max_num_seqs=2,
                                                  max_num_batched_tokens=16, page_size=8), loaded)
     report = engine.warmup()
-    # decode-only for 1 and 2 rows, prefill-only for 16 tokens
-    assert report == {**report, "shapes": 3, "compilations": 3}
+    # decode-only for 1 and 2 rows; prefill-only for 16 tokens and for the top bucket (48) that
+    # holds the budget plus the query-block alignment padding of every row
+    assert engine.buckets.tokens == (16, 48)
+    assert report == {**report, "shapes": 4, "compilations": 4}
     engine.add_request({"prompt_token_ids": [5] * 10}, SamplingParams(temperature=0, max_tokens=4))
     while engine.has_unfinished():
         engine.step()
-    assert engine.stats()["compilations"] == 3
+    assert engine.stats()["compilations"] == 4

@@ -29,8 +29,8 @@ def _pytree_dataclass(cls):
     )
 
 
-def static_field():
-    return dataclasses.field(metadata={"static": True})
+def static_field(**kwargs):
+    return dataclasses.field(metadata={"static": True}, **kwargs)
 
 
 @_pytree_dataclass
@@ -59,6 +59,9 @@ class AttentionMetadata:
     query_start: jax.Array  # i32[S + 1] row s owns tokens query_start[s]:query_start[s + 1]
     token_row: jax.Array  # i32[T] row of each token; padding tokens -> S (matches no row)
     num_decode: int = static_field()  # Sd
+    # Prefill chunks start at multiples of this many tokens after the decode rows (padding in
+    # between); query_start then counts a row's padding as its own. 1 = packed (Pallas path).
+    query_block: int = static_field(default=1)
 
 
 def write_kv(pool: KVPool, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVPool:
@@ -120,62 +123,50 @@ def _gather_block(pool: KVPool, layer, pages):
     return take(pool.k), take(pool.v)
 
 
-def _xla_decode(q, pool: KVPool, layer, page_tables, seq_lens, sm_scale):
-    """q f[Sd, Hq, D], one token per row at position seq_lens - 1. Each query meets only its own
-    row's keys (scores [Hkv, Sd, G, ppb*B] per block)."""
-    sd, hq, d = q.shape
-    hkv, b = pool.k.shape[1], pool.page_size
+def _rows_attention(q, pool: KVPool, layer, page_tables, seq_lens, q_pos, *,
+                    pages_per_block: int, sm_scale: float):
+    """Each row's queries attend that row's pages causally. q f[R, Qb, Hq, D]: Qb query tokens
+    per row (1 for decode; a block of one prefill chunk otherwise); page_tables i32[R, P];
+    seq_lens i32[R] (0: padding row); q_pos i32[R, Qb]. Work is rows x own keys only: a query
+    never meets another row's keys. Returns f[R * Qb, Hq, D]."""
+    r, qb, hq, d = q.shape
+    hkv = pool.k.shape[1]
     g = hq // hkv
-    qg = q.reshape(sd, hkv, g, d).transpose(1, 0, 2, 3).astype(jnp.float32) * sm_scale
+    qg = q.reshape(r, qb, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, r, qb * g, d)
+    qg = qg.astype(jnp.float32) * sm_scale
+    pos = jnp.repeat(q_pos, g, axis=1)[None, :, :, None]  # [1, R, Qb*G, 1]
 
     def block(first, pages, carry):
-        k, v = _gather_block(pool, layer, pages)  # [Hkv, Sd, ppb*B, D]
-        s = jnp.einsum("ksgd,kscd->ksgc", qg, k)
-        pos = first + jnp.arange(k.shape[2])
-        s = jnp.where(pos[None, None, None, :] < seq_lens[None, :, None, None], s, _MASKED)
-        return _online_update(carry, s, v, "ksgc,kscd->ksgd")
+        k, v = _gather_block(pool, layer, pages)  # [Hkv, R, ppb*B, D]
+        s = jnp.einsum("krqd,krcd->krqc", qg, k)
+        key_pos = first + jnp.arange(k.shape[2])
+        s = jnp.where(key_pos[None, None, None, :] <= pos, s, _MASKED)
+        return _online_update(carry, s, v, "krqc,krcd->krqd")
 
-    out = _over_page_blocks(page_tables, seq_lens, DECODE_PAGES_PER_BLOCK, b, (hkv, sd, g), d,
-                            block)  # [Hkv, Sd, G, D]
-    return out.transpose(1, 0, 2, 3).reshape(sd, hq, d).astype(q.dtype)
-
-
-def _xla_prefill(q, pool: KVPool, layer, page_tables, seq_lens, positions, token_row, sm_scale):
-    """q f[Tp, Hq, D] from Sp rows (token_row in [0, Sp), Sp for padding): each token attends the
-    keys of its own row at positions <= its own (causal; earlier pages included). A block holds
-    ppb pages of every row; keys of other rows are masked."""
-    tp, hq, d = q.shape
-    sp = page_tables.shape[0]
-    hkv, b = pool.k.shape[1], pool.page_size
-    g = hq // hkv
-    qg = q.reshape(tp, hkv, g, d).astype(jnp.float32) * sm_scale
-
-    def block(first, pages, carry):
-        k, v = _gather_block(pool, layer, pages)
-        k, v = k.reshape(hkv, -1, d), v.reshape(hkv, -1, d)  # [Hkv, Sp*ppb*B, D]
-        s = jnp.einsum("tkgd,kcd->tkgc", qg, k)
-        slots = k.shape[1] // sp
-        key_row, key_pos = jnp.arange(sp * slots) // slots, first + jnp.arange(sp * slots) % slots
-        valid = (key_row[None, :] == token_row[:, None]) & (key_pos[None, :] <= positions[:, None])
-        s = jnp.where(valid[:, None, None, :], s, _MASKED)
-        return _online_update(carry, s, v, "tkgc,kcd->tkgd")
-
-    out = _over_page_blocks(page_tables, seq_lens, PREFILL_PAGES_PER_BLOCK, b, (tp, hkv, g), d,
-                            block)
-    return out.reshape(tp, hq, d).astype(q.dtype)
+    out = _over_page_blocks(page_tables, seq_lens, pages_per_block, pool.page_size,
+                            (hkv, r, qb * g), d, block)  # [Hkv, R, Qb*G, D]
+    out = out.reshape(hkv, r, qb, g, d).transpose(1, 2, 0, 3, 4)
+    return out.reshape(r * qb, hq, d).astype(q.dtype)
 
 
 def _xla_attention(q, pool, layer, md: AttentionMetadata, sm_scale):
-    sd = md.num_decode
+    """Decode rows attend as rows of one query; prefill tokens as blocks of md.query_block
+    tokens, each block inside one row (the batch builder aligns every chunk to the block)."""
+    sd, t = md.num_decode, q.shape[0]
     parts = []
     if sd:
-        parts.append(_xla_decode(q[:sd], pool, layer, md.page_tables[:sd], md.seq_lens[:sd],
-                                 sm_scale))
-    if q.shape[0] > sd and md.page_tables.shape[0] > sd:
-        parts.append(_xla_prefill(q[sd:], pool, layer, md.page_tables[sd:], md.seq_lens[sd:],
-                                  md.positions[sd:], md.token_row[sd:] - sd, sm_scale))
-    elif q.shape[0] > sd:  # padding tokens with no prefill rows
-        parts.append(jnp.zeros((q.shape[0] - sd,) + q.shape[1:], q.dtype))
+        parts.append(_rows_attention(q[:sd, None], pool, layer, md.page_tables[:sd],
+                                     md.seq_lens[:sd], md.positions[:sd, None],
+                                     pages_per_block=DECODE_PAGES_PER_BLOCK, sm_scale=sm_scale))
+    if t > sd:
+        qb, sp = md.query_block, md.page_tables.shape[0] - sd
+        first_rows = md.token_row[sd::qb] - sd  # row of each query block; sp for padding
+        real = first_rows < sp
+        rows = jnp.where(real, first_rows, 0) + sd
+        parts.append(_rows_attention(
+            q[sd:].reshape(-1, qb, *q.shape[1:]), pool, layer, md.page_tables[rows],
+            jnp.where(real, md.seq_lens[rows], 0), md.positions[sd:].reshape(-1, qb),
+            pages_per_block=PREFILL_PAGES_PER_BLOCK, sm_scale=sm_scale))
     return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 
 
