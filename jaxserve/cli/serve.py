@@ -18,6 +18,9 @@ flags.DEFINE_integer("max_tokens_limit", None,
                      "Largest max_tokens accepted (default: the context).")
 flags.DEFINE_multi_string("served_model_name", None,
                           "Model name(s) clients use (default: --model).")
+flags.DEFINE_enum("compile_warmup", "none", ["none", "default", "full"],
+                  "Compile step shapes before serving: default = pure decode and prefill buckets; "
+                  "full = every bucket combination (slow on CPU).")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
                   "uvicorn log level.")
 FLAGS = flags.FLAGS
@@ -40,6 +43,10 @@ def main(argv):
     except ValueError as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2
+    if FLAGS.compile_warmup != "none":
+        report = engine.warmup(full=FLAGS.compile_warmup == "full")
+        print(f"jaxserve serve: compiled {report['compilations']} step shapes in "
+              f"{report['seconds']:.1f} s", file=sys.stderr)
     app = build_app(engine, server_config)
     uvicorn.run(app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
     return 0
