@@ -158,8 +158,11 @@ class Bench:
                                         prefix_group_size=8)
             note = (f"prefix_caching: workload given shared prefixes of "
                     f"{workload.shared_prefix_len} tokens per 8 requests")
-        b, _ = self.run("prefix cache on", dict(self.options, enable_prefix_caching=True), workload)
-        v, _ = self.run("prefix cache off", dict(self.options, enable_prefix_caching=False), workload)
+        options = dict(self.options)
+        if options.get("max_model_len"):  # the added system prompt must fit the context too
+            options["max_model_len"] = max(options["max_model_len"], workload.max_total_len)
+        b, _ = self.run("prefix cache on", dict(options, enable_prefix_caching=True), workload)
+        v, _ = self.run("prefix cache off", dict(options, enable_prefix_caching=False), workload)
         return b, v, note
 
     def backend(self, workload):
