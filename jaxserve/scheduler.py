@@ -143,7 +143,6 @@ class Scheduler:
         anything_running = bool(self.running)
         queue = [s for s in self.running if s.seq_id not in self._in_flight]
         decodes_left = sum(self._is_decode_ready(s) for s in queue)
-        scheduled: list[ScheduledChunk] = []
         i = 0
         while i < len(queue):
             seq = queue[i]

@@ -7,7 +7,6 @@ incremental detokenizer used for streaming.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 import os

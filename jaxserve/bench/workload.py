@@ -168,10 +168,10 @@ class WorkloadSpec:
                                      f"{self.request_rate}")
         check(self.arrival in ARRIVALS, f"arrival must be one of {ARRIVALS}, got {self.arrival!r}")
         check(self.burstiness > 0, f"burstiness must be > 0, got {self.burstiness}")
-        check(self.shared_prefix_len >= 0, f"shared_prefix_len must be >= 0")
-        check(self.prefix_group_size >= 1, f"prefix_group_size must be >= 1")
-        check(self.num_warmup >= 0, f"num_warmup must be >= 0")
-        check(self.temperature >= 0, f"temperature must be >= 0")
+        check(self.shared_prefix_len >= 0, "shared_prefix_len must be >= 0")
+        check(self.prefix_group_size >= 1, "prefix_group_size must be >= 1")
+        check(self.num_warmup >= 0, "num_warmup must be >= 0")
+        check(self.temperature >= 0, "temperature must be >= 0")
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
