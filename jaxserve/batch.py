@@ -1,8 +1,9 @@
 """StepPlan -> StepBatch: fixed-shape numpy arrays padded to a small set of buckets.
 
 This is the only place host plans become arrays; the runner moves them to the device. Layout of
-the T flat tokens: Sd decode rows (one token each, padded to a bucket), then the prefill chunks'
-tokens back to back (padded to a token bucket). Padded tokens write to scratch page 0.
+the T flat tokens: Sd decode rows (one token each, padded to a bucket), then the prefill chunks,
+each starting at a multiple of `query_block` (1 packs them back to back), padded to a token
+bucket. Padded tokens write to scratch page 0.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class Buckets:
     pages: int  # page-table width: the most pages one sequence can hold (attention loops only
     #             as far as the longest sequence in the step, so the width is not a bucket)
     query_block: int = 1  # prefill chunks start at multiples of this (see AttentionMetadata)
-    copies: tuple[int, ...] = (4, 32)
+    copies: tuple[int, ...] = (4, 32)  # copy-on-write pages per step (at most one per sequence)
     logprobs: tuple[int, ...] = (1, 5, 20)
 
     @classmethod
@@ -46,8 +47,9 @@ class Buckets:
         if query_block > 1:  # room for the alignment padding of every prefill row
             top = tokens[-1] + (query_block - 1) * min(max_num_seqs, tokens[-1])
             tokens += (-(-top // query_block) * query_block,)
+        copies = tuple(sorted({4, 32, max(4, max_num_seqs)}))
         return cls(seqs=_powers_of_two(1, max(max_num_seqs, max_sample_rows)), tokens=tokens,
-                   pages=max_pages_per_seq, query_block=query_block)
+                   pages=max_pages_per_seq, query_block=query_block, copies=copies)
 
     @staticmethod
     def fit(sizes: tuple[int, ...], n: int) -> int:
