@@ -42,13 +42,13 @@ class Buckets:
 
     @classmethod
     def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
-                   max_sample_rows: int, query_block: int = 1) -> "Buckets":
+                   query_block: int = 1) -> "Buckets":
         tokens = _powers_of_two(16, max(16, max_num_batched_tokens))
         if query_block > 1:  # room for the alignment padding of every prefill row
             top = tokens[-1] + (query_block - 1) * min(max_num_seqs, tokens[-1])
             tokens += (-(-top // query_block) * query_block,)
         copies = tuple(sorted({4, 32, max(4, max_num_seqs)}))
-        return cls(seqs=_powers_of_two(1, max(max_num_seqs, max_sample_rows)), tokens=tokens,
+        return cls(seqs=_powers_of_two(1, max_num_seqs), tokens=tokens,
                    pages=max_pages_per_seq, query_block=query_block, copies=copies)
 
     @staticmethod

@@ -52,7 +52,7 @@ class LLMEngine:
                                   backend=self.backend)
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
-            math.ceil(self.max_model_len / config.page_size), max_sample_rows=config.max_num_seqs,
+            math.ceil(self.max_model_len / config.page_size),
             query_block=1 if self.backend == "pallas" else XLA_QUERY_BLOCK)
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, tuple[Request, str | None]] = {}

@@ -41,7 +41,7 @@ class _Logits:
     def __init__(self, cfg, params, page_size):
         self.runner = ModelRunner(cfg, params, num_pages=64, page_size=page_size)
         self.page_size = page_size
-        self.buckets = Buckets.for_engine(8, 128, 32, 8)
+        self.buckets = Buckets.for_engine(8, 128, 32)
 
     def step(self, plan: StepPlan) -> np.ndarray:
         import jax
