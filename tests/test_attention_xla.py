@@ -111,3 +111,27 @@ def test_aligned_prefill_layout_matches_packed_reference(query_block):
                                        md.seq_lens[sd:], md.query_start[sd:] - sd, sm_scale=0.25)
     n = int(starts[-1]) - sd
     np.testing.assert_allclose(packed[sd:sd + n], np.asarray(ref)[:n], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("rows_per_chunk,pages_per_block", [(2, 1), (3, 2), (4, 16)])
+def test_row_chunks_and_page_blocks_match_references(monkeypatch, rows_per_chunk, pages_per_block):
+    """Rows run in chunks (the last one partial) and keys in blocks of pages; neither changes
+    the result."""
+    from jaxserve.model import attention
+
+    for prefix in ("DECODE", "PREFILL"):
+        monkeypatch.setattr(attention, f"{prefix}_ROWS_PER_CHUNK", rows_per_chunk)
+        monkeypatch.setattr(attention, f"{prefix}_PAGES_PER_BLOCK", pages_per_block)
+    rng = np.random.default_rng(rows_per_chunk)
+    decode_lens = [1, 7, 8, 9, 33, 2, 16]
+    q, pool, md = _step(rng, 8, decode_lens, [], 3, 3, 16, width=6)
+    out = np.asarray(attend("xla", q, pool, 0, md, sm_scale=0.25))
+    ref = ref_paged_decode_attention(q[:7], pool.k[0], pool.v[0], md.page_tables, md.seq_lens,
+                                     sm_scale=0.25)
+    np.testing.assert_allclose(out[:7], np.asarray(ref), atol=2e-5, rtol=2e-5)
+    # Prefill rows of one query each: chunks of rows through the prefill branch.
+    q, pool, md = _step(rng, 8, [], [(1, n) for n in decode_lens], 3, 3, 16, width=6)
+    out = np.asarray(attend("xla", q, pool, 0, md, sm_scale=0.25))
+    ref = ref_ragged_prefill_attention(q, pool.k[0], pool.v[0], md.page_tables, md.seq_lens,
+                                       md.query_start, sm_scale=0.25)
+    np.testing.assert_allclose(out[:7], np.asarray(ref)[:7], atol=2e-5, rtol=2e-5)
