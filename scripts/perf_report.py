@@ -5,10 +5,12 @@
 
 Bounds are computed in the same run, from measurements, never hard-coded:
 - compute bound (tokens/s) = measured f32 matmul GFLOP/s / model GFLOP per token;
-- single-stream decode bound (tokens/s) = measured read GB/s / weight bytes read per step.
+- single-stream decode bound (tokens/s) = measured read GB/s / weight bytes read per step, the
+  read rate being the better of a full reduction and a matrix-vector product over 512 MiB.
 Reported: offline total throughput (prompt + output tokens/s) vs the compute bound, single-stream
-decode for f32 and int8 weights vs the bandwidth bound, host share of the step time, and
-compilations after warm-up.
+decode for f32 and int8 weights vs the bandwidth bound and, where `llama_cpp` is importable
+(pip install llama-cpp-python: it compiles llama.cpp), llama.cpp on the same GGUF in the same run;
+host share of the step time, and compilations after warm-up.
 """
 
 from __future__ import annotations
@@ -54,13 +56,18 @@ def measure_matmul_gflops() -> float:
     return 2 * n ** 3 / best_of(lambda: f(a).block_until_ready()) / 1e9
 
 
-def measure_read_gbps() -> float:
+def measure_read_gbps() -> dict:
+    """Read rate over 512 MiB of f32, two ways: a full sum, and a matrix-vector product (the
+    shape of single-stream decode). The bound uses the faster."""
     import jax
     import jax.numpy as jnp
 
-    x = jnp.ones((128, 1024, 1024), jnp.float32)  # 512 MiB
-    f = jax.jit(lambda x: jnp.sum(x))
-    return x.nbytes / best_of(lambda: f(x).block_until_ready()) / 1e9
+    x = jnp.ones((32768, 4096), jnp.float32)  # 512 MiB
+    v = jnp.ones((4096,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    matvec = jax.jit(lambda x, v: x @ v)
+    return {"sum": x.nbytes / best_of(lambda: total(x).block_until_ready()) / 1e9,
+            "matvec": x.nbytes / best_of(lambda: matvec(x, v).block_until_ready()) / 1e9}
 
 
 def make_engine(loaded, **options):
@@ -92,6 +99,27 @@ def single_stream(loaded, quantization: str) -> float:
     out = next(iter(drain(engine).values()))
     m = out.metrics
     return (FLAGS.decode_tokens - 1) / (m.finished_time - m.first_token_time)
+
+
+def llama_cpp_single_stream(model_path: str):
+    """llama.cpp decode tokens/s on the same GGUF and prompt (greedy); None if not importable."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    llm = llama_cpp.Llama(model_path=model_path, n_ctx=512, n_threads=os.cpu_count(),
+                          verbose=False)
+
+    def run() -> float:
+        llm.reset()
+        stamps = []
+        for tok in llm.generate(list(range(100, 132)), temp=0.0, top_k=1):
+            stamps.append(time.perf_counter())  # one decode step between consecutive tokens
+            if len(stamps) == FLAGS.decode_tokens:
+                break
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    return run
 
 
 def offline(loaded) -> dict:
@@ -134,38 +162,48 @@ def main(argv):
     del argv
     import jax
 
-    from jaxserve.weights import load_model
+    from jaxserve.weights import load_model, resolve_model_path
 
     loaded = load_model("smollm2-135m")
     cfg = loaded.config
     gflops = measure_matmul_gflops()
-    gbps = measure_read_gbps()
+    reads = measure_read_gbps()
+    gbps = max(reads.values())
     flops_per_token = cfg.flops_per_token()
     weight_bytes = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(loaded.params))
     compute_bound = gflops * 1e9 / flops_per_token
     decode_bound = gbps * 1e9 / weight_bytes
     # This machine's speed swings by 2-3x from minute to minute: interleave the two weight
     # formats, repeat, and report the best and the median of each.
-    runs = {"none": [], "int8": []}
+    gguf_path = resolve_model_path("smollm2-135m")
+    llama_cpp_run = llama_cpp_single_stream(gguf_path)
+    runs = {"none": [], "int8": [], "llama_cpp": []}
     for _ in range(FLAGS.repeats):
-        for quantization in runs:
+        for quantization in ("none", "int8"):
             runs[quantization].append(single_stream(loaded, quantization))
+        if llama_cpp_run:
+            runs["llama_cpp"].append(llama_cpp_run())
     f32, int8 = max(runs["none"]), max(runs["int8"])
     f32_median, int8_median = float(np.median(runs["none"])), float(np.median(runs["int8"]))
+    lc = max(runs["llama_cpp"]) if runs["llama_cpp"] else None
     run = offline(loaded)
     result = {
         "machine": {"cpus": os.cpu_count(), "backend": jax.default_backend(),
-                    "matmul_gflops": gflops, "read_gbps": gbps},
+                    "matmul_gflops": gflops, "read_gbps": gbps, "read_gbps_by_method": reads},
         "model": {"gflop_per_token": flops_per_token / 1e9, "weight_bytes_f32": weight_bytes},
         "bounds": {"compute_tokens_per_s": compute_bound, "decode_f32_tokens_per_s": decode_bound},
         "single_stream": {"f32_tokens_per_s": f32, "int8_tokens_per_s": int8,
                           "f32_runs": runs["none"], "int8_runs": runs["int8"],
-                          "f32_vs_bound": f32 / decode_bound, "int8_vs_f32": int8 / f32},
+                          "f32_vs_bound": f32 / decode_bound, "int8_vs_f32": int8 / f32,
+                          "llama_cpp_gguf": os.path.basename(gguf_path),
+                          "llama_cpp_tokens_per_s": lc, "llama_cpp_runs": runs["llama_cpp"],
+                          "int8_vs_llama_cpp": int8 / lc if lc else None},
         "offline": {**run, "vs_compute_bound": run["total_tokens_per_s"] / compute_bound},
     }
     rows = [
         ("f32 matmul (measured)", f"{gflops:.0f} GFLOP/s"),
-        ("read bandwidth (measured)", f"{gbps:.1f} GB/s"),
+        ("read bandwidth (measured, best)", f"{gbps:.1f} GB/s (sum {reads['sum']:.1f}, "
+                                            f"matvec {reads['matvec']:.1f})"),
         ("model FLOPs per token", f"{flops_per_token / 1e9:.3f} GFLOP"),
         ("compute bound", f"{compute_bound:.0f} tok/s"),
         ("single-stream bound (f32 weights)", f"{decode_bound:.1f} tok/s"),
@@ -173,6 +211,9 @@ def main(argv):
          f" median {f32_median:.1f})"),
         ("single-stream decode int8, best", f"{int8:.1f} tok/s ({int8 / f32:.2f}x f32;"
          f" median {int8_median:.1f})"),
+        (f"llama.cpp on {os.path.basename(gguf_path)}, best",
+         f"{lc:.1f} tok/s (jaxserve int8 / llama.cpp = {int8 / lc:.2f}x)" if lc
+         else "skipped (llama_cpp not importable)"),
         (f"offline {FLAGS.num_prompts} x ({FLAGS.input_len} in, {FLAGS.output_len} out) total",
          f"{run['total_tokens_per_s']:.0f} tok/s ({run['total_tokens_per_s'] / compute_bound:.0%}"
          f" of compute bound)"),

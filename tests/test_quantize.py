@@ -15,17 +15,19 @@ def test_quantize_weight_error_is_within_half_a_step():
     w = np.random.default_rng(0).standard_normal((2, 64, 48)).astype(np.float32)
     w[0, :, 3] = 0.0  # an all-zero channel must not divide by zero
     qw = quantize_weight(w)
-    assert qw["q"].dtype == np.int8 and qw["scale"].shape == (2, 48)
-    err = np.abs(qw["q"] * qw["scale"][:, None, :] - w)
+    q = np.swapaxes(qw["q_t"], -1, -2)  # stored [out, in]
+    assert qw["q_t"].dtype == np.int8 and qw["q_t"].shape == (2, 48, 64)
+    assert qw["scale"].shape == (2, 48)
+    err = np.abs(q * qw["scale"][:, None, :] - w)
     assert np.all(err <= qw["scale"][:, None, :] / 2 + 1e-7)
-    assert np.all(qw["q"][0, :, 3] == 0)
+    assert np.all(q[0, :, 3] == 0)
 
 
 def test_int8_quantizes_projections_and_a_separate_head():
     params = {"embed": np.ones((10, 4), np.float32), "final_norm": np.ones(4, np.float32),
               "layers": {"wq": np.ones((2, 4, 4), np.float32), "attn_norm": np.ones((2, 4))}}
     q = quantize_int8(params)
-    assert q["layers"]["wq"]["q"].dtype == np.int8
+    assert q["layers"]["wq"]["q_t"].dtype == np.int8
     assert q["layers"]["attn_norm"] is params["layers"]["attn_norm"]
     assert q["lm_head"]["q_t"].shape == (10, 4)  # tied head quantized per vocabulary row
     assert q["embed"] is params["embed"]  # lookup stays float

@@ -7,8 +7,7 @@ Params (weights oriented y = x @ W, L stacked layers):
   embed f[V, H]; final_norm f[H]; lm_head f[H, V] (absent when tied)
   layers: attn_norm f[L, H]; wq f[L, H, Hq*D]; wk, wv f[L, H, Hkv*D]; wo f[L, Hq*D, H];
           bq, bk, bv (attention_bias only); mlp_norm f[L, H]; w_gate, w_up f[L, H, I]; w_down f[L, I, H]
-A weight may instead be an int8 dict {"q": i8[..., in, out] or "q_t": i8[out, in], "scale": f[out]}
-(see quantize.py).
+A weight may instead be an int8 dict {"q_t": i8[..., out, in], "scale": f[..., out]} (quantize.py).
 """
 
 from __future__ import annotations
@@ -44,11 +43,12 @@ def apply_rope(x, cos, sin):
 
 
 def matmul(x, w):
-    """x @ w for a float weight or an int8 weight (dequantised per output channel): {"q": [in, out]}
-    or {"q_t": [out, in]}, with "scale": [out]."""
+    """x @ w for a float weight, or for an int8 weight {"q_t": [out, in], "scale": [out]}: the
+    int8 array is contracted as is (no dequantised copy), then scaled per output channel."""
     if isinstance(w, dict):
-        q = w["q"] if "q" in w else w["q_t"].T
-        return (x @ q.astype(x.dtype)) * w["scale"].astype(x.dtype)
+        y = jax.lax.dot_general(x, w["q_t"], (((x.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return (y * w["scale"]).astype(x.dtype)
     return x @ w
 
 
