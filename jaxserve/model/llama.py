@@ -43,12 +43,10 @@ def apply_rope(x, cos, sin):
 
 
 def matmul(x, w):
-    """x @ w for a float weight, or for an int8 weight {"q_t": [out, in], "scale": [out]}: the
-    int8 array is contracted as is (no dequantised copy), then scaled per output channel."""
+    """x @ w for a float weight, or for an int8 weight {"q_t": [out, in], "scale": [out]},
+    converted to x's dtype inside the matmul and scaled per output channel."""
     if isinstance(w, dict):
-        y = jax.lax.dot_general(x, w["q_t"], (((x.ndim - 1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)
-        return (y * w["scale"]).astype(x.dtype)
+        return (x @ w["q_t"].astype(x.dtype).T) * w["scale"].astype(x.dtype)
     return x @ w
 
 
