@@ -186,6 +186,9 @@ class LLMEngine:
         t0, before = time.perf_counter(), self.runner.compilations
         seqs = (0,) + self.buckets.seqs
         tokens = (0,) + self.buckets.tokens
+        qb = self.buckets.query_block
+        max_chunk = self.buckets.pages * self.config.page_size
+        max_units = -(-max_chunk // qb)  # query blocks one row's chunk can span
         combos = set()
         for sd, tp in itertools.product(seqs, tokens):
             if sd + tp == 0:
@@ -193,8 +196,10 @@ class LLMEngine:
             if tp == 0:
                 rows = [0]
             else:
-                units = tp // self.buckets.query_block  # each prefill row fills whole blocks
-                rows = [s for s in seqs if 0 < s <= units] if full else [1]
+                units = tp // qb  # each prefill row fills whole query blocks
+                # No row's chunk is longer than its page table holds (max_model_len).
+                fits = [s for s in seqs if 0 < s <= units and -(-units // s) <= max_units]
+                rows = fits if full else fits[:1]
             combos.update((sd, tp, sp) for sp in rows if full or sd == 0 or tp == 0)
         greedy = SamplingParams(temperature=0)
         dummy = Request("warmup", [0], greedy)
@@ -209,8 +214,8 @@ class LLMEngine:
                 s = seq(2)
                 plan.chunks.append(ScheduledChunk(s, 1, 1, [s]))
             for i in range(sp):
-                units = tp // self.buckets.query_block
-                n = (units // sp + (i < units % sp)) * self.buckets.query_block
+                units = tp // qb
+                n = min((units // sp + (i < units % sp)) * qb, max_chunk)  # pads to those blocks
                 s = seq(n)
                 plan.chunks.append(ScheduledChunk(s, 0, n, [s]))
             batch, rows, _ = build_batch(plan, self.buckets, self.config.page_size)
