@@ -67,8 +67,6 @@ class StepBatch:
     attn: AttentionMetadata
     logits_indices: jax.Array  # i32[R] flat token whose logits each sample row reads
     sampling: SamplingMetadata
-    copy_src: jax.Array  # i32[C] copy-on-write: page copy_src[i] -> copy_dst[i] before writes
-    copy_dst: jax.Array  # i32[C]
     prompt_targets: jax.Array  # i32[T] next prompt token after each token (for prompt logprobs)
     prompt_logprobs: int = static_field()  # -1: none; k >= 0: return prompt logprobs and top k
 
@@ -156,12 +154,6 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         mode = FILTERED
     else:
         mode = RANDOM
-    num_copies = Buckets.fit(buckets.copies, len(plan.copies))
-    copy_src = np.zeros(num_copies, np.int32)
-    copy_dst = np.zeros(num_copies, np.int32)
-    for i, (src, dst) in enumerate(plan.copies):
-        copy_src[i], copy_dst[i] = src, dst
-
     batch = StepBatch(
         token_ids=token_ids,
         attn=AttentionMetadata(positions=positions, slot_mapping=slots, page_tables=page_tables,
@@ -172,6 +164,16 @@ def build_batch(plan: StepPlan, buckets: Buckets,
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
             forks=forks, positions=sample_pos, mode=mode,
             num_top_logprobs=Buckets.fit(buckets.logprobs, max_logprobs)),
-        copy_src=copy_src, copy_dst=copy_dst, prompt_targets=prompt_targets,
+        prompt_targets=prompt_targets,
         prompt_logprobs=-1 if prompt_k < 0 else Buckets.fit((0,) + buckets.logprobs, prompt_k))
     return batch, len(rows), offsets
+
+
+def page_copies(copies: list[tuple[int, int]], buckets: Buckets) -> tuple[np.ndarray, np.ndarray]:
+    """Copy-on-write (src, dst) pairs -> i32 src, dst arrays padded to a copies bucket with
+    page 0 -> page 0 (a no-op on the scratch page)."""
+    n = Buckets.fit(buckets.copies, len(copies))
+    src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    for i, (a, b) in enumerate(copies):
+        src[i], dst[i] = a, b
+    return src, dst

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from jaxserve.batch import Buckets, build_batch
+from jaxserve.batch import Buckets, build_batch, page_copies
 from jaxserve.config import EngineConfig
 from jaxserve.model.attention import resolve_backend
 from jaxserve.output_processor import OutputProcessor
@@ -118,7 +118,8 @@ class LLMEngine:
             return []
         batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
         t1 = time.perf_counter()
-        out = self.runner.execute(batch, num_rows)
+        copies = page_copies(plan.copies, self.buckets) if plan.copies else None
+        out = self.runner.execute(batch, num_rows, copies)
         t2 = time.perf_counter()
         self._record_logprobs(plan, out)
         if out.prompt_logprobs is not None:
@@ -181,8 +182,9 @@ class LLMEngine:
     def warmup(self, full: bool = False) -> dict:
         """Compile step shapes before traffic arrives. By default: every decode-only bucket and
         every prefill-only token bucket with one row; full=True adds every combination of decode
-        rows, prefill tokens and prefill rows the scheduler can produce. Warm-up steps use only
-        the scratch page 0 and change no request state. Returns counts and seconds."""
+        rows, prefill tokens and prefill rows the scheduler can produce. Both compile the
+        copy-on-write page copies for every copies bucket. Warm-up steps use only the scratch
+        page 0 and change no request state. Returns counts and seconds."""
         t0, before = time.perf_counter(), self.runner.compilations
         seqs = (0,) + self.buckets.seqs
         tokens = (0,) + self.buckets.tokens
@@ -220,7 +222,10 @@ class LLMEngine:
                 plan.chunks.append(ScheduledChunk(s, 0, n, [s]))
             batch, rows, _ = build_batch(plan, self.buckets, self.config.page_size)
             self.runner.execute(batch, rows)
-        return {"shapes": len(combos), "compilations": self.runner.compilations - before,
+        for n in self.buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
+            self.runner.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))
+        return {"shapes": len(combos) + len(self.buckets.copies),
+                "compilations": self.runner.compilations - before,
                 "seconds": time.perf_counter() - t0}
 
     # ----------------------------------------------------------------- introspection

@@ -39,12 +39,16 @@ class StepOutput:
     prompt_top_logprobs: np.ndarray | None = None  # f32[T, k]
 
 
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _copy_pages(pool: KVPool, src, dst) -> KVPool:
+    """Copy-on-write: page src[i] -> dst[i] in every layer and head. Its own small jitted call
+    (copies are rare: forks, prefix hits ending mid-page), so the step's shapes do not multiply
+    by the copies buckets."""
+    return KVPool(k=pool.k.at[:, :, dst].set(pool.k[:, :, src], mode="promise_in_bounds"),
+                  v=pool.v.at[:, :, dst].set(pool.v[:, :, src], mode="promise_in_bounds"))
+
+
 def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: str):
-    # Copy-on-write page copies happen before any of this step's KV writes.
-    if batch.copy_src.shape[0]:
-        src, dst = batch.copy_src, batch.copy_dst
-        pool = KVPool(k=pool.k.at[:, :, dst].set(pool.k[:, :, src], mode="promise_in_bounds"),
-                      v=pool.v.at[:, :, dst].set(pool.v[:, :, src], mode="promise_in_bounds"))
     pool, hidden = llama.forward(params, pool, batch.token_ids, batch.attn, cfg=cfg,
                                  backend=backend)
     logits = llama.logits(params, hidden[batch.logits_indices])
@@ -96,11 +100,18 @@ class ModelRunner:
     def param_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
 
-    def dispatch(self, batch: StepBatch):
-        """Launch one step asynchronously; returns device arrays (JAX dispatch is async)."""
+    def dispatch(self, batch: StepBatch, copies=None):
+        """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
+        if any; returns device arrays (JAX dispatch is async)."""
+        if copies is not None:
+            self.copy_pages(*copies)
         self._signatures.add(_signature(batch))
         self.pool, out = self._step(self.params, pool=self.pool, batch=batch)
         return out
+
+    def copy_pages(self, src, dst) -> None:
+        self._signatures.add(("copies", len(src)))
+        self.pool = _copy_pages(self.pool, src, dst)
 
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:
@@ -112,5 +123,5 @@ class ModelRunner:
             result.prompt_logprobs, result.prompt_top_ids, result.prompt_top_logprobs = out["prompt"]
         return result
 
-    def execute(self, batch: StepBatch, num_rows: int) -> StepOutput:
-        return self.fetch(self.dispatch(batch), num_rows)
+    def execute(self, batch: StepBatch, num_rows: int, copies=None) -> StepOutput:
+        return self.fetch(self.dispatch(batch, copies), num_rows)

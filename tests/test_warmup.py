@@ -58,11 +58,13 @@ def test_default_warmup_covers_pure_decode_and_prefill(default_loaded):
     # decode-only for 1 and 2 rows; prefill-only for 16 tokens and for the top bucket (48) that
     # holds the budget plus the query-block alignment padding of every row
     assert engine.buckets.tokens == (16, 48)
-    assert report == {**report, "shapes": 4, "compilations": 4}
+    # plus the copy-on-write page copies, one shape per copies bucket (4 and 32)
+    assert engine.buckets.copies == (4, 32)
+    assert report == {**report, "shapes": 6, "compilations": 6}
     engine.add_request({"prompt_token_ids": [5] * 10}, SamplingParams(temperature=0, max_tokens=4))
     while engine.has_unfinished():
         engine.step()
-    assert engine.stats()["compilations"] == 4
+    assert engine.stats()["compilations"] == 6
 
 
 def test_full_warmup_with_a_budget_above_max_model_len(default_loaded):
