@@ -192,15 +192,17 @@ class LLMEngine:
         max_chunk = self.buckets.pages * self.config.page_size
         max_units = -(-max_chunk // qb)  # query blocks one row's chunk can span
         combos = set()
-        for sd, tp in itertools.product(seqs, tokens):
+        for sd, (prev, tp) in itertools.product(seqs, zip((0,) + tokens, tokens)):
             if sd + tp == 0:
                 continue
             if tp == 0:
                 rows = [0]
             else:
-                units = tp // qb  # each prefill row fills whole query blocks
-                # No row's chunk is longer than its page table holds (max_model_len).
-                fits = [s for s in seqs if 0 < s <= units and -(-units // s) <= max_units]
+                # Rows that can land in this token bucket: each fills whole query blocks, and
+                # none is longer than its page table holds (max_model_len), so sp rows reach
+                # past the previous bucket only if sp * max_units blocks do.
+                units = tp // qb
+                fits = [s for s in seqs if 0 < s <= units and s * max_units * qb > prev]
                 rows = fits if full else fits[:1]
             combos.update((sd, tp, sp) for sp in rows if full or sd == 0 or tp == 0)
         greedy = SamplingParams(temperature=0)
@@ -215,8 +217,8 @@ class LLMEngine:
             for _ in range(sd):
                 s = seq(2)
                 plan.chunks.append(ScheduledChunk(s, 1, 1, [s]))
+            units = min(tp // qb, sp * max_units)  # past the previous bucket, within this one
             for i in range(sp):
-                units = tp // qb
                 n = min((units // sp + (i < units % sp)) * qb, max_chunk)  # pads to those blocks
                 s = seq(n)
                 plan.chunks.append(ScheduledChunk(s, 0, n, [s]))

@@ -68,17 +68,19 @@ def test_default_warmup_covers_pure_decode_and_prefill(default_loaded):
 
 
 def test_full_warmup_with_a_budget_above_max_model_len(default_loaded):
-    """A token bucket larger than one sequence can hold is warmed up split across rows (a single
-    row of it would overflow the page table); traffic then compiles nothing."""
+    """Token buckets larger than one sequence can hold: a 36-token prompt (three 16-token query
+    blocks, 48 slots) lands alone in the 64-token bucket, which no single row fills; the full
+    warm-up covers that shape and traffic then compiles nothing."""
     loaded = tiny_loaded(default_loaded.tokenizer)
     engine = LLMEngine(EngineConfig.from_options(num_pages=80, max_num_seqs=4, page_size=8,
-                                                 max_num_batched_tokens=64, max_model_len=24),
+                                                 max_num_batched_tokens=64, max_model_len=40),
                        loaded)
     assert engine.buckets.pages * 8 < engine.buckets.tokens[-1]
     report = engine.warmup(full=True)
     rng = np.random.default_rng(2)
-    for _ in range(10):
-        prompt = [int(t) for t in rng.integers(3, 1000, int(rng.integers(1, 20)))]
+    lengths = [36] + [int(n) for n in rng.integers(1, 36, 9)]
+    for n in lengths:
+        prompt = [int(t) for t in rng.integers(3, 1000, n)]
         engine.add_request({"prompt_token_ids": prompt},
                            SamplingParams(temperature=0, max_tokens=int(rng.integers(1, 5))))
     while engine.has_unfinished():
