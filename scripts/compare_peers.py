@@ -9,7 +9,8 @@ tokens. Peers:
   in order, each batch run until its longest request ends (min_new_tokens = max_new_tokens =
   the batch's longest output; shorter requests are truncated to their own length afterwards, so
   their latency is the batch's). float32, torch.set_num_threads(--threads), same GGUF.
-- llama.cpp (llama_cpp), single stream on the same GGUF, only where it is importable.
+- llama.cpp (llama_cpp), single stream on the same GGUF (its first 4 requests), only where it is
+  importable (`pip install llama-cpp-python` compiles llama.cpp; not a project dependency).
 
 Latency: every request arrives at t = 0 (offline), so E2E = completion time; HF's per-batch first
 token time is taken from a streamer. Greedy agreement (tokens equal to HF's before the first
@@ -158,7 +159,8 @@ def run_llama_cpp(requests) -> dict | str:
     try:
         import llama_cpp
     except ImportError:
-        return "llama_cpp is not importable here: llama.cpp skipped (not installed on purpose)"
+        return ("llama_cpp is not importable here: llama.cpp skipped (pip install "
+                "llama-cpp-python compiles it)")
     llm = llama_cpp.Llama(model_path=model_path(), n_ctx=4096, n_threads=FLAGS.threads,
                           logits_all=False, verbose=False)
     eos = llm.token_eos()
