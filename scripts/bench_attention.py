@@ -26,6 +26,8 @@ flags.DEFINE_integer("rows", 256, "Decode rows.")
 flags.DEFINE_integer("context", 192, "Keys per sequence.")
 flags.DEFINE_integer("prefill_tokens", 1024, "Prefill tokens in the prefill case (0: skip).")
 flags.DEFINE_integer("page_size", 16, "Tokens per page.")
+flags.DEFINE_integer("table_width", 512, "Page-table width (the engine's pages per sequence at "
+                     "max_model_len; 512 = 8192 tokens, SmolLM2's context); unused entries 0.")
 flags.DEFINE_list("pages_per_block", ["4", "8", "16"], "Values to try.")
 flags.DEFINE_list("rows_per_chunk", ["8", "16", "32", "1024"], "Values to try (1024: no chunks).")
 flags.DEFINE_integer("repeats", 5, "Timed runs per setting.")
@@ -71,7 +73,8 @@ def case(num_seqs: int, context: int, tokens_per_seq: int):
                   v=jnp.asarray(rng.standard_normal(shape, np.float32)))
     cat = lambda xs: jnp.asarray(np.concatenate(xs).astype(np.int32))  # noqa: E731
     md = AttentionMetadata(
-        positions=cat(positions), slot_mapping=cat(slots), page_tables=jnp.asarray(tables),
+        positions=cat(positions), slot_mapping=cat(slots),
+        page_tables=jnp.asarray(np.pad(tables, ((0, 0), (0, max(0, FLAGS.table_width - pages))))),
         seq_lens=jnp.full(num_seqs, context, jnp.int32),
         query_start=jnp.asarray(np.arange(num_seqs + 1) * chunk, jnp.int32),
         token_row=cat(rows), num_decode=num_seqs if decode else 0, query_block=qblock)

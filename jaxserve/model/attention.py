@@ -76,7 +76,7 @@ def write_kv(pool: KVPool, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.
 
 
 # Measured on a 2-core AVX-512 CPU, SmolLM2 shapes (scripts/bench_attention.py).
-DECODE_PAGES_PER_BLOCK = 16
+DECODE_PAGES_PER_BLOCK = 4
 DECODE_ROWS_PER_CHUNK = 16
 PREFILL_PAGES_PER_BLOCK = 8
 PREFILL_ROWS_PER_CHUNK = 16
@@ -115,13 +115,16 @@ def _over_page_blocks(page_tables, seq_lens, pages_per_block: int, page_size: in
 
 def _gather_block(pool: KVPool, layer, pages):
     """Keys and values of `pages` (i32[R, ppb]) in one layer -> f32[Hkv, R, ppb*B, D] each.
-    Indexes the whole pool at once: slicing out the layer first would copy all of its pages."""
+    Gathers whole [B, D] page rows of the pool viewed as [L*Hkv*N, B*D] (a free reshape), in the
+    output's order: XLA's CPU gather is paid per index, and indexing the 5-d pool then
+    transposing measured 1.3-1.4x slower at 64-256 decode rows (scripts/bench_attention.py)."""
     r, ppb = pages.shape
-    hkv, b, d = pool.k.shape[1], pool.page_size, pool.k.shape[4]
+    num_layers, hkv, n, b, d = pool.k.shape
+    rows = (layer * hkv + jnp.arange(hkv))[:, None, None] * n + pages[None]  # [Hkv, R, ppb]
 
     def take(x):
-        block = x[layer, :, pages]  # [R, ppb, Hkv, B, D]
-        return block.transpose(2, 0, 1, 3, 4).reshape(hkv, r, ppb * b, d).astype(jnp.float32)
+        block = x.reshape(num_layers * hkv * n, b * d)[rows]  # [Hkv, R, ppb, B*D]
+        return block.reshape(hkv, r, ppb * b, d).astype(jnp.float32)
 
     return take(pool.k), take(pool.v)
 
