@@ -139,7 +139,7 @@ def build_batch(plan: StepPlan, buckets: Buckets,
     seeds = np.zeros(r, np.uint32)
     forks = np.zeros(r, np.int32)
     sample_pos = np.zeros(r, np.int32)
-    max_logprobs = 0
+    max_logprobs = -1  # -1: no row wants logprobs
     for i, (index, seq) in enumerate(rows):
         sp_ = seq.sampling_params
         logits_indices[i] = index
@@ -147,7 +147,8 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         seeds[i] = (sp_.seed or 0) & 0xFFFFFFFF
         forks[i] = seq.fork_index
         sample_pos[i] = positions[index] + 1  # forks sampled at a prompt's end share it
-        max_logprobs = max(max_logprobs, sp_.logprobs or 0)
+        if sp_.logprobs is not None:
+            max_logprobs = max(max_logprobs, sp_.logprobs)
     if not rows or np.all(temperature[:len(rows)] == 0):
         mode = GREEDY
     elif np.any(top_k[:len(rows)] > 0) or np.any(top_p[:len(rows)] < 1) or np.any(min_p[:len(rows)] > 0):
@@ -163,7 +164,8 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         sampling=SamplingMetadata(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
             forks=forks, positions=sample_pos, mode=mode,
-            num_top_logprobs=Buckets.fit(buckets.logprobs, max_logprobs)),
+            num_top_logprobs=-1 if max_logprobs < 0 else Buckets.fit(buckets.logprobs,
+                                                                     max_logprobs)),
         prompt_targets=prompt_targets,
         prompt_logprobs=-1 if prompt_k < 0 else Buckets.fit((0,) + buckets.logprobs, prompt_k))
     return batch, len(rows), offsets

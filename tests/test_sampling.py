@@ -1,0 +1,65 @@
+"""On-device sampling against numpy: greedy ids (first index among ties, as argmax), the chosen
+token's logprob and the top-k logprobs of the unfiltered distribution, and the no-logprobs mode."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.sampling import GREEDY, RANDOM, SamplingMetadata, sample
+
+
+def _metadata(rows: int, mode: str, k: int, temperature: float = 0.0) -> SamplingMetadata:
+    return SamplingMetadata(
+        temperature=jnp.full((rows,), temperature, jnp.float32),
+        top_k=jnp.zeros((rows,), jnp.int32), top_p=jnp.ones((rows,), jnp.float32),
+        min_p=jnp.zeros((rows,), jnp.float32), seeds=jnp.arange(rows, dtype=jnp.uint32),
+        forks=jnp.zeros((rows,), jnp.int32), positions=jnp.arange(rows, dtype=jnp.int32),
+        mode=mode, num_top_logprobs=k)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@pytest.fixture
+def logits() -> np.ndarray:
+    x = np.random.default_rng(0).normal(size=(6, 300)).astype(np.float32) * 4
+    x[1, [17, 250]] = x[1].max() + 1  # a tie for the maximum: the lower index wins
+    x[2, :] = 0.0  # every token tied
+    return x
+
+
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_greedy_ids_and_logprobs_match_numpy(logits, k):
+    ids, chosen, top_ids, top_lp = sample(jnp.asarray(logits), _metadata(6, GREEDY, k))
+    expected = _log_softmax(logits)
+    np.testing.assert_array_equal(np.asarray(ids), logits.argmax(-1))
+    assert int(ids[1]) == 17 and int(ids[2]) == 0
+    np.testing.assert_allclose(np.asarray(chosen), expected[np.arange(6), logits.argmax(-1)],
+                               rtol=1e-5, atol=1e-5)
+    assert top_ids.shape == (6, k) and top_lp.shape == (6, k)
+    if k:
+        order = np.argsort(-expected, axis=-1, kind="stable")[:, :k]
+        np.testing.assert_allclose(np.asarray(top_lp), np.take_along_axis(expected, order, -1),
+                                   rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(top_ids)[[0, 3, 4, 5]], order[[0, 3, 4, 5]])
+
+
+def test_no_logprobs_mode_samples_the_same_tokens(logits):
+    with_lp = sample(jnp.asarray(logits), _metadata(6, GREEDY, 0))
+    without = sample(jnp.asarray(logits), _metadata(6, GREEDY, -1))
+    np.testing.assert_array_equal(np.asarray(without[0]), np.asarray(with_lp[0]))
+    assert not np.asarray(without[1]).any() and without[2].shape == (6, 0)
+    seeded = [sample(jnp.asarray(logits), _metadata(6, RANDOM, k, temperature=1.0))[0]
+              for k in (-1, 0)]
+    np.testing.assert_array_equal(np.asarray(seeded[0]), np.asarray(seeded[1]))
+
+
+def test_sampled_token_logprob_is_of_the_unscaled_distribution(logits):
+    ids, chosen, _, _ = sample(jnp.asarray(logits), _metadata(6, RANDOM, 0, temperature=0.7))
+    expected = _log_softmax(logits)[np.arange(6), np.asarray(ids)]
+    np.testing.assert_allclose(np.asarray(chosen), expected, rtol=1e-5, atol=1e-5)
