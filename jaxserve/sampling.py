@@ -71,14 +71,11 @@ def sample(logits, md: SamplingMetadata):
         ids = jnp.where(md.temperature == 0.0, greedy_ids, sampled.astype(jnp.int32))
         chosen_logit = jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0]
     rows = logits.shape[0]
+    top_ids, top_lp = jnp.zeros((rows, 0), jnp.int32), jnp.zeros((rows, 0), jnp.float32)
     if md.num_top_logprobs < 0:
-        return (ids, jnp.zeros((rows,), jnp.float32), jnp.zeros((rows, 0), jnp.int32),
-                jnp.zeros((rows, 0), jnp.float32))
+        return ids, jnp.zeros((rows,), jnp.float32), top_ids, top_lp
     lse = jax.nn.logsumexp(logits, axis=-1)
     if md.num_top_logprobs:
         top_logits, top_ids = jax.lax.top_k(logits, md.num_top_logprobs)
         top_lp = top_logits - lse[:, None]
-    else:
-        top_lp = jnp.zeros((rows, 0), jnp.float32)
-        top_ids = jnp.zeros((rows, 0), jnp.int32)
     return ids, chosen_logit - lse, top_ids.astype(jnp.int32), top_lp

@@ -75,7 +75,8 @@ def write_kv(pool: KVPool, layer, k: jax.Array, v: jax.Array, slot_mapping: jax.
                   v=pool.v.at[layer, :, page, offset].set(v.astype(pool.v.dtype), mode=mode))
 
 
-# Measured on a 2-core AVX-512 CPU, SmolLM2 shapes (scripts/bench_attention.py).
+# Measured on a 2-core AVX-512 CPU, SmolLM2 shapes, the engine's 512-page tables
+# (scripts/bench_attention.py).
 DECODE_PAGES_PER_BLOCK = 4
 DECODE_ROWS_PER_CHUNK = 16
 PREFILL_PAGES_PER_BLOCK = 8
