@@ -52,7 +52,7 @@ def case(num_seqs: int, context: int, tokens_per_seq: int):
     tokens_per_seq tokens are this step's queries (1: decode rows)."""
     import jax.numpy as jnp
 
-    from jaxserve.model.attention import AttentionMetadata, KVPool
+    from jaxserve.model.attention import AttentionMetadata, KVCache, KVPool
 
     b, rng = FLAGS.page_size, np.random.default_rng(0)
     pages = -(-context // b)
@@ -68,9 +68,10 @@ def case(num_seqs: int, context: int, tokens_per_seq: int):
         positions.append(pos)
         rows.append(np.full(chunk, s))
         slots.append(tables[s, pos // b] * b + pos % b)
-    shape = (LAYERS, KV_HEADS, num_pages, b, HEAD_DIM)
-    pool = KVPool(k=jnp.asarray(rng.standard_normal(shape, np.float32)),
-                  v=jnp.asarray(rng.standard_normal(shape, np.float32)))
+    shape = (KV_HEADS, num_pages, b, HEAD_DIM)
+    pool = KVPool(tuple(KVCache(k=jnp.asarray(rng.standard_normal(shape, np.float32)),
+                                v=jnp.asarray(rng.standard_normal(shape, np.float32)))
+                        for _ in range(LAYERS)))
     cat = lambda xs: jnp.asarray(np.concatenate(xs).astype(np.int32))  # noqa: E731
     md = AttentionMetadata(
         positions=cat(positions), slot_mapping=cat(slots),
@@ -87,10 +88,11 @@ def time_all_layers(q, pool, md) -> float:
 
     from jaxserve.model import attention
 
-    def step(q, pool, md):
-        def body(layer, acc):
-            return acc + attention.attend("xla", q, pool, layer, md, HEAD_DIM ** -0.5)
-        return jax.lax.fori_loop(0, LAYERS, body, q * 0)
+    def step(q, pool, md):  # layers unrolled, as in the model
+        acc = q * 0
+        for cache in pool.layers:
+            acc = acc + attention.attend("xla", q, cache, md, HEAD_DIM ** -0.5)
+        return acc
 
     return best_ms(jax.jit(step), q, pool, md)
 

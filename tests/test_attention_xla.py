@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.attention import AttentionMetadata, KVPool, attend
+from jaxserve.model.attention import AttentionMetadata, KVCache, attend
 from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_prefill_attention
 
 
@@ -31,14 +31,14 @@ def _step(rng, page_size, decode_lens, prefill, hkv, g, d, width):
         a, b = query_start[r], query_start[r + 1]
         positions[a:b] = np.arange(seq_lens[r] - (b - a), seq_lens[r])
         token_row[a:b] = r
-    k = rng.standard_normal((1, hkv, num_pages, page_size, d)).astype(np.float32)
-    v = rng.standard_normal((1, hkv, num_pages, page_size, d)).astype(np.float32)
+    k = rng.standard_normal((hkv, num_pages, page_size, d)).astype(np.float32)
+    v = rng.standard_normal((hkv, num_pages, page_size, d)).astype(np.float32)
     q = rng.standard_normal((t, hkv * g, d)).astype(np.float32)
     md = AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.zeros(t, jnp.int32),
                            page_tables=jnp.asarray(tables), seq_lens=jnp.asarray(seq_lens),
                            query_start=jnp.asarray(query_start), token_row=jnp.asarray(token_row),
                            num_decode=len(decode_lens))
-    return q, KVPool(k=jnp.asarray(k), v=jnp.asarray(v)), md
+    return q, KVCache(k=jnp.asarray(k), v=jnp.asarray(v)), md
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
@@ -48,12 +48,12 @@ def test_xla_path_matches_references(page_size, hkv, g, d):
     b = page_size
     decode_lens = [1, b - 1, b, b + 1, 5 * b + 3]
     prefill = [(b + 1, 3 * b + 2), (1, 1), (7, 7), (2 * b, 2 * b)]  # chunk after earlier pages
-    q, pool, md = _step(rng, b, decode_lens, prefill, hkv, g, d, width=12)
-    out = np.asarray(attend("xla", q, pool, 0, md, sm_scale=d ** -0.5))
+    q, cache, md = _step(rng, b, decode_lens, prefill, hkv, g, d, width=12)
+    out = np.asarray(attend("xla", q, cache, md, sm_scale=d ** -0.5))
     sd = len(decode_lens)
-    ref_decode = ref_paged_decode_attention(q[:sd], pool.k[0], pool.v[0], md.page_tables[:sd],
+    ref_decode = ref_paged_decode_attention(q[:sd], cache.k, cache.v, md.page_tables[:sd],
                                             md.seq_lens[:sd], sm_scale=d ** -0.5)
-    ref_prefill = ref_ragged_prefill_attention(q[sd:], pool.k[0], pool.v[0], md.page_tables[sd:],
+    ref_prefill = ref_ragged_prefill_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
                                                md.seq_lens[sd:], md.query_start[sd:] - sd,
                                                sm_scale=d ** -0.5)
     real = int(md.query_start[-1])
@@ -66,14 +66,14 @@ def test_xla_path_matches_references(page_size, hkv, g, d):
 def test_decode_only_and_prefill_only_steps():
     rng = np.random.default_rng(0)
     for decode_lens, prefill in (([3, 40, 17], []), ([], [(9, 30), (4, 4)])):
-        q, pool, md = _step(rng, 8, decode_lens, prefill, 3, 3, 16, width=8)
-        out = np.asarray(attend("xla", q, pool, 0, md, sm_scale=0.25))
+        q, cache, md = _step(rng, 8, decode_lens, prefill, 3, 3, 16, width=8)
+        out = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
         if decode_lens:
-            ref = ref_paged_decode_attention(q[:3], pool.k[0], pool.v[0], md.page_tables,
+            ref = ref_paged_decode_attention(q[:3], cache.k, cache.v, md.page_tables,
                                              md.seq_lens, sm_scale=0.25)
             np.testing.assert_allclose(out[:3], np.asarray(ref), atol=2e-5, rtol=2e-5)
         else:
-            ref = ref_ragged_prefill_attention(q, pool.k[0], pool.v[0], md.page_tables,
+            ref = ref_ragged_prefill_attention(q, cache.k, cache.v, md.page_tables,
                                                md.seq_lens, md.query_start, sm_scale=0.25)
             np.testing.assert_allclose(out[:13], np.asarray(ref)[:13], atol=2e-5, rtol=2e-5)
 
@@ -86,7 +86,7 @@ def test_aligned_prefill_layout_matches_packed_reference(query_block):
     b = 8
     decode_lens = [3, 17]
     prefill = [(5, 21), (1, 1), (16, 40), (9, 9)]
-    q, pool, md = _step(rng, b, decode_lens, prefill, 3, 3, 16, width=8)
+    q, cache, md = _step(rng, b, decode_lens, prefill, 3, 3, 16, width=8)
     sd, rows = len(decode_lens), len(decode_lens) + len(prefill)
     starts = np.asarray(md.query_start)
     index, row_of, pos_of = list(range(sd)), list(range(sd)), list(np.asarray(md.positions[:sd]))
@@ -103,11 +103,11 @@ def test_aligned_prefill_layout_matches_packed_reference(query_block):
         seq_lens=md.seq_lens, query_start=md.query_start,
         token_row=jnp.asarray(np.asarray(row_of, np.int32)), num_decode=sd,
         query_block=query_block)
-    out = np.asarray(attend("xla", jnp.asarray(q_aligned), pool, 0, aligned, sm_scale=0.25))
-    packed = np.asarray(attend("xla", q, pool, 0, md, sm_scale=0.25))
+    out = np.asarray(attend("xla", jnp.asarray(q_aligned), cache, aligned, sm_scale=0.25))
+    packed = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
     real = index >= 0
     np.testing.assert_allclose(out[real], packed[index[real]], atol=2e-5, rtol=2e-5)
-    ref = ref_ragged_prefill_attention(q[sd:], pool.k[0], pool.v[0], md.page_tables[sd:],
+    ref = ref_ragged_prefill_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
                                        md.seq_lens[sd:], md.query_start[sd:] - sd, sm_scale=0.25)
     n = int(starts[-1]) - sd
     np.testing.assert_allclose(packed[sd:sd + n], np.asarray(ref)[:n], atol=2e-5, rtol=2e-5)
@@ -124,14 +124,14 @@ def test_row_chunks_and_page_blocks_match_references(monkeypatch, rows_per_chunk
         monkeypatch.setattr(attention, f"{prefix}_PAGES_PER_BLOCK", pages_per_block)
     rng = np.random.default_rng(rows_per_chunk)
     decode_lens = [1, 7, 8, 9, 33, 2, 16]
-    q, pool, md = _step(rng, 8, decode_lens, [], 3, 3, 16, width=6)
-    out = np.asarray(attend("xla", q, pool, 0, md, sm_scale=0.25))
-    ref = ref_paged_decode_attention(q[:7], pool.k[0], pool.v[0], md.page_tables, md.seq_lens,
+    q, cache, md = _step(rng, 8, decode_lens, [], 3, 3, 16, width=6)
+    out = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
+    ref = ref_paged_decode_attention(q[:7], cache.k, cache.v, md.page_tables, md.seq_lens,
                                      sm_scale=0.25)
     np.testing.assert_allclose(out[:7], np.asarray(ref), atol=2e-5, rtol=2e-5)
     # Prefill rows of one query each: chunks of rows through the prefill branch.
-    q, pool, md = _step(rng, 8, [], [(1, n) for n in decode_lens], 3, 3, 16, width=6)
-    out = np.asarray(attend("xla", q, pool, 0, md, sm_scale=0.25))
-    ref = ref_ragged_prefill_attention(q, pool.k[0], pool.v[0], md.page_tables, md.seq_lens,
+    q, cache, md = _step(rng, 8, [], [(1, n) for n in decode_lens], 3, 3, 16, width=6)
+    out = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
+    ref = ref_ragged_prefill_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                        md.query_start, sm_scale=0.25)
     np.testing.assert_allclose(out[:7], np.asarray(ref)[:7], atol=2e-5, rtol=2e-5)

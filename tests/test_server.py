@@ -252,9 +252,10 @@ def test_logprobs_match_transformers(engine, client, hf_smollm2):
 
 # ------------------------------------------------------------------------------- bad input
 def _post(url, path, body, raw=None, headers=None):
+    # A request may wait for a step shape to compile (seconds with 30 unrolled layers).
     if raw is not None:
-        return httpx.post(url + path, content=raw, headers=headers or {})
-    return httpx.post(url + path, json=body, headers=headers or {})
+        return httpx.post(url + path, content=raw, headers=headers or {}, timeout=120)
+    return httpx.post(url + path, json=body, headers=headers or {}, timeout=120)
 
 
 @pytest.mark.parametrize("body,status,param,needle", [

@@ -1,13 +1,16 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) as pure functions of a params pytree.
 
-Layers are stacked on a leading axis and run with `lax.scan`, so compile time does not grow with
-depth; the KV pool rides in the scan's carry so each layer updates it in place.
+Loaders stack layers on a leading axis (weights/__init__.py); the runner hands `forward` one
+dict per layer (`split_layers`) and the layers run as an unrolled Python loop. A `lax.scan` over
+the stacked arrays would compile faster, but XLA's CPU backend copies each layer's weight slice
+out of the stack before its matmul: single-stream decode measured 23 vs 33 tokens/s, and a
+256-row step's projections 13% slower.
 
-Params (weights oriented y = x @ W, L stacked layers):
+Params (weights oriented y = x @ W):
   embed f[V, H]; final_norm f[H]; lm_head f[H, V] (absent when tied)
-  layers: attn_norm f[L, H]; wq f[L, H, Hq*D]; wk, wv f[L, H, Hkv*D]; wo f[L, Hq*D, H];
-          bq, bk, bv (attention_bias only); mlp_norm f[L, H]; w_gate, w_up f[L, H, I]; w_down f[L, I, H]
-A weight may instead be an int8 dict {"q_t": i8[..., out, in], "scale": f[..., out]} (quantize.py).
+  layers: a list of L dicts: attn_norm f[H]; wq f[H, Hq*D]; wk, wv f[H, Hkv*D]; wo f[Hq*D, H];
+          bq, bk, bv (attention_bias only); mlp_norm f[H]; w_gate, w_up f[H, I]; w_down f[I, H]
+A weight may instead be an int8 dict {"q_t": i8[out, in], "scale": f[out]} (quantize.py).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import attention
-from jaxserve.model.attention import AttentionMetadata, KVPool
+from jaxserve.model.attention import AttentionMetadata, KVCache, KVPool
 
 
 def rms_norm(x, weight, eps):
@@ -50,8 +53,16 @@ def matmul(x, w):
     return x @ w
 
 
-def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, carry, lp):
-    x, pool, layer = carry
+def split_layers(params: dict) -> dict:
+    """Stacked layers {name: [L, ...]} (the loaders' layout) -> a list of L per-layer dicts."""
+    stacked = params["layers"]
+    num_layers = len(next(iter(jax.tree_util.tree_leaves(stacked))))
+    layers = [jax.tree_util.tree_map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
+    return {**params, "layers": layers}
+
+
+def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
+           cache: KVCache, lp):
     t = x.shape[0]
     d = cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
@@ -61,12 +72,12 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, carr
     q = apply_rope(q.reshape(t, cfg.num_heads, d), cos, sin)
     k = apply_rope(k.reshape(t, cfg.num_kv_heads, d), cos, sin)
     v = v.reshape(t, cfg.num_kv_heads, d)
-    pool = attention.write_kv(pool, layer, k, v, md.slot_mapping)
-    o = attention.attend(backend, q, pool, layer, md, sm_scale=d ** -0.5)
+    cache = attention.write_kv(cache, k, v, md.slot_mapping)
+    o = attention.attend(backend, q, cache, md, sm_scale=d ** -0.5)
     x = x + matmul(o.reshape(t, cfg.num_heads * d), lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     x = x + matmul(jax.nn.silu(matmul(h, lp["w_gate"])) * matmul(h, lp["w_up"]), lp["w_down"])
-    return (x, pool, layer + 1), None
+    return x, cache
 
 
 def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: ModelConfig,
@@ -75,11 +86,11 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: Mode
     x = params["embed"][token_ids]
     cos, sin = rope_tables(md.positions, cfg.head_dim, cfg.rope_theta)
 
-    def body(carry, lp):
-        return _layer(cfg, backend, md, cos, sin, carry, lp)
-
-    (x, pool, _), _ = jax.lax.scan(body, (x, pool, jnp.int32(0)), params["layers"])
-    return pool, rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    caches = []
+    for lp, cache in zip(params["layers"], pool.layers, strict=True):
+        x, cache = _layer(cfg, backend, md, cos, sin, x, cache, lp)
+        caches.append(cache)
+    return KVPool(tuple(caches)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
 def logits(params, hidden):
