@@ -1,22 +1,25 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) as pure functions of a params pytree.
 
 Loaders stack layers on a leading axis (weights/__init__.py); the runner hands `forward` one
-dict per layer (`split_layers`) and the layers run as an unrolled Python loop. A `lax.scan` over
+dict per layer (`per_layer_params`) and the layers run as an unrolled Python loop. A `lax.scan` over
 the stacked arrays would compile faster, but XLA's CPU backend copies each layer's weight slice
 out of the stack before its matmul: single-stream decode measured 23 vs 33 tokens/s, and a
 256-row step's projections 13% slower.
 
-Params (weights oriented y = x @ W):
+Params (weights oriented y = x @ W; F = (Hq + 2 Hkv) D):
   embed f[V, H]; final_norm f[H]; lm_head f[H, V] (absent when tied)
-  layers: a list of L dicts: attn_norm f[H]; wq f[H, Hq*D]; wk, wv f[H, Hkv*D]; wo f[Hq*D, H];
-          bq, bk, bv (attention_bias only); mlp_norm f[H]; w_gate, w_up f[H, I]; w_down f[I, H]
+  layers: a list of L dicts: attn_norm f[H]; w_qkv f[H, F]; b_qkv f[F] (attention_bias only);
+          wo f[Hq*D, H]; mlp_norm f[H]; w_gate_up f[H, 2I]; w_down f[I, H]
 A weight may instead be an int8 dict {"q_t": i8[out, in], "scale": f[out]} (quantize.py).
+Q, K, V and gate, up are fused into one matmul each: at one token, 7 matrix-vector products a
+layer become 4 larger ones (10% faster over 30 layers).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import attention
@@ -53,11 +56,28 @@ def matmul(x, w):
     return x @ w
 
 
-def split_layers(params: dict) -> dict:
-    """Stacked layers {name: [L, ...]} (the loaders' layout) -> a list of L per-layer dicts."""
+def _concat_out(ws: list):
+    """Concatenate weights along their output axis: f[in, out] or int8 {"q_t": [out, in]}."""
+    if isinstance(ws[0], dict):
+        return {"q_t": np.concatenate([w["q_t"] for w in ws], axis=0),
+                "scale": np.concatenate([w["scale"] for w in ws], axis=0)}
+    return np.concatenate(ws, axis=-1)
+
+
+def per_layer_params(params: dict) -> dict:
+    """The loaders' layout (layers stacked {name: [L, ...]}, separate projections, numpy) -> the
+    layout `forward` runs: a list of L per-layer dicts with fused projections."""
     stacked = params["layers"]
-    num_layers = len(next(iter(jax.tree_util.tree_leaves(stacked))))
-    layers = [jax.tree_util.tree_map(lambda x, i=i: x[i], stacked) for i in range(num_layers)]
+    num_layers = len(stacked["attn_norm"])
+    layers = []
+    for i in range(num_layers):
+        lp = jax.tree_util.tree_map(lambda x: np.asarray(x[i]), stacked)
+        fused = {"attn_norm": lp["attn_norm"], "w_qkv": _concat_out([lp["wq"], lp["wk"], lp["wv"]]),
+                 "wo": lp["wo"], "mlp_norm": lp["mlp_norm"],
+                 "w_gate_up": _concat_out([lp["w_gate"], lp["w_up"]]), "w_down": lp["w_down"]}
+        if "bq" in lp:
+            fused["b_qkv"] = np.concatenate([lp["bq"], lp["bk"], lp["bv"]], axis=-1)
+        layers.append(fused)
     return {**params, "layers": layers}
 
 
@@ -65,10 +85,12 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
            cache: KVCache, lp):
     t = x.shape[0]
     d = cfg.head_dim
+    hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = matmul(h, lp["wq"]), matmul(h, lp["wk"]), matmul(h, lp["wv"])
+    qkv = matmul(h, lp["w_qkv"])
     if cfg.attention_bias:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        qkv = qkv + lp["b_qkv"]
+    q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     q = apply_rope(q.reshape(t, cfg.num_heads, d), cos, sin)
     k = apply_rope(k.reshape(t, cfg.num_kv_heads, d), cos, sin)
     v = v.reshape(t, cfg.num_kv_heads, d)
@@ -76,7 +98,8 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
     o = attention.attend(backend, q, cache, md, sm_scale=d ** -0.5)
     x = x + matmul(o.reshape(t, cfg.num_heads * d), lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + matmul(jax.nn.silu(matmul(h, lp["w_gate"])) * matmul(h, lp["w_up"]), lp["w_down"])
+    gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
+    x = x + matmul(jax.nn.silu(gate) * up, lp["w_down"])
     return x, cache
 
 
