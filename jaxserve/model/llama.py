@@ -96,7 +96,7 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
     v = v.reshape(t, cfg.num_kv_heads, d)
     cache = attention.write_kv(cache, k, v, md.slot_mapping)
     o = attention.attend(backend, q, cache, md, sm_scale=d ** -0.5)
-    x = x + matmul(o.reshape(t, cfg.num_heads * d), lp["wo"])
+    x = x + matmul(o.reshape(t, hq), lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
     x = x + matmul(jax.nn.silu(gate) * up, lp["w_down"])
