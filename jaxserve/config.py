@@ -57,7 +57,7 @@ class ModelConfig:
 
 SCHEDULING_POLICIES = ("iteration", "static")
 PRIORITY_POLICIES = ("fcfs", "priority")
-ATTENTION_BACKENDS = ("auto", "xla", "pallas")
+ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8")
 
@@ -69,7 +69,7 @@ class EngineConfig:
     model: str = "smollm2-135m"
     dtype: str = "float32"
     quantization: str = "none"  # "int8": weight-only, per-output-channel scales
-    attention_backend: str = "auto"  # auto: pallas on TPU/GPU, xla on CPU
+    attention_backend: str = "auto"  # auto: pallas on TPU/GPU; on CPU the C++ kernel, else xla
     page_size: int = 16
     num_pages: int | None = None  # total pages including the reserved scratch page 0
     kv_cache_bytes: int | None = None  # alternative to num_pages: a KV memory budget

@@ -24,7 +24,7 @@ from jaxserve.weights import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
 # The XLA path attends prefill tokens in blocks of this many, each within one sequence; the
-# packed (ragged) layout is for the Pallas kernels.
+# packed (ragged) layout is for the C++ and Pallas kernels.
 XLA_QUERY_BLOCK = 16
 
 
@@ -46,14 +46,14 @@ class LLMEngine:
             from jaxserve.quantize import quantize_int8
 
             params = quantize_int8(params)
-        self.backend = resolve_backend(config.attention_backend)
+        self.backend = resolve_backend(config.attention_backend, config.dtype)
         self.runner = ModelRunner(loaded.config, params, num_pages=self.num_pages,
                                   page_size=config.page_size, dtype=config.dtype,
                                   backend=self.backend)
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
             math.ceil(self.max_model_len / config.page_size),
-            query_block=1 if self.backend == "pallas" else XLA_QUERY_BLOCK)
+            query_block=XLA_QUERY_BLOCK if self.backend == "xla" else 1)
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, tuple[Request, str | None]] = {}
         self._ids = itertools.count()

@@ -83,7 +83,7 @@ def case(num_seqs: int, context: int, tokens_per_seq: int):
     return q, pool, md
 
 
-def time_all_layers(q, pool, md) -> float:
+def time_all_layers(q, pool, md, backend: str = "xla") -> float:
     import jax
 
     from jaxserve.model import attention
@@ -91,7 +91,7 @@ def time_all_layers(q, pool, md) -> float:
     def step(q, pool, md):  # layers unrolled, as in the model
         acc = q * 0
         for cache in pool.layers:
-            acc = acc + attention.attend("xla", q, cache, md, HEAD_DIM ** -0.5)
+            acc = acc + attention.attend(backend, q, cache, md, HEAD_DIM ** -0.5)
         return acc
 
     return best_ms(jax.jit(step), q, pool, md)
@@ -99,6 +99,18 @@ def time_all_layers(q, pool, md) -> float:
 
 def sweep(label: str, prefix: str, q, pool, md):
     from jaxserve.model import attention
+
+    from pallas_kernels import cpu_attention
+
+    if cpu_attention.available():  # the C++ kernel wants packed chunks: query_block 1
+        import dataclasses
+
+        t = md.token_row.shape[0]
+        real = np.asarray(md.positions) >= 0
+        packed = dataclasses.replace(md, query_block=1)
+        print(f"{label:44s} cpu kernel (no block constants)  "
+              f"{time_all_layers(q, pool, packed, 'cpu'):8.1f} ms/step ({t} tokens, "
+              f"{int(real.sum())} real)", flush=True)
 
     saved = {n: getattr(attention, n) for n in dir(attention) if n.startswith(prefix)}
     for ppb, chunk in itertools.product(FLAGS.pages_per_block, FLAGS.rows_per_chunk):

@@ -1,5 +1,6 @@
 """The model through the paged pool matches Hugging Face transformers (the reference) on tiny
-random Llama and Qwen2 configs: prefill logits and several decode steps, f32, within 1e-4."""
+random Llama and Qwen2 configs: prefill logits and several decode steps, f32, within 1e-4, for
+the XLA attention path and the C++ CPU kernel."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.sequence import Request, Sequence  # noqa: E402
 from jaxserve.step_plan import ScheduledChunk, StepPlan  # noqa: E402
 from jaxserve.weights import config_from_hf, params_from_hf_state_dict  # noqa: E402
+from pallas_kernels import cpu_attention  # noqa: E402
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -38,9 +40,9 @@ def _tiny(kind: str):
 class _Logits:
     """Runs steps through the runner and returns the full logits rows of sampled positions."""
 
-    def __init__(self, cfg, params, page_size):
+    def __init__(self, cfg, params, page_size, backend):
         self.runner = ModelRunner(cfg, params, num_pages=64, page_size=page_size)
-        self.page_size = page_size
+        self.page_size, self.backend = page_size, backend
         self.buckets = Buckets.for_engine(8, 128, 32)
 
     def step(self, plan: StepPlan) -> np.ndarray:
@@ -51,21 +53,24 @@ class _Logits:
         # Same forward as the jitted step, but returning logits for comparison.
         pool, hidden = llama.forward(runner.params, runner.pool, jax.numpy.asarray(batch.token_ids),
                                      jax.tree_util.tree_map(jax.numpy.asarray, batch.attn),
-                                     cfg=runner.cfg, backend="xla")
+                                     cfg=runner.cfg, backend=self.backend)
         runner.pool = pool
         return np.asarray(llama.logits(runner.params, hidden[batch.logits_indices]))[:rows]
 
 
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("page_size,chunks", [(8, [24]), (5, [24]), (8, [11, 13]), (16, [7, 10, 7])])
-def test_prefill_and_decode_logits_match_transformers(kind, page_size, chunks):
+def test_prefill_and_decode_logits_match_transformers(kind, page_size, chunks, backend):
+    if backend == "cpu" and not cpu_attention.available():
+        pytest.skip(f"CPU kernel not built: {cpu_attention.unavailable_reason()}")
     model, cfg, params = _tiny(kind)
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, sum(chunks))]
     request = Request("r", prompt, SamplingParams(temperature=0))
     seq = Sequence(0, request, list(prompt), len(prompt))
     seq.page_ids = [int(p) for p in rng.permutation(np.arange(1, 64))[:20]]  # non-contiguous
-    runner = _Logits(cfg, params, page_size)
+    runner = _Logits(cfg, params, page_size, backend)
     start = 0
     for n in chunks:  # chunked prefill: later chunks attend to earlier pages
         last = start + n == len(prompt)

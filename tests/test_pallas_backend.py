@@ -1,11 +1,15 @@
-"""The model with attention_backend="pallas" (interpret mode on CPU) produces the same greedy
-tokens as the XLA path on the default model. Interpret mode is slow: short prompts, few tokens."""
+"""The model with attention_backend="pallas" (interpret mode on CPU) or "cpu" (the C++ kernel)
+produces the same greedy tokens as the XLA path on the default model. Interpret mode is slow:
+short prompts, few tokens for Pallas."""
 
 from __future__ import annotations
+
+import pytest
 
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
+from pallas_kernels import cpu_attention
 
 
 def _generate(loaded, backend, prompts, params):
@@ -26,3 +30,15 @@ def test_pallas_greedy_equals_xla(default_loaded):
     pallas, pallas_name = _generate(default_loaded, "pallas", prompts, params)
     assert (xla_name, pallas_name) == ("xla", "pallas")
     assert pallas == xla
+
+
+@pytest.mark.skipif(not cpu_attention.available(), reason="the CPU kernel did not build")
+def test_cpu_kernel_greedy_equals_xla_with_chunked_prefill(default_loaded):
+    """Prompts longer than the 64-token step budget: prefill in chunks that attend earlier
+    pages, then decode rows sharing steps with another request's prefill."""
+    prompts = ["Once upon a time, " * 12, "The history of the Roman empire begins", "1, 2, 3,"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    xla, _ = _generate(default_loaded, "xla", prompts, params)
+    cpu, name = _generate(default_loaded, "cpu", prompts, params)
+    assert name == "cpu"
+    assert cpu == xla

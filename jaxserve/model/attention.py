@@ -1,6 +1,7 @@
 """Attention over the paged KV pool: per-step metadata, the KV pool pytree, and the one dispatch
-that every model layer calls (`attend`). Backends: "xla" (plain jnp, the fast path on CPU) and
-"pallas" (pallas_kernels/, compiled on TPU/GPU, interpret mode on CPU).
+that every model layer calls (`attend`). Backends: "cpu" (a C++ custom call that reads pages in
+place, pallas_kernels/cpu_attention.py: the fast path on CPU), "xla" (plain jnp, any device),
+and "pallas" (pallas_kernels/, compiled on TPU/GPU, interpret mode on CPU).
 
 Dimension letters: T flat tokens this step, S sequences (rows of the page table), Sd decode rows
 (the first Sd of S, one token each), P pages per row, N pages in the pool, B page size, L layers,
@@ -248,15 +249,38 @@ def _pallas_attention(q, cache: KVCache, md: AttentionMetadata, sm_scale):
     return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 
 
-BACKENDS = {"xla": _xla_attention, "pallas": _pallas_attention}
+def _cpu_attention(q, cache: KVCache, md: AttentionMetadata, sm_scale):
+    """Decode and prefill tokens alike in one custom call: each token attends its row's pages
+    causally, read in place (no gathered copy). Needs packed chunks (query_block 1)."""
+    from pallas_kernels.cpu_attention import cpu_paged_attention
+
+    out = cpu_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens, md.token_row,
+                              md.positions, sm_scale=sm_scale)
+    return out.astype(q.dtype)
 
 
-def resolve_backend(name: str) -> str:
-    """"auto" -> pallas on TPU/GPU, xla on CPU."""
+BACKENDS = {"cpu": _cpu_attention, "xla": _xla_attention, "pallas": _pallas_attention}
+
+
+def resolve_backend(name: str, dtype: str = "float32") -> str:
+    """"auto" -> pallas on TPU/GPU; on CPU, the C++ kernel for a float32 pool when it builds
+    (pallas_kernels/cpu_attention.py), else xla."""
+    from pallas_kernels import cpu_attention
+
+    on_cpu = jax.default_backend() == "cpu"
     if name == "auto":
-        return "xla" if jax.default_backend() == "cpu" else "pallas"
+        if not on_cpu:
+            return "pallas"
+        return "cpu" if dtype == "float32" and cpu_attention.available() else "xla"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
+    if name == "cpu":
+        if not on_cpu or dtype != "float32":
+            raise ValueError("attention_backend='cpu' runs on the CPU with a float32 KV pool "
+                             f"(this is {jax.default_backend()}, {dtype})")
+        if not cpu_attention.available():
+            raise ValueError(f"the CPU attention kernel is unavailable: "
+                             f"{cpu_attention.unavailable_reason()}")
     return name
 
 
