@@ -3,7 +3,10 @@
 This is the only place host plans become arrays; the runner moves them to the device. Layout of
 the T flat tokens: Sd decode rows (one token each, padded to a bucket), then the prefill chunks,
 each starting at a multiple of `query_block` (1 packs them back to back), padded to a token
-bucket. Padded tokens write to scratch page 0.
+bucket. Padded tokens write to scratch page 0. With `Buckets.packed` (an attention backend that
+treats every row alike, "cpu"), decode rows are not split out (Sd = 0): every chunk is packed
+back to back and only the total is padded, so a step of 141 decode rows and 883 prompt tokens is
+1024 tokens, not 256 + 1024.
 """
 
 from __future__ import annotations
@@ -39,17 +42,21 @@ class Buckets:
     query_block: int = 1  # prefill chunks start at multiples of this (see AttentionMetadata)
     copies: tuple[int, ...] = (4, 32)  # copy-on-write pages per step (at most one per sequence)
     logprobs: tuple[int, ...] = (1, 5, 20)
+    packed: bool = False  # decode rows packed with the prefill chunks (see the module docstring)
 
     @classmethod
     def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
-                   query_block: int = 1) -> "Buckets":
-        tokens = _powers_of_two(16, max(16, max_num_batched_tokens))
+                   query_block: int = 1, packed: bool = False) -> "Buckets":
+        # Packed, decode-only steps are token buckets too: from 1, so one stream pads nothing.
+        lo = 1 if packed else 16
+        tokens = _powers_of_two(lo, max(lo, max_num_batched_tokens))
         if query_block > 1:  # room for the alignment padding of every prefill row
             top = tokens[-1] + (query_block - 1) * min(max_num_seqs, tokens[-1])
             tokens += (-(-top // query_block) * query_block,)
         copies = tuple(sorted({4, 32, max(4, max_num_seqs)}))
+        assert not (packed and query_block > 1), "packed chunks start anywhere"
         return cls(seqs=_powers_of_two(1, max_num_seqs), tokens=tokens,
-                   pages=max_pages_per_seq, query_block=query_block, copies=copies)
+                   pages=max_pages_per_seq, query_block=query_block, copies=copies, packed=packed)
 
     @staticmethod
     def fit(sizes: tuple[int, ...], n: int) -> int:
@@ -75,9 +82,10 @@ def build_batch(plan: StepPlan, buckets: Buckets,
                 page_size: int) -> tuple[StepBatch, int, list[int]]:
     """Returns the padded batch, the number of real sample rows (the first rows of R), and the
     flat index of each chunk's first token (in plan.chunks order)."""
-    decode = [c for c in plan.chunks if c.is_decode]
-    prefill = [c for c in plan.chunks if not c.is_decode]
-    assert plan.chunks[:len(decode)] == decode, "decode chunks must come first in the plan"
+    decode = [] if buckets.packed else [c for c in plan.chunks if c.is_decode]
+    prefill = plan.chunks[len(decode):]
+    assert all(not c.is_decode for c in prefill) or buckets.packed, \
+        "decode chunks must come first in the plan"
     sd = Buckets.fit(buckets.seqs, len(decode))
     sp = Buckets.fit(buckets.seqs, len(prefill))
     qb = buckets.query_block

@@ -53,7 +53,8 @@ class LLMEngine:
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
             math.ceil(self.max_model_len / config.page_size),
-            query_block=XLA_QUERY_BLOCK if self.backend == "xla" else 1)
+            query_block=XLA_QUERY_BLOCK if self.backend == "xla" else 1,
+            packed=self.backend == "cpu")
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, tuple[Request, str | None]] = {}
         self._ids = itertools.count()
@@ -192,7 +193,8 @@ class LLMEngine:
         max_chunk = self.buckets.pages * self.config.page_size
         max_units = -(-max_chunk // qb)  # query blocks one row's chunk can span
         combos = set()
-        for sd, (prev, tp) in itertools.product(seqs, zip((0,) + tokens, tokens)):
+        packed = self.buckets.packed  # decode rows are one-token chunks: Sd is always 0
+        for sd, (prev, tp) in itertools.product((0,) if packed else seqs, zip((0,) + tokens, tokens)):
             if sd + tp == 0:
                 continue
             if tp == 0:
@@ -205,6 +207,9 @@ class LLMEngine:
                 fits = [s for s in seqs if 0 < s <= units and s * max_units * qb > prev]
                 rows = fits if full else fits[:1]
             combos.update((sd, tp, sp) for sp in rows if full or sd == 0 or tp == 0)
+        if packed and not full:  # decode-only steps: as many one-token rows as tokens
+            combos.update((0, Buckets.fit(self.buckets.tokens, s), s) for s in self.buckets.seqs
+                          if s <= self.buckets.tokens[-1])
         greedy = SamplingParams(temperature=0)
         dummy = Request("warmup", [0], greedy)
         width = self.buckets.pages

@@ -8,8 +8,10 @@
 // positions i32[T]. Query head h * G + g reads KV head h (G = Hq / Hkv). Token t attends key
 // positions j <= positions[t] and j < seq_lens[token_row[t]].
 //
-// Work is split into (token, KV head) units over XLA's intra-op thread pool. Each unit scores
-// its keys page by page, takes a float32 softmax, and sums the values page by page.
+// Work is split into (token, KV head) units over XLA's intra-op thread pool. Each unit walks its
+// pages once with an online float32 softmax, all G query heads of the group together, so a KV
+// page is read once per token. At 256 decode rows x 200 keys the kernel is bound by memory
+// (about 17 GB/s of scattered 4 KB pages here), not by its arithmetic.
 
 #include <algorithm>
 #include <atomic>
@@ -44,6 +46,13 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+// Pulls `bytes` at `p` toward the cache. A page of one head is a few KB wherever the page table
+// points, so the hardware prefetcher cannot see the next one coming.
+inline void Prefetch(const float* p, int64_t bytes) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
 struct Problem {
   const float* q;
   const float* k;
@@ -57,13 +66,14 @@ struct Problem {
   float sm_scale;
 };
 
-// Scores, softmax and values of one (token, KV head) unit; kD > 0 fixes the head dim at compile
-// time (the common sizes), 0 reads it from `d`.
-template <int kD>
+// Scores, softmax and values of one (token, KV head) unit. kG, kD > 0 fix the group size and
+// head dim at compile time (the common shapes: loops unroll and the accumulators stay in
+// registers: 1.35x faster on cached pages at G = 3, D = 64); 0 reads them at run time.
+template <int kG, int kD>
 void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, std::vector<float>& scratch) {
   const int64_t d = kD > 0 ? kD : d_runtime;
   const int64_t t = unit / p.num_kv_heads, h = unit % p.num_kv_heads;
-  const int64_t g_size = p.num_q_heads / p.num_kv_heads;
+  const int64_t g_size = kG > 0 ? kG : p.num_q_heads / p.num_kv_heads;
   float* out = p.out + (t * p.num_q_heads + h * g_size) * d;
   const int64_t row = p.token_row[t];
   int64_t len = 0;
@@ -81,57 +91,84 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, std::vector<f
   const float* k_head = p.k + h * p.num_pages * page_elems;
   const float* v_head = p.v + h * p.num_pages * page_elems;
 
-  scratch.resize(g_size * len);
-  float* scores = scratch.data();  // [G, len]
-  for (int64_t first = 0; first < len; first += p.page_size) {
-    const float* kp = k_head + table[first / p.page_size] * page_elems;
-    const int64_t n = std::min(p.page_size, len - first);
+  // One pass over the pages with an online softmax: a page's keys and values are read
+  // together, then never again. m, l: running max and sum per query head; acc in `out`.
+  const int64_t b = p.page_size, row_bytes = d * static_cast<int64_t>(sizeof(float));
+  constexpr bool kStatic = kG > 0 && kD > 0;
+  alignas(64) float acc_static[kStatic ? kG * kD : 1];
+  scratch.resize(g_size * (b + 2) + (kStatic ? 0 : g_size * d));
+  float* scores = scratch.data();  // [G, B]
+  float* m = scores + g_size * b;
+  float* l = m + g_size;
+  float* acc = kStatic ? acc_static : l + g_size;  // [G, D]
+  std::fill(m, m + g_size, -1e30f);
+  std::fill(l, l + g_size, 0.0f);
+  std::fill(acc, acc + g_size * d, 0.0f);
+  for (int64_t first = 0; first < len; first += b) {
+    const int64_t page = table[first / b];
+    const float* kp = k_head + page * page_elems;
+    const float* vp = v_head + page * page_elems;
+    const int64_t n = std::min(b, len - first);
+    if (first + b < len) {  // see Prefetch
+      const int64_t next = table[first / b + 1] * page_elems;
+      const int64_t bytes = std::min(b, len - first - b) * row_bytes;
+      Prefetch(k_head + next, bytes);
+      Prefetch(v_head + next, bytes);
+    }
     for (int64_t i = 0; i < n; ++i) {
       const float* key = kp + i * d;
       for (int64_t g = 0; g < g_size; ++g) {
         const float* qg = q + g * d;
         float dot = 0.0f;
         for (int64_t e = 0; e < d; ++e) dot += qg[e] * key[e];
-        scores[g * len + first + i] = dot * p.sm_scale;
+        scores[g * b + i] = dot * p.sm_scale;
       }
     }
-  }
-  for (int64_t g = 0; g < g_size; ++g) {
-    float* s = scores + g * len;
-    float m = s[0];
-    for (int64_t j = 1; j < len; ++j) m = std::max(m, s[j]);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < len; ++j) {
-      s[j] = exp_nonpositive(s[j] - m);
-      sum += s[j];
+    for (int64_t g = 0; g < g_size; ++g) {
+      float* s = scores + g * b;
+      float m_new = m[g];
+      for (int64_t i = 0; i < n; ++i) m_new = std::max(m_new, s[i]);
+      const float rescale = exp_nonpositive(m[g] - m_new);
+      float sum = 0.0f;
+      for (int64_t i = 0; i < n; ++i) {
+        s[i] = exp_nonpositive(s[i] - m_new);
+        sum += s[i];
+      }
+      l[g] = l[g] * rescale + sum;
+      m[g] = m_new;
+      float* o = acc + g * d;
+      for (int64_t e = 0; e < d; ++e) o[e] *= rescale;
     }
-    const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < len; ++j) s[j] *= inv;
-  }
-  std::fill(out, out + g_size * d, 0.0f);
-  for (int64_t first = 0; first < len; first += p.page_size) {
-    const float* vp = v_head + table[first / p.page_size] * page_elems;
-    const int64_t n = std::min(p.page_size, len - first);
     for (int64_t i = 0; i < n; ++i) {
       const float* value = vp + i * d;
       for (int64_t g = 0; g < g_size; ++g) {
-        const float w = scores[g * len + first + i];
-        float* o = out + g * d;
+        const float w = scores[g * b + i];
+        float* o = acc + g * d;
         for (int64_t e = 0; e < d; ++e) o[e] += w * value[e];
       }
     }
   }
+  for (int64_t g = 0; g < g_size; ++g) {
+    const float inv = 1.0f / l[g];
+    for (int64_t e = 0; e < d; ++e) out[g * d + e] = acc[g * d + e] * inv;
+  }
+}
+
+template <int kG, int kD>
+void AttendUnits(const Problem& p, int64_t d, int64_t begin, int64_t end) {
+  thread_local std::vector<float> scratch;
+  for (int64_t u = begin; u < end; ++u) AttendUnit<kG, kD>(p, u, d, scratch);
 }
 
 void AttendRange(const Problem& p, int64_t d, int64_t begin, int64_t end) {
-  thread_local std::vector<float> scratch;
-  for (int64_t u = begin; u < end; ++u) {
-    switch (d) {
-      case 64: AttendUnit<64>(p, u, d, scratch); break;
-      case 128: AttendUnit<128>(p, u, d, scratch); break;
-      default: AttendUnit<0>(p, u, d, scratch); break;
-    }
-  }
+  const int64_t g = p.num_q_heads / p.num_kv_heads;
+#define JAXSERVE_CASE(G, D) \
+  if (g == G && d == D) return AttendUnits<G, D>(p, d, begin, end);
+  JAXSERVE_CASE(1, 64) JAXSERVE_CASE(2, 64) JAXSERVE_CASE(3, 64) JAXSERVE_CASE(4, 64)
+  JAXSERVE_CASE(5, 64) JAXSERVE_CASE(6, 64) JAXSERVE_CASE(7, 64) JAXSERVE_CASE(8, 64)
+  JAXSERVE_CASE(1, 128) JAXSERVE_CASE(2, 128) JAXSERVE_CASE(4, 128) JAXSERVE_CASE(8, 128)
+#undef JAXSERVE_CASE
+  AttendUnits<0, 0>(p, d, begin, end);
 }
 
 // Shared by the caller and the pool tasks; a task that starts after the call returned finds no

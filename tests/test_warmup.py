@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.engine import LLMEngine
@@ -31,10 +32,16 @@ def tiny_loaded(tokenizer) -> LoadedModel:
                        source="test")
 
 
-def test_full_warmup_then_traffic_compiles_nothing(default_loaded):
+# "xla" splits decode rows from query-block-aligned prefill chunks; "cpu" packs every chunk.
+BACKENDS = ["xla", "cpu"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_warmup_then_traffic_compiles_nothing(default_loaded, backend):
     loaded = tiny_loaded(default_loaded.tokenizer)
     engine = LLMEngine(EngineConfig.from_options(num_pages=80, max_num_seqs=4,
-                                                 max_num_batched_tokens=32, page_size=8), loaded)
+                                                 max_num_batched_tokens=32, page_size=8,
+                                                 attention_backend=backend), loaded)
     report = engine.warmup(full=True)
     assert report["compilations"] == engine.stats()["compilations"] > 0
     rng = np.random.default_rng(1)
@@ -50,31 +57,41 @@ def test_full_warmup_then_traffic_compiles_nothing(default_loaded):
     assert engine.stats()["compilations"] == report["compilations"]
 
 
-def test_default_warmup_covers_pure_decode_and_prefill(default_loaded):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_default_warmup_covers_pure_decode_and_prefill(default_loaded, backend):
     loaded = dataclasses.replace(tiny_loaded(default_loaded.tokenizer))
     engine = LLMEngine(EngineConfig.from_options(num_pages=40, max_num_seqs=2,
-                                                 max_num_batched_tokens=16, page_size=8), loaded)
+                                                 max_num_batched_tokens=16, page_size=8,
+                                                 attention_backend=backend), loaded)
     report = engine.warmup()
-    # decode-only for 1 and 2 rows; prefill-only for 16 tokens and for the top bucket (48) that
-    # holds the budget plus the query-block alignment padding of every row
-    assert engine.buckets.tokens == (16, 48)
+    if backend == "xla":
+        # decode-only for 1 and 2 rows; prefill-only for 16 tokens and for the top bucket (48)
+        # that holds the budget plus the query-block alignment padding of every row
+        assert engine.buckets.tokens == (16, 48)
+        step_shapes = 4
+    else:
+        # packed: one-row prefill for each token bucket 1..16, and 2 one-token rows (T = 2)
+        assert engine.buckets.tokens == (1, 2, 4, 8, 16)
+        step_shapes = 6
     # plus the copy-on-write page copies, one shape per copies bucket (4 and 32)
     assert engine.buckets.copies == (4, 32)
-    assert report == {**report, "shapes": 6, "compilations": 6}
+    shapes = step_shapes + 2
+    assert report == {**report, "shapes": shapes, "compilations": shapes}
     engine.add_request({"prompt_token_ids": [5] * 10}, SamplingParams(temperature=0, max_tokens=4))
     while engine.has_unfinished():
         engine.step()
-    assert engine.stats()["compilations"] == 6
+    assert engine.stats()["compilations"] == shapes
 
 
-def test_full_warmup_with_a_budget_above_max_model_len(default_loaded):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_full_warmup_with_a_budget_above_max_model_len(default_loaded, backend):
     """Token buckets larger than one sequence can hold: a 36-token prompt (three 16-token query
     blocks, 48 slots) lands alone in the 64-token bucket, which no single row fills; the full
     warm-up covers that shape and traffic then compiles nothing."""
     loaded = tiny_loaded(default_loaded.tokenizer)
     engine = LLMEngine(EngineConfig.from_options(num_pages=80, max_num_seqs=4, page_size=8,
-                                                 max_num_batched_tokens=64, max_model_len=40),
-                       loaded)
+                                                 max_num_batched_tokens=64, max_model_len=40,
+                                                 attention_backend=backend), loaded)
     assert engine.buckets.pages * 8 < engine.buckets.tokens[-1]
     report = engine.warmup(full=True)
     rng = np.random.default_rng(2)
