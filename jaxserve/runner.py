@@ -54,10 +54,10 @@ def _copy_pages(pool: KVPool, src, dst) -> KVPool:
 def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: str):
     pool, hidden = llama.forward(params, pool, batch.token_ids, batch.attn, cfg=cfg,
                                  backend=backend)
-    logits = llama.logits(params, hidden[batch.logits_indices])
+    logits = llama.logits(params, hidden[batch.logits_indices], backend)
     out = {"sampled": sample(logits, batch.sampling)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
-        logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
+        logprobs = jax.nn.log_softmax(llama.logits(params, hidden, backend), axis=-1)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logprobs, max(batch.prompt_logprobs, 1))
         k = batch.prompt_logprobs

@@ -100,9 +100,9 @@ def time_all_layers(q, pool, md, backend: str = "xla") -> float:
 def sweep(label: str, prefix: str, q, pool, md):
     from jaxserve.model import attention
 
-    from pallas_kernels import cpu_attention
+    from pallas_kernels import cpu_kernels
 
-    if cpu_attention.available():  # the C++ kernel wants packed chunks: query_block 1
+    if cpu_kernels.available():  # the C++ kernel wants packed chunks: query_block 1
         import dataclasses
 
         t = md.token_row.shape[0]

@@ -17,7 +17,7 @@ from jaxserve.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.sequence import Request, Sequence  # noqa: E402
 from jaxserve.step_plan import ScheduledChunk, StepPlan  # noqa: E402
 from jaxserve.weights import config_from_hf, params_from_hf_state_dict  # noqa: E402
-from pallas_kernels import cpu_attention  # noqa: E402
+from pallas_kernels import cpu_kernels  # noqa: E402
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -62,8 +62,8 @@ class _Logits:
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("page_size,chunks", [(8, [24]), (5, [24]), (8, [11, 13]), (16, [7, 10, 7])])
 def test_prefill_and_decode_logits_match_transformers(kind, page_size, chunks, backend):
-    if backend == "cpu" and not cpu_attention.available():
-        pytest.skip(f"CPU kernel not built: {cpu_attention.unavailable_reason()}")
+    if backend == "cpu" and not cpu_kernels.available():
+        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
     model, cfg, params = _tiny(kind)
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, sum(chunks))]

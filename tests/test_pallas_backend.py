@@ -9,7 +9,7 @@ import pytest
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.sampling_params import SamplingParams
-from pallas_kernels import cpu_attention
+from pallas_kernels import cpu_kernels
 
 
 def _generate(loaded, backend, prompts, params):
@@ -32,7 +32,7 @@ def test_pallas_greedy_equals_xla(default_loaded):
     assert pallas == xla
 
 
-@pytest.mark.skipif(not cpu_attention.available(), reason="the CPU kernel did not build")
+@pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernel did not build")
 def test_cpu_kernel_greedy_equals_xla_with_chunked_prefill(default_loaded):
     """Prompts longer than the 64-token step budget: prefill in chunks that attend earlier
     pages, then decode rows sharing steps with another request's prefill."""

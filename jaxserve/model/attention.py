@@ -1,6 +1,6 @@
 """Attention over the paged KV pool: per-step metadata, the KV pool pytree, and the one dispatch
 that every model layer calls (`attend`). Backends: "cpu" (a C++ custom call that reads pages in
-place, pallas_kernels/cpu_attention.py: the fast path on CPU), "xla" (plain jnp, any device),
+place, pallas_kernels/cpu_kernels.py: the fast path on CPU), "xla" (plain jnp, any device),
 and "pallas" (pallas_kernels/, compiled on TPU/GPU, interpret mode on CPU).
 
 Dimension letters: T flat tokens this step, S sequences (rows of the page table), Sd decode rows
@@ -252,9 +252,9 @@ def _pallas_attention(q, cache: KVCache, md: AttentionMetadata, sm_scale):
 def _cpu_attention(q, cache: KVCache, md: AttentionMetadata, sm_scale):
     """Decode and prefill tokens alike in one custom call: each token attends its row's pages
     causally, read in place (no gathered copy). Needs packed chunks (query_block 1)."""
-    from pallas_kernels.cpu_attention import cpu_paged_attention
+    from pallas_kernels import cpu_kernels
 
-    out = cpu_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens, md.token_row,
+    out = cpu_kernels.paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens, md.token_row,
                               md.positions, sm_scale=sm_scale)
     return out.astype(q.dtype)
 
@@ -264,23 +264,23 @@ BACKENDS = {"cpu": _cpu_attention, "xla": _xla_attention, "pallas": _pallas_atte
 
 def resolve_backend(name: str, dtype: str = "float32") -> str:
     """"auto" -> pallas on TPU/GPU; on CPU, the C++ kernel for a float32 pool when it builds
-    (pallas_kernels/cpu_attention.py), else xla."""
-    from pallas_kernels import cpu_attention
+    (pallas_kernels/cpu_kernels.py), else xla."""
+    from pallas_kernels import cpu_kernels
 
     on_cpu = jax.default_backend() == "cpu"
     if name == "auto":
         if not on_cpu:
             return "pallas"
-        return "cpu" if dtype == "float32" and cpu_attention.available() else "xla"
+        return "cpu" if dtype == "float32" and cpu_kernels.available() else "xla"
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
     if name == "cpu":
         if not on_cpu or dtype != "float32":
             raise ValueError("attention_backend='cpu' runs on the CPU with a float32 KV pool "
                              f"(this is {jax.default_backend()}, {dtype})")
-        if not cpu_attention.available():
+        if not cpu_kernels.available():
             raise ValueError(f"the CPU attention kernel is unavailable: "
-                             f"{cpu_attention.unavailable_reason()}")
+                             f"{cpu_kernels.unavailable_reason()}")
     return name
 
 

@@ -1,15 +1,16 @@
-"""The C++ CPU paged-attention kernel against the pure-jnp references: decode rows, ragged
-causal prefill, GQA groups, padding tokens, odd head dims, and the model's greedy output."""
+"""The C++ CPU kernels against pure-jnp references: paged attention (decode rows, ragged causal
+prefill, GQA groups, padding tokens, odd head dims) and the int8 small-batch matmul."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_attention, ref_paged_decode_attention, ref_ragged_prefill_attention
+from jaxserve.quantize import quantize_weight
+from pallas_kernels import cpu_kernels, ref_paged_decode_attention, ref_ragged_prefill_attention
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(),
-                                reason=f"kernel not built: {cpu_attention.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
+                                reason=f"kernel not built: {cpu_kernels.unavailable_reason()}")
 
 
 def _pool(rng, hkv, n, b, d):
@@ -39,7 +40,7 @@ def test_decode_matches_reference(hq, hkv, d, b):
     seq_lens = jnp.asarray(lens, jnp.int32)
     q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.float32)
     rows = jnp.where(seq_lens > 0, jnp.arange(len(lens)), len(lens)).astype(jnp.int32)
-    got = cpu_attention.cpu_paged_attention(q, k, v, tables, seq_lens, rows,
+    got = cpu_kernels.paged_attention(q, k, v, tables, seq_lens, rows,
                                             jnp.maximum(seq_lens - 1, 0), sm_scale=d ** -0.5)
     want = ref_paged_decode_attention(q, k, v, tables, seq_lens, sm_scale=d ** -0.5)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
@@ -62,7 +63,7 @@ def test_prefill_matches_reference_with_padding_tokens():
         positions[query_start[s]:query_start[s + 1]] = np.arange(kl - ql, kl)
     q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
     seq_lens = jnp.asarray(kv_lens, jnp.int32)
-    got = cpu_attention.cpu_paged_attention(q, k, v, tables, seq_lens, token_row, positions,
+    got = cpu_kernels.paged_attention(q, k, v, tables, seq_lens, token_row, positions,
                                             sm_scale=0.125)
     want = ref_ragged_prefill_attention(q, k, v, tables, seq_lens, jnp.asarray(query_start),
                                         sm_scale=0.125)
@@ -79,7 +80,7 @@ def test_large_batch_uses_threads_and_matches():
     tables = _tables(rng, lens, 1400, b, 13)
     seq_lens = jnp.asarray(lens, jnp.int32)
     q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.float32)
-    f = jax.jit(lambda q: cpu_attention.cpu_paged_attention(
+    f = jax.jit(lambda q: cpu_kernels.paged_attention(
         q, k, v, tables, seq_lens, jnp.arange(len(lens), dtype=jnp.int32), seq_lens - 1,
         sm_scale=0.125))
     want = ref_paged_decode_attention(q, k, v, tables, seq_lens, sm_scale=0.125)
@@ -93,7 +94,7 @@ def test_extreme_scores_stay_finite():
     tables = jnp.asarray([[1, 2, 3]], jnp.int32)
     q = jnp.asarray(rng.standard_normal((1, 1, 16)) * 1e3, jnp.float32)
     seq_lens = jnp.asarray([11], jnp.int32)
-    got = cpu_attention.cpu_paged_attention(q, k, v, tables, seq_lens, jnp.zeros(1, jnp.int32),
+    got = cpu_kernels.paged_attention(q, k, v, tables, seq_lens, jnp.zeros(1, jnp.int32),
                                             seq_lens - 1, sm_scale=1.0)
     want = ref_paged_decode_attention(q, k, v, tables, seq_lens, sm_scale=1.0)
     assert np.isfinite(np.asarray(got)).all()
@@ -107,3 +108,29 @@ def test_backend_resolution():
     assert resolve_backend("auto", "bfloat16") == "xla"  # the kernel reads float32 pages only
     with pytest.raises(ValueError, match="float32"):
         resolve_backend("cpu", "bfloat16")
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 11, 40])  # row blocks of 8 and their remainders
+@pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (1536, 100)])  # K tails, N % 8 tails
+def test_int8_small_matmul_matches_dequantized_product(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    w = quantize_weight(rng.standard_normal((k, n)).astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x @ (w["q_t"].astype(np.float32).T * w["scale"])
+    got = cpu_kernels.small_matmul_int8(jnp.asarray(x), jnp.asarray(w["q_t"]),
+                                        jnp.asarray(w["scale"]))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_int8_engine_path_uses_the_kernel_below_the_row_limit():
+    """llama.matmul routes small int8 products to the kernel on the cpu backend only."""
+    from jaxserve.model import llama
+
+    rng = np.random.default_rng(5)
+    w = {k: jnp.asarray(v) for k, v in quantize_weight(rng.standard_normal((64, 48))).items()}
+    for rows in (2, cpu_kernels.SMALL_MATMUL_MAX_ROWS + 1):
+        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
+        text = jax.jit(lambda x: llama.matmul(x, w, "cpu")).lower(x).as_text()
+        assert ("jaxserve_small_matmul_int8" in text) == (rows <= cpu_kernels.SMALL_MATMUL_MAX_ROWS)
+        np.testing.assert_allclose(np.asarray(llama.matmul(x, w, "cpu")),
+                                   np.asarray(llama.matmul(x, w, "xla")), rtol=1e-4, atol=1e-4)

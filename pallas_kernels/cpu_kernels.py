@@ -1,0 +1,125 @@
+"""The CPU backend's C++ kernels, as XLA FFI custom calls:
+
+  paged_attention     (cpu_paged_attention.cc) XLA's CPU lowering of paged attention gathers
+                      every page into a new buffer before reading it; this reads pages in place
+                      through the page table, so each key and value is read once.
+  small_matmul_int8   (cpu_small_matmul.cc) weight-only int8 matmuls of 1..SMALL_MATMUL_MAX_ROWS
+                      rows that convert each weight in registers, once for all rows (XLA
+                      converts the whole weight to a float32 copy first).
+
+The sources are compiled with the machine's C++ compiler on first use (a few seconds) into one
+library in $XDG_CACHE_HOME/jaxserve/kernels (or ~/.cache), keyed by the sources, the compiler
+flags, jaxlib's version and the CPU's features; `available()` says whether that worked, and
+`unavailable_reason()` why not.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCES = tuple(Path(__file__).with_name(n)
+                 for n in ("cpu_paged_attention.cc", "cpu_small_matmul.cc"))
+# FFI target name -> the handler symbol the sources export.
+_TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
+            "jaxserve_small_matmul_int8": "JaxserveSmallMatmulInt8"}
+SMALL_MATMUL_MAX_ROWS = 128  # the int8 kernel beat XLA's convert-then-dot up to here
+# Associative math lets the compiler vectorise dot products and sums.
+_FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno",
+          "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-ffp-contract=fast")
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in _SOURCES), " ".join(_FLAGS).encode(),
+                 jax.__version__.encode(), _cpu_features().encode()):
+        key.update(part)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "jaxserve" / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def _build(path: Path) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++/c++ or $CXX) to build the CPU kernels")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", tmp]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"building the CPU kernels failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent build of the same key is harmless
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds (once per cache key) and registers the kernels; returns None or why it failed."""
+    import ctypes
+
+    try:
+        path = _library_path()
+        if not path.exists():
+            _build(path)
+        library = ctypes.cdll.LoadLibrary(str(path))
+        for target, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
+    except (OSError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+def _call(target: str, shape, *args, **attrs):
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"CPU kernels unavailable: {reason}")
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32))(*args, **attrs)
+
+
+def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_scale: float):
+    """q f32[T, Hq, D]; k, v f32[Hkv, N, B, D]; page_tables i32[S, P]; seq_lens i32[S];
+    token_row i32[T] (S or more: a padding token, output zeros); positions i32[T]. Token t
+    attends positions j <= positions[t], j < seq_lens[token_row[t]] of its row. -> f32[T, Hq, D]."""
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return _call("jaxserve_paged_attention", q.shape, q.astype(jnp.float32),
+                 k.astype(jnp.float32), v.astype(jnp.float32), i32(page_tables), i32(seq_lens),
+                 i32(token_row), i32(positions), sm_scale=np.float32(sm_scale))
+
+
+def small_matmul_int8(x, q, scale):
+    """(x f32[M, K] @ q i8[N, K]^T) * scale f32[N], converting int8 inside the product. Any M
+    works; past SMALL_MATMUL_MAX_ROWS XLA's dot is faster."""
+    return _call("jaxserve_small_matmul_int8", (x.shape[0], q.shape[0]), x, q, scale)
