@@ -122,15 +122,33 @@ def test_int8_small_matmul_matches_dequantized_product(m, k, n):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-def test_int8_engine_path_uses_the_kernel_below_the_row_limit():
-    """llama.matmul routes small int8 products to the kernel on the cpu backend only."""
+@pytest.mark.parametrize("m", [1, 5, 8, 13])
+@pytest.mark.parametrize("k,n", [(576, 960), (40, 7)])
+def test_f32_small_matmul_matches_numpy(m, k, n):
+    rng = np.random.default_rng(m * 100 + k + n)
+    w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = cpu_kernels.small_matmul_f32(jnp.asarray(x), jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(got), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["f32", "int8"])
+def test_model_matmul_uses_the_kernels_below_their_row_limits(kind):
+    """llama.matmul routes few-row products to the kernels on the cpu backend only, and both
+    routes give the same product."""
     from jaxserve.model import llama
 
     rng = np.random.default_rng(5)
-    w = {k: jnp.asarray(v) for k, v in quantize_weight(rng.standard_normal((64, 48))).items()}
-    for rows in (2, cpu_kernels.SMALL_MATMUL_MAX_ROWS + 1):
+    if kind == "int8":
+        w = {k: jnp.asarray(v) for k, v in quantize_weight(rng.standard_normal((64, 48))).items()}
+        limit, target = cpu_kernels.INT8_MATMUL_MAX_ROWS, "jaxserve_small_matmul_int8"
+    else:
+        w = jnp.asarray(rng.standard_normal((48, 64)), jnp.float32)
+        limit, target = cpu_kernels.F32_MATMUL_MAX_ROWS, "jaxserve_small_matmul_f32"
+    for rows in (1, limit, limit + 1):
         x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
         text = jax.jit(lambda x: llama.matmul(x, w, "cpu")).lower(x).as_text()
-        assert ("jaxserve_small_matmul_int8" in text) == (rows <= cpu_kernels.SMALL_MATMUL_MAX_ROWS)
+        assert (target in text) == (rows <= limit)
+        assert "jaxserve" not in jax.jit(lambda x: llama.matmul(x, w, "xla")).lower(x).as_text()
         np.testing.assert_allclose(np.asarray(llama.matmul(x, w, "cpu")),
                                    np.asarray(llama.matmul(x, w, "xla")), rtol=1e-4, atol=1e-4)
