@@ -47,8 +47,8 @@ flags.DEFINE_string("plot_dir", None, "Write latency CDF, throughput and memory 
 flags.DEFINE_float("slo_ttft_ms", None, "Goodput SLO on time to first token.")
 flags.DEFINE_float("slo_tpot_ms", None, "Goodput SLO on time per output token.")
 flags.DEFINE_list("ablate", [], f"Ablations: {','.join(ABLATIONS)} or all.")
-flags.DEFINE_bool("force_pallas", False, "Run the backend ablation on CPU (Pallas interpret mode, "
-                  "very slow; uses a tiny workload).")
+flags.DEFINE_bool("force_pallas", False, "On CPU, make the backend ablation xla vs pallas "
+                  "(interpret mode, very slow; uses a tiny workload) instead of cpu vs xla.")
 flags.DEFINE_string("url", None, "Benchmark a running OpenAI-compatible server at this base URL.")
 flags.DEFINE_string("served_model_name", None, "The `model` field sent to the server "
                     "(default: --model).")
@@ -166,17 +166,27 @@ class Bench:
         return b, v, note
 
     def backend(self, workload):
+        """On CPU: the C++ kernels ("cpu") against plain XLA on the same workload (Pallas only
+        with --force_pallas, on a tiny workload: interpret mode). Elsewhere: XLA vs Pallas."""
         import jax
 
+        from pallas_kernels import cpu_kernels
+
+        if jax.default_backend() == "cpu" and not FLAGS.force_pallas:
+            if not cpu_kernels.available():
+                return None, None, (f"backend: skipped (CPU kernels unavailable: "
+                                    f"{cpu_kernels.unavailable_reason()}; --force_pallas runs "
+                                    "xla vs pallas on a tiny workload)")
+            b, _ = self.run("cpu kernels", dict(self.options, attention_backend="cpu"), workload)
+            v, _ = self.run("xla", dict(self.options, attention_backend="xla"), workload)
+            return b, v, "backend: C++ CPU kernels (attention, few-row matmuls) vs plain XLA"
+        note = None
         if jax.default_backend() == "cpu":
-            if not FLAGS.force_pallas:
-                return None, None, ("backend: skipped on CPU (Pallas runs in interpret mode, far "
-                                    "slower than XLA); --force_pallas runs it on a tiny workload")
             workload = workload.replace(num_prompts=min(workload.num_prompts, 4), input_len="16",
                                         output_len="4", shared_prefix_len=0, num_warmup=1)
+            note = "backend: tiny workload (4 x 16+4 tokens) on CPU (Pallas in interpret mode)"
         b, _ = self.run("xla", dict(self.options, attention_backend="xla"), workload)
         v, _ = self.run("pallas", dict(self.options, attention_backend="pallas"), workload)
-        note = "backend: tiny workload (4 x 16+4 tokens) on CPU" if jax.default_backend() == "cpu" else None
         return b, v, note
 
 
