@@ -70,6 +70,16 @@ def _jitted_step(cfg: ModelConfig, backend: str):
     return jax.jit(functools.partial(_step, cfg=cfg, backend=backend), donate_argnames=("pool",))
 
 
+def release_compiled_steps() -> None:
+    """Drop every compiled step in this process, JAX's in-memory caches included. A compiled
+    step of the unrolled model holds ~200 memory mappings here, and a process may hold 65530
+    (vm.max_map_count): a benchmark that built engine after engine with different buckets died
+    in LLVM ("Cannot allocate memory") after ~300 shapes. Later compiles of the same shapes load
+    from the on-disk compilation cache."""
+    _jitted_step.cache_clear()
+    jax.clear_caches()
+
+
 def _use_compilation_cache() -> None:
     """Keep compiled steps on disk across processes (JAX's persistent compilation cache), in
     $XDG_CACHE_HOME/jaxserve/xla unless JAX_COMPILATION_CACHE_DIR already names a directory:

@@ -103,3 +103,35 @@ def test_full_warmup_with_a_budget_above_max_model_len(default_loaded, backend):
     while engine.has_unfinished():
         engine.step()
     assert engine.stats()["compilations"] == report["compilations"]
+
+
+def test_release_compiled_steps_frees_their_memory_mappings(default_loaded):
+    """Each compiled step holds memory mappings (the process limit is vm.max_map_count);
+    releasing the compiled steps gives them back, and the engine still runs afterwards."""
+    import gc
+    import sys
+
+    from jaxserve.runner import release_compiled_steps
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("counts /proc/self/maps")
+
+    def maps() -> int:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+
+    release_compiled_steps()
+    gc.collect()
+    before = maps()
+    engine = LLMEngine(EngineConfig.from_options(num_pages=40, max_num_seqs=4,
+                                                 max_num_batched_tokens=32, page_size=8),
+                       tiny_loaded(default_loaded.tokenizer))
+    engine.warmup()
+    compiled = maps()
+    assert compiled > before + 20
+    release_compiled_steps()
+    gc.collect()
+    assert maps() < compiled - 20
+    engine.add_request({"prompt_token_ids": [5] * 10}, SamplingParams(temperature=0, max_tokens=3))
+    while engine.has_unfinished():
+        engine.step()

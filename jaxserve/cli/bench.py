@@ -107,6 +107,7 @@ class Bench:
         from jaxserve.bench import build_report, run_engine
         from jaxserve.config import EngineConfig
         from jaxserve.engine import LLMEngine
+        from jaxserve.runner import release_compiled_steps
 
         key = (json.dumps(options, sort_keys=True), json.dumps(workload.to_dict(), sort_keys=True))
         if key in self._cache:
@@ -125,6 +126,7 @@ class Bench:
               flush=True)
         del engine
         gc.collect()
+        release_compiled_steps()  # each variant's buckets compile their own shapes
         self._cache[key] = (rep, res)
         return rep, res
 
