@@ -31,6 +31,7 @@ import numpy as np
 
 _SOURCES = tuple(Path(__file__).with_name(n)
                  for n in ("cpu_paged_attention.cc", "cpu_small_matmul.cc"))
+_HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)
 # FFI target name -> the handler symbol the sources export.
 _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_small_matmul_f32": "JaxserveSmallMatmulF32",
@@ -56,7 +57,7 @@ def _cpu_features() -> str:
 
 def _library_path() -> Path:
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in _SOURCES), " ".join(_FLAGS).encode(),
+    for part in (*(s.read_bytes() for s in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(),
                  jax.__version__.encode(), _cpu_features().encode()):
         key.update(part)
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

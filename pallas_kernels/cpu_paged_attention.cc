@@ -14,13 +14,11 @@
 // (about 17 GB/s of scattered 4 KB pages here), not by its arithmetic.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -171,13 +169,6 @@ void AttendRange(const Problem& p, int64_t d, int64_t begin, int64_t end) {
   AttendUnits<0, 0>(p, d, begin, end);
 }
 
-// Shared by the caller and the pool tasks; a task that starts after the call returned finds no
-// chunk left and touches nothing but this state, which it co-owns.
-struct Chunks {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_tables,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> token_row,
@@ -201,16 +192,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   }
   const int64_t num_chunks = std::min<int64_t>(units, 8 * threads);
   const int64_t per_chunk = (units + num_chunks - 1) / num_chunks;
-  auto chunks = std::make_shared<Chunks>();
-  auto work = [p, d, units, per_chunk, num_chunks, chunks] {
-    for (int64_t c; (c = chunks->next.fetch_add(1)) < num_chunks;) {
-      AttendRange(p, d, c * per_chunk, std::min(units, (c + 1) * per_chunk));
-      chunks->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule(decltype(work)(work));  // a copy each
-  work();
-  while (chunks->done.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
+  jaxserve::RunChunks(pool, num_chunks, [p, d, units, per_chunk](int64_t c) {
+    AttendRange(p, d, c * per_chunk, std::min(units, (c + 1) * per_chunk));
+  });
   return ffi::Error::Success();
 }
 

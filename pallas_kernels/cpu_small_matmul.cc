@@ -11,16 +11,14 @@
 // columns are split over XLA's intra-op thread pool.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <memory>
-#include <thread>
 
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -100,34 +98,23 @@ void DotColumns(const float* x, const W* w, const float* scale, float* y, int64_
   for (; n < n1; ++n) DotBlock<kM, 1>(x, w, scale, y, k_dim, n_dim, n);
 }
 
-struct Chunks {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 // Runs fn(n0, n1) over column chunks (multiples of 16) on the caller and the pool's threads.
+// `work` is rows x weight bytes: under 256 KB of it, handing work to another thread costs more
+// than it saves.
 template <typename F>
-void ForColumns(ffi::ThreadPool& pool, int64_t n_dim, int64_t bytes, F fn) {
+void ForColumns(ffi::ThreadPool& pool, int64_t n_dim, int64_t work, F fn) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // Under ~256 KB of weights, handing work to another thread costs more than it saves.
-  const int64_t num_chunks = bytes < (256 << 10) ? 1 : std::min<int64_t>(2 * threads, n_dim / 16);
+  const int64_t num_chunks = work < (256 << 10) ? 1 : std::min<int64_t>(2 * threads, n_dim / 16);
   if (num_chunks <= 1) {
     fn(0, n_dim);
     return;
   }
   const int64_t per = (n_dim / num_chunks + 15) / 16 * 16;
-  auto chunks = std::make_shared<Chunks>();
-  auto work = [fn, chunks, per, n_dim, num_chunks] {
-    for (int64_t c; (c = chunks->next.fetch_add(1)) < num_chunks;) {
-      const int64_t n0 = std::min(n_dim, c * per);
-      const int64_t n1 = c + 1 == num_chunks ? n_dim : std::min(n_dim, (c + 1) * per);
-      if (n0 < n1) fn(n0, n1);
-      chunks->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t i = 1; i < threads; ++i) pool.Schedule(decltype(work)(work));  // a copy each
-  work();
-  while (chunks->done.load(std::memory_order_acquire) < num_chunks) std::this_thread::yield();
+  jaxserve::RunChunks(pool, num_chunks, [fn, per, n_dim, num_chunks](int64_t c) {
+    const int64_t n0 = std::min(n_dim, c * per);
+    const int64_t n1 = c + 1 == num_chunks ? n_dim : std::min(n_dim, (c + 1) * per);
+    if (n0 < n1) fn(n0, n1);
+  });
 }
 
 constexpr int64_t kBlockRows = 8;

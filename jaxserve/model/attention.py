@@ -251,11 +251,12 @@ def _pallas_attention(q, cache: KVCache, md: AttentionMetadata, sm_scale):
 
 def _cpu_attention(q, cache: KVCache, md: AttentionMetadata, sm_scale):
     """Decode and prefill tokens alike in one custom call: each token attends its row's pages
-    causally, read in place (no gathered copy). Needs packed chunks (query_block 1)."""
+    causally, read in place (no gathered copy). Any layout works (a padding token's row is S);
+    the engine packs chunks (Buckets.packed) so that no slot is alignment padding."""
     from pallas_kernels import cpu_kernels
 
-    out = cpu_kernels.paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens, md.token_row,
-                              md.positions, sm_scale=sm_scale)
+    out = cpu_kernels.paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
+                                      md.token_row, md.positions, sm_scale=sm_scale)
     return out.astype(q.dtype)
 
 
