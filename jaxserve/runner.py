@@ -54,10 +54,10 @@ def _copy_pages(pool: KVPool, src, dst) -> KVPool:
 def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: str):
     pool, hidden = llama.forward(params, pool, batch.token_ids, batch.attn, cfg=cfg,
                                  backend=backend)
-    logits = llama.logits(params, hidden[batch.logits_indices], backend)
+    logits = llama.logits(params, hidden[batch.logits_indices])
     out = {"sampled": sample(logits, batch.sampling)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
-        logprobs = jax.nn.log_softmax(llama.logits(params, hidden, backend), axis=-1)
+        logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logprobs, max(batch.prompt_logprobs, 1))
         k = batch.prompt_logprobs
@@ -105,7 +105,7 @@ class ModelRunner:
         _use_compilation_cache()
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
-        self.params = jax.tree_util.tree_map(self._to_device, llama.per_layer_params(params))
+        self.params = jax.tree_util.tree_map(self._to_device, llama.per_layer_params(params, backend))
         self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size,
                                  cfg.head_dim, self.dtype)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend

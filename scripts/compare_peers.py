@@ -10,7 +10,7 @@ tokens. Peers:
   the batch's longest output; shorter requests are truncated to their own length afterwards, so
   their latency is the batch's). float32, torch.set_num_threads(--threads), same GGUF.
 - llama.cpp (llama_cpp), single stream on the same GGUF (its first 4 requests), only where it is
-  importable (`pip install llama-cpp-python` compiles llama.cpp; not a project dependency).
+  importable (scripts/install_llama_cpp.sh builds it; not a project dependency).
 
 Latency: every request arrives at t = 0 (offline), so E2E = completion time; HF's per-batch first
 token time is taken from a streamer. Greedy agreement (tokens equal to HF's before the first
@@ -161,8 +161,8 @@ def run_llama_cpp(requests) -> dict | str:
     try:
         import llama_cpp
     except ImportError:
-        return ("llama_cpp is not importable here: llama.cpp skipped (pip install "
-                "llama-cpp-python compiles it)")
+        return ("llama_cpp is not importable here: llama.cpp skipped "
+                "(scripts/install_llama_cpp.sh builds it)")
     llm = llama_cpp.Llama(model_path=model_path(), n_ctx=4096, n_threads=FLAGS.threads,
                           logits_all=False, verbose=False)
     eos = llm.token_eos()

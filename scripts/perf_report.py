@@ -9,7 +9,7 @@ Bounds are computed in the same run, from measurements, never hard-coded:
   read rate being the better of a full reduction and a matrix-vector product over 512 MiB.
 Reported: offline total throughput (prompt + output tokens/s) vs the compute bound, single-stream
 decode for f32 and int8 weights vs the bandwidth bound and, where `llama_cpp` is importable
-(pip install llama-cpp-python: it compiles llama.cpp), llama.cpp on the same GGUF in the same run;
+(scripts/install_llama_cpp.sh builds it), llama.cpp on the same GGUF in the same run;
 host share of the step time, and compilations after warm-up.
 """
 

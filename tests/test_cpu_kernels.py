@@ -1,5 +1,5 @@
 """The C++ CPU kernels against pure-jnp references: paged attention (decode rows, ragged causal
-prefill, GQA groups, padding tokens, odd head dims) and the int8 small-batch matmul."""
+prefill, GQA groups, padding tokens, odd head dims) and the f32 and int8 panel matmuls."""
 
 import jax
 import jax.numpy as jnp
@@ -110,45 +110,76 @@ def test_backend_resolution():
         resolve_backend("cpu", "bfloat16")
 
 
-@pytest.mark.parametrize("m", [1, 3, 8, 11, 40])  # row blocks of 8 and their remainders
-@pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (1536, 100)])  # K tails, N % 8 tails
-def test_int8_small_matmul_matches_dequantized_product(m, k, n):
+# Row tiles of 8 and their remainders; K tails; N a multiple of 48, a partial last panel, and
+# fewer columns than one vector.
+@pytest.mark.parametrize("m", [1, 3, 8, 11, 40])
+@pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (1536, 100), (64, 49)])
+def test_int8_matmul_matches_dequantized_product(m, k, n):
     rng = np.random.default_rng(m * 1000 + k + n)
     w = quantize_weight(rng.standard_normal((k, n)).astype(np.float32))
     x = rng.standard_normal((m, k)).astype(np.float32)
     want = x @ (w["q_t"].astype(np.float32).T * w["scale"])
-    got = cpu_kernels.small_matmul_int8(jnp.asarray(x), jnp.asarray(w["q_t"]),
-                                        jnp.asarray(w["scale"]))
+    got = cpu_kernels.matmul_int8(jnp.asarray(x), jnp.asarray(cpu_kernels.pack_panels(w["q_t"])),
+                                  jnp.asarray(w["scale"]), n)
+    assert got.shape == (m, n)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("m", [1, 5, 8, 13])
-@pytest.mark.parametrize("k,n", [(576, 960), (40, 7)])
-def test_f32_small_matmul_matches_numpy(m, k, n):
+@pytest.mark.parametrize("m", [1, 5, 8, 13, 70])
+@pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (64, 49)])
+def test_f32_matmul_matches_numpy(m, k, n):
     rng = np.random.default_rng(m * 100 + k + n)
     w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in]
     x = rng.standard_normal((m, k)).astype(np.float32)
-    got = cpu_kernels.small_matmul_f32(jnp.asarray(x), jnp.asarray(w))
+    got = cpu_kernels.matmul_f32(jnp.asarray(x), jnp.asarray(cpu_kernels.pack_panels(w)), n)
+    assert got.shape == (m, n)
     np.testing.assert_allclose(np.asarray(got), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
+def test_pack_panels_layout():
+    w = np.arange(50 * 3, dtype=np.float32).reshape(50, 3)  # [out, in]
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.shape == (2, 3, 48)
+    np.testing.assert_array_equal(panels[0, :, 5], w[5])  # column 5 of W = [in, out]
+    np.testing.assert_array_equal(panels[1, :, 1], w[49])
+    assert not panels[1, :, 2:].any()  # zero past N
+
+
+def test_matmul_shape_errors_are_reported():
+    x = jnp.ones((2, 8), jnp.float32)
+    panels = jnp.ones((2, 8, 48), jnp.float32)
+    with pytest.raises(Exception, match="48"):
+        jax.block_until_ready(cpu_kernels.matmul_f32(x, panels, 40))  # N must need both panels
+
+
 @pytest.mark.parametrize("kind", ["f32", "int8"])
-def test_model_matmul_uses_the_kernels_below_their_row_limits(kind):
-    """llama.matmul routes few-row products to the kernels on the cpu backend only, and both
-    routes give the same product."""
+def test_cpu_layout_runs_the_kernels_with_the_same_products(kind):
+    """per_layer_params packs every projection, the head and a tied embedding for the cpu
+    backend only; the packed model computes the same products and looks up the same rows."""
     from jaxserve.model import llama
 
     rng = np.random.default_rng(5)
+    h, inter, vocab = 64, 96, 100
+    layers = {name: rng.standard_normal((1, *shape)).astype(np.float32)
+              for name, shape in [("wq", (h, h)), ("wk", (h, 32)), ("wv", (h, 32)), ("wo", (h, h)),
+                                  ("w_gate", (h, inter)), ("w_up", (h, inter)),
+                                  ("w_down", (inter, h))]}
+    layers |= {"attn_norm": np.ones((1, h), np.float32), "mlp_norm": np.ones((1, h), np.float32)}
+    params = {"embed": rng.standard_normal((vocab, h)).astype(np.float32),
+              "final_norm": np.ones(h, np.float32), "layers": layers}
     if kind == "int8":
-        w = {k: jnp.asarray(v) for k, v in quantize_weight(rng.standard_normal((64, 48))).items()}
-        limit, target = cpu_kernels.INT8_MATMUL_MAX_ROWS, "jaxserve_small_matmul_int8"
-    else:
-        w = jnp.asarray(rng.standard_normal((48, 64)), jnp.float32)
-        limit, target = cpu_kernels.F32_MATMUL_MAX_ROWS, "jaxserve_small_matmul_f32"
-    for rows in (1, limit, limit + 1):
-        x = jnp.asarray(rng.standard_normal((rows, 64)), jnp.float32)
-        text = jax.jit(lambda x: llama.matmul(x, w, "cpu")).lower(x).as_text()
-        assert (target in text) == (rows <= limit)
-        assert "jaxserve" not in jax.jit(lambda x: llama.matmul(x, w, "xla")).lower(x).as_text()
-        np.testing.assert_allclose(np.asarray(llama.matmul(x, w, "cpu")),
-                                   np.asarray(llama.matmul(x, w, "xla")), rtol=1e-4, atol=1e-4)
+        from jaxserve.quantize import quantize_int8
+        params = quantize_int8(params)
+    plain, packed = llama.per_layer_params(params), llama.per_layer_params(params, "cpu")
+    weights = lambda p: [p["layers"][0][k] for k in ("w_qkv", "wo", "w_gate_up", "w_down")]  # noqa: E731
+    head = lambda p: p["lm_head"] if "lm_head" in p else p["embed"]  # noqa: E731
+    target = "jaxserve_matmul_int8" if kind == "int8" else "jaxserve_matmul_f32"
+    for wp, wx in zip(weights(packed) + [head(packed)], weights(plain) + [head(plain)]):
+        assert isinstance(wp, llama.PanelWeight) and not isinstance(wx, llama.PanelWeight)
+        x = jnp.asarray(rng.standard_normal((3, wp.panels.shape[1])), jnp.float32)
+        assert target in jax.jit(lambda x: llama.matmul(x, wp)).lower(x).as_text()
+        assert "jaxserve" not in jax.jit(lambda x: llama.matmul(x, wx)).lower(x).as_text()
+        np.testing.assert_allclose(np.asarray(llama.matmul(x, wp)), np.asarray(llama.matmul(x, wx)),
+                                   rtol=1e-4, atol=1e-4)
+    ids = jnp.asarray([0, 47, 48, 99], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(llama.embed(packed, ids)), params["embed"][ids])

@@ -10,14 +10,18 @@ Params in the execution layout (weights stored [out, in], y = x @ W.T; F = (Hq +
   embed f[V, H]; final_norm f[H]; lm_head f[V, H] (absent when tied: the head is embed)
   layers: a list of L dicts: attn_norm f[H]; w_qkv f[F, H]; b_qkv f[F] (attention_bias only);
           wo f[H, Hq*D]; mlp_norm f[H]; w_gate_up f[2I, H]; w_down f[H, I]
-A weight may instead be an int8 dict {"q_t": i8[out, in], "scale": f[out]} (quantize.py).
-Q, K, V and gate, up are fused into one matmul each: at one token, 7 matrix-vector products a
-layer become 4 larger ones (10% faster over 30 layers). [out, in] makes every output one
-contiguous dot product for the CPU kernels at a few rows, and XLA's dot at many rows ran as
-fast or faster than with [in, out] (30 layers at 256 rows: 180 vs 190 ms).
+A weight may instead be an int8 dict {"q_t": i8[out, in], "scale": f[out]} (quantize.py), and
+with the "cpu" backend every projection and the head are `PanelWeight`s, packed for the C++
+matmul (pallas_kernels/cpu_matmul.cc); a tied float embedding is then looked up in the head's
+panels, so the table is stored once. Q, K, V and gate, up are fused into one matmul each: at one
+token, 7 matrix-vector products a layer become 4 larger ones (10% faster over 30 layers). For
+XLA's dot, [out, in] ran as fast or faster than [in, out] (30 layers at 256 rows: 180 vs 190 ms).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -51,22 +55,37 @@ def apply_rope(x, cos, sin):
     return (xf * cos[:, None, :] + rotated.astype(jnp.float32) * sin[:, None, :]).astype(x.dtype)
 
 
-def matmul(x, w, backend: str = "xla"):
-    """x @ w.T for a float weight w [out, in], or for an int8 weight {"q_t": [out, in],
-    "scale": [out]}, converted to x's dtype inside the matmul and scaled per output channel.
-    With the "cpu" backend, float32 products of up to F32_MATMUL_MAX_ROWS rows and int8 ones of
-    up to INT8_MATMUL_MAX_ROWS go to the C++ kernels (pallas_kernels/cpu_small_matmul.cc), which
-    stream the weight once for all rows; for int8 at more than one row XLA converts the whole
-    weight to a float copy first."""
-    rows = x.shape[0]
-    use_kernel = backend == "cpu" and x.dtype == jnp.float32
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels", "scale"],
+                   meta_fields=["n"])
+@dataclasses.dataclass(frozen=True)
+class PanelWeight:
+    """A weight [in, out=n] packed for the CPU matmul: panels [ceil(n / 48), in, 48], f32, or
+    int8 with a per-output-channel scale f32[n] (None for f32)."""
+    panels: jax.Array
+    scale: jax.Array | None
+    n: int
+
+
+def matmul(x, w):
+    """x @ w.T for a float weight w [out, in]; for an int8 weight {"q_t": [out, in],
+    "scale": [out]}, converted to x's dtype inside the matmul and scaled per output channel; or
+    x @ W through the C++ kernel for a PanelWeight."""
+    if isinstance(w, PanelWeight):
+        x = x.astype(jnp.float32)
+        if w.scale is None:
+            return cpu_kernels.matmul_f32(x, w.panels, w.n)
+        return cpu_kernels.matmul_int8(x, w.panels, w.scale.astype(jnp.float32), w.n)
     if isinstance(w, dict):
-        if use_kernel and rows <= cpu_kernels.INT8_MATMUL_MAX_ROWS:
-            return cpu_kernels.small_matmul_int8(x, w["q_t"], w["scale"].astype(jnp.float32))
         return (x @ w["q_t"].astype(x.dtype).T) * w["scale"].astype(x.dtype)
-    if use_kernel and w.dtype == jnp.float32 and rows <= cpu_kernels.F32_MATMUL_MAX_ROWS:
-        return cpu_kernels.small_matmul_f32(x, w)
     return x @ w.T
+
+
+def embed(params, token_ids):
+    """token_ids i32[T] -> f[T, H]: rows of the embedding table (or of the tied head's panels)."""
+    table = params["embed"]
+    if isinstance(table, PanelWeight):
+        return table.panels[token_ids // cpu_kernels.PANEL, :, token_ids % cpu_kernels.PANEL]
+    return table[token_ids]
 
 
 def _out_in(ws: list):
@@ -78,24 +97,38 @@ def _out_in(ws: list):
     return np.ascontiguousarray(np.concatenate(ws, axis=-1).T)
 
 
-def per_layer_params(params: dict) -> dict:
+def _panels(w) -> PanelWeight:
+    """An [out, in] weight (float or int8 dict) -> a PanelWeight (host numpy arrays)."""
+    if isinstance(w, dict):
+        return PanelWeight(cpu_kernels.pack_panels(np.asarray(w["q_t"])),
+                           np.asarray(w["scale"], np.float32), len(w["scale"]))
+    w = np.asarray(w, np.float32)
+    return PanelWeight(cpu_kernels.pack_panels(w), None, w.shape[0])
+
+
+def per_layer_params(params: dict, backend: str = "xla") -> dict:
     """The loaders' layout (layers stacked {name: [L, ...]}, separate [in, out] projections,
-    numpy) -> the layout `forward` runs: a list of L per-layer dicts of fused [out, in]
-    projections, and an [out, in] lm_head."""
+    numpy) -> the layout `forward` runs on `backend`: a list of L per-layer dicts of fused
+    [out, in] projections (PanelWeights for "cpu"), and an [out, in] lm_head."""
+    pack = _panels if backend == "cpu" else (lambda w: w)
     stacked = params["layers"]
     num_layers = len(stacked["attn_norm"])
     layers = []
     for i in range(num_layers):
         lp = jax.tree_util.tree_map(lambda x: np.asarray(x[i]), stacked)
-        fused = {"attn_norm": lp["attn_norm"], "w_qkv": _out_in([lp["wq"], lp["wk"], lp["wv"]]),
-                 "wo": _out_in([lp["wo"]]), "mlp_norm": lp["mlp_norm"],
-                 "w_gate_up": _out_in([lp["w_gate"], lp["w_up"]]), "w_down": _out_in([lp["w_down"]])}
+        fused = {"attn_norm": lp["attn_norm"],
+                 "w_qkv": pack(_out_in([lp["wq"], lp["wk"], lp["wv"]])),
+                 "wo": pack(_out_in([lp["wo"]])), "mlp_norm": lp["mlp_norm"],
+                 "w_gate_up": pack(_out_in([lp["w_gate"], lp["w_up"]])),
+                 "w_down": pack(_out_in([lp["w_down"]]))}
         if "bq" in lp:
             fused["b_qkv"] = np.concatenate([lp["bq"], lp["bk"], lp["bv"]], axis=-1)
         layers.append(fused)
     out = {**params, "layers": layers}
     if "lm_head" in params:
-        out["lm_head"] = _out_in([params["lm_head"]])
+        out["lm_head"] = pack(_out_in([params["lm_head"]]))
+    elif backend == "cpu":
+        out["embed"] = _panels(params["embed"])  # [V, H] is the tied head's [out, in]
     return out
 
 
@@ -105,7 +138,7 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
     d = cfg.head_dim
     hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    qkv = matmul(h, lp["w_qkv"], backend)
+    qkv = matmul(h, lp["w_qkv"])
     if cfg.attention_bias:
         qkv = qkv + lp["b_qkv"]
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
@@ -114,17 +147,17 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
     v = v.reshape(t, cfg.num_kv_heads, d)
     cache = attention.write_kv(cache, k, v, md.slot_mapping)
     o = attention.attend(backend, q, cache, md, sm_scale=d ** -0.5)
-    x = x + matmul(o.reshape(t, hq), lp["wo"], backend)
+    x = x + matmul(o.reshape(t, hq), lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate, up = jnp.split(matmul(h, lp["w_gate_up"], backend), 2, axis=-1)
-    x = x + matmul(jax.nn.silu(gate) * up, lp["w_down"], backend)
+    gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
+    x = x + matmul(jax.nn.silu(gate) * up, lp["w_down"])
     return x, cache
 
 
 def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: ModelConfig,
             backend: str):
     """token_ids i32[T] -> (pool with this step's KV written, final hidden states f[T, H])."""
-    x = params["embed"][token_ids]
+    x = embed(params, token_ids)
     cos, sin = rope_tables(md.positions, cfg.head_dim, cfg.rope_theta)
 
     caches = []
@@ -134,8 +167,8 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: Mode
     return KVPool(tuple(caches)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 
 
-def logits(params, hidden, backend: str = "xla"):
+def logits(params, hidden):
     """hidden f[R, H] -> f32 logits [R, V]. A tied model's head is the embedding table unless a
     separate (e.g. quantized) lm_head was added."""
     head = params["lm_head"] if "lm_head" in params else params["embed"]
-    return matmul(hidden, head, backend).astype(jnp.float32)
+    return matmul(hidden, head).astype(jnp.float32)

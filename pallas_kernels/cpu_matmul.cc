@@ -1,0 +1,245 @@
+// The CPU backend's matmuls, as XLA FFI custom calls, against weights packed in column panels:
+//
+//   MatmulF32    y f32[M, N] = x f32[M, K] @ W                     w f32[P, K, 48]
+//   MatmulInt8   y f32[M, N] = (x f32[M, K] @ Q) * scale f32[N]     q i8[P, K, 48]
+//
+// Panel p holds output columns [48 p, 48 p + 48) of the [K, N] weight (zero past N), k-major,
+// so each k of a panel is three contiguous 16-lane vectors. That is the layout of a GEMM
+// microkernel: per k, three weight vectors and one broadcast x value per row feed three FMAs a
+// row, kM x 3 accumulators stay in registers, and no horizontal sums are needed. A panel is read
+// from memory once (software prefetch keeps the stream ahead of the FMAs) and stays in L2 while
+// later row tiles reuse it. Over SmolLM2's 30 layers of projections this ran 14.6 ms at one row,
+// 17.6 at 8, 30 at 32 and 154 at 256, where XLA's dot took 18.6, 34.5, 46.5 and 189; the int8
+// kernel converts each weight once per row tile (in registers up to 8 rows, else into an f32
+// copy of the panel shared by all row tiles) where XLA converts the whole weight first.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 48;     // output columns per panel: three 16-lane vectors
+constexpr int kRowTile = 8;        // rows per register tile: 8 x 3 accumulators
+constexpr int64_t kPrefetchK = 16;  // weights prefetched this many k ahead (3 KB of f32)
+// Panels a tile reads at once: one or two rows are bound by the weight stream, and two streams a
+// core read 10% faster than one (30 layers at one row: 12.6 vs 14.1 ms).
+template <int kM>
+constexpr int kPanelsPerTile = kM <= 2 ? 2 : 1;
+
+#if defined(__AVX512F__)
+// 16 lanes of float32 (GCC's generic vectors turned the int8 widening into scalar code).
+using Vec = __m512;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec Load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec Broadcast(float v) { return _mm512_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline __mmask16 Lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+// The first n (<= 16) lanes; masked-off lanes are neither read nor written.
+inline Vec LoadFirst(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(Lanes(n), p); }
+inline void StoreFirst(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, Lanes(n), v); }
+template <typename W>
+inline void Prefetch(const W* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+#else
+// Portable 16 lanes (correct everywhere; fast only where the compiler vectorises it).
+struct Vec {
+  float v[16];
+};
+inline Vec Zero() { return Vec{}; }
+template <typename T>
+inline Vec Load(const T* p) {
+  Vec r;
+  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+}
+inline Vec Broadcast(float x) {
+  Vec r;
+  for (int i = 0; i < 16; ++i) r.v[i] = x;
+  return r;
+}
+inline Vec Fma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline Vec Mul(Vec a, Vec b) {
+  for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline Vec LoadFirst(const float* p, int64_t n) {
+  Vec r{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) r.v[i] = p[i];
+  return r;
+}
+inline void StoreFirst(float* p, Vec v, int64_t n) {
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) p[i] = v.v[i];
+}
+template <typename W>
+inline void Prefetch(const W*) {}
+#endif
+
+// y[0:kM, 0:cols] = (x[0:kM] @ W) * scale for kP consecutive panels of W (cols <= 48 kP valid
+// columns; scale may be null). x and y have row strides k_dim and n_dim.
+template <int kM, int kP, typename W>
+inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* scale, float* y,
+                 int64_t n_dim, int64_t cols) {
+  Vec acc[kM][3 * kP];
+  for (int m = 0; m < kM; ++m) {
+    for (int c = 0; c < 3 * kP; ++c) acc[m][c] = Zero();
+  }
+  for (int64_t k = 0; k < k_dim; ++k) {
+    Vec wv[3 * kP];
+    for (int p = 0; p < kP; ++p) {
+      const W* w = panels + p * k_dim * kPanel + k * kPanel;
+      // 48 weights of one k span up to three cache lines; prefetching past the end is harmless.
+      const W* ahead = w + kPrefetchK * kPanel;
+      Prefetch(ahead);
+      if constexpr (sizeof(W) == 4) {
+        Prefetch(ahead + 16);
+        Prefetch(ahead + 32);
+      }
+      for (int c = 0; c < 3; ++c) wv[3 * p + c] = Load(w + 16 * c);
+    }
+    for (int m = 0; m < kM; ++m) {
+      const Vec xv = Broadcast(x[m * k_dim + k]);
+      for (int c = 0; c < 3 * kP; ++c) acc[m][c] = Fma(xv, wv[c], acc[m][c]);
+    }
+  }
+  for (int c = 0; c < 3 * kP; ++c) {
+    const int64_t lanes = cols - 16 * c;
+    if (lanes <= 0) break;
+    const Vec s = scale != nullptr ? LoadFirst(scale + 16 * c, lanes) : Broadcast(1.0f);
+    for (int m = 0; m < kM; ++m) StoreFirst(y + m * n_dim + 16 * c, Mul(acc[m][c], s), lanes);
+  }
+}
+
+// Calls body.template operator()<kM>() for the compile-time row count m (1..kRowTile).
+template <int kM = 1, typename Body>
+void DispatchRows(int64_t m, Body body) {
+  if constexpr (kM <= kRowTile) {
+    if (m == kM) {
+      body.template operator()<kM>();
+    } else {
+      DispatchRows<kM + 1>(m, body);
+    }
+  }
+}
+
+// All m rows of x against num_panels consecutive panels (w points at the first; scale and y at
+// its first column, cols of which are valid), row tile by row tile.
+template <typename W>
+void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
+               const float* scale, float* y, int64_t n_dim, int64_t cols) {
+  for (int64_t r = 0; r < m; r += kRowTile) {
+    DispatchRows(std::min<int64_t>(kRowTile, m - r), [&]<int kM>() {
+      int64_t p = 0;
+      const auto tile = [&]<int kP>() {
+        const int64_t col = p * kPanel;
+        Tile<kM, kP, W>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
+                        scale != nullptr ? scale + col : nullptr, y + r * n_dim + col, n_dim,
+                        std::min(kP * kPanel, cols - col));
+        p += kP;
+      };
+      while (p + kPanelsPerTile<kM> <= num_panels) tile.template operator()<kPanelsPerTile<kM>>();
+      while (p < num_panels) tile.template operator()<1>();
+    });
+  }
+}
+
+// y = (x @ w) * scale over the pool, a chunk of panels at a time. `work` is rows x weight
+// bytes: under 256 KB of it, handing work to another thread costs more than it saves.
+template <typename W>
+void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale, float* y,
+               int64_t m, int64_t k_dim, int64_t n_dim) {
+  const int64_t panels = (n_dim + kPanel - 1) / kPanel;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t work = m * k_dim * n_dim * static_cast<int64_t>(sizeof(W));
+  const int64_t num_chunks = work < (256 << 10) ? 1 : std::min(panels, 4 * threads);
+  // Whole tiles per chunk: panels in pairs where a tile reads two.
+  const int64_t pair = m <= 2 ? 2 : 1;
+  const int64_t per = ((panels + num_chunks - 1) / num_chunks + pair - 1) / pair * pair;
+  jaxserve::RunChunks(pool, num_chunks, [=](int64_t chunk) {
+    // Int8 past one row tile: convert each panel once into float32 for all the row tiles.
+    std::vector<float> converted;
+    if (sizeof(W) == 1 && m > kRowTile) converted.resize(k_dim * kPanel);
+    const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);
+    if (p0 >= p1) return;
+    if (converted.empty()) {
+      PanelRows<W>(x, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
+                   scale != nullptr ? scale + p0 * kPanel : nullptr, y + p0 * kPanel, n_dim,
+                   n_dim - p0 * kPanel);
+      return;
+    }
+    for (int64_t p = p0; p < p1; ++p) {
+      const W* panel = w + p * k_dim * kPanel;
+      for (int64_t i = 0; i < k_dim * kPanel; ++i) converted[i] = static_cast<float>(panel[i]);
+      PanelRows<float>(x, m, k_dim, converted.data(), 1, scale + p * kPanel, y + p * kPanel,
+                       n_dim, n_dim - p * kPanel);
+    }
+  });
+}
+
+// Checks x [M, K], w [P, K, 48] and y [M, N] with 48 (P - 1) < N <= 48 P.
+ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
+                       ffi::Span<const int64_t> yd) {
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
+      xd[1] != wd[1] || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel) {
+    return ffi::Error::InvalidArgument("matmul: x [M, K] @ w [P, K, 48] -> y [M, N], 48 (P - 1) < N <= 48 P");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = CheckShapes(x.dimensions(), w.dimensions(), y->dimensions()); e.failure()) return e;
+  const auto xd = x.dimensions();
+  RunMatmul<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), xd[0], xd[1],
+                   y->dimensions()[1]);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = CheckShapes(x.dimensions(), q.dimensions(), y->dimensions()); e.failure()) return e;
+  const auto xd = x.dimensions();
+  const int64_t n = y->dimensions()[1];
+  if (scale.element_count() != static_cast<size_t>(n)) {
+    return ffi::Error::InvalidArgument("matmul: scale [N] for y [M, N]");
+  }
+  RunMatmul<int8_t>(pool, x.typed_data(), q.typed_data(), scale.typed_data(), y->typed_data(),
+                    xd[0], xd[1], n);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, MatmulF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, MatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
