@@ -31,6 +31,14 @@ def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+def _powers_of_two_and_halves(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo and the sizes halfway (3 * 2^k) between them, then hi: at most a
+    third of a bucket is padding, not half."""
+    sizes = {b for b in _powers_of_two(lo, hi) if b < hi}
+    sizes |= {b * 3 // 2 for b in sizes if b % 2 == 0 and b * 3 // 2 < hi}
+    return tuple(sorted(sizes)) + (hi,)
+
+
 @dataclasses.dataclass(frozen=True)
 class Buckets:
     """Allowed sizes per padded dimension; a step takes the smallest that fits."""
@@ -48,8 +56,11 @@ class Buckets:
     def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
                    query_block: int = 1, packed: bool = False) -> "Buckets":
         # Packed, decode-only steps are token buckets too: from 1, so one stream pads nothing.
+        # Every padded token of a packed step runs through the matmuls, so its buckets are
+        # finer (compiles are cheap there: ~0.4 s a shape).
         lo = 1 if packed else 16
-        tokens = _powers_of_two(lo, max(lo, max_num_batched_tokens))
+        spaced = _powers_of_two_and_halves if packed else _powers_of_two
+        tokens = spaced(lo, max(lo, max_num_batched_tokens))
         if query_block > 1:  # room for the alignment padding of every prefill row
             top = tokens[-1] + (query_block - 1) * min(max_num_seqs, tokens[-1])
             tokens += (-(-top // query_block) * query_block,)

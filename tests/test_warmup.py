@@ -70,9 +70,10 @@ def test_default_warmup_covers_pure_decode_and_prefill(default_loaded, backend):
         assert engine.buckets.tokens == (16, 48)
         step_shapes = 4
     else:
-        # packed: one-row prefill for each token bucket 1..16, and 2 one-token rows (T = 2)
-        assert engine.buckets.tokens == (1, 2, 4, 8, 16)
-        step_shapes = 6
+        # packed: one-row prefill for each token bucket 1..16 (powers of two and the sizes
+        # halfway between), and 2 one-token rows (T = 2)
+        assert engine.buckets.tokens == (1, 2, 3, 4, 6, 8, 12, 16)
+        step_shapes = 9
     # plus the copy-on-write page copies, one shape per copies bucket (4 and 32)
     assert engine.buckets.copies == (4, 32)
     shapes = step_shapes + 2
