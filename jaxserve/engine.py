@@ -203,13 +203,16 @@ class LLMEngine:
                 # Rows that can land in this token bucket: each fills whole query blocks, and
                 # none is longer than its page table holds (max_model_len), so sp rows reach
                 # past the previous bucket only if sp * max_units blocks do.
+                # Rows pad to their own buckets, so r <= units rows can take a rows bucket above
+                # units (3 rows in the 3-token bucket are 4 rows).
                 units = tp // qb
-                fits = [s for s in seqs if 0 < s <= units and s * max_units * qb > prev]
+                top = self._rows_bucket(units)
+                fits = [s for s in seqs if 0 < s <= top and s * max_units * qb > prev]
                 rows = fits if full else fits[:1]
             combos.update((sd, tp, sp) for sp in rows if full or sd == 0 or tp == 0)
         if packed and not full:  # decode-only steps: as many one-token rows as tokens
-            combos.update((0, Buckets.fit(self.buckets.tokens, s), s) for s in self.buckets.seqs
-                          if s <= self.buckets.tokens[-1])
+            combos.update((0, Buckets.fit(self.buckets.tokens, r), self._rows_bucket(r))
+                          for r in range(1, min(self.buckets.seqs[-1], self.buckets.tokens[-1]) + 1))
         greedy = SamplingParams(temperature=0)
         dummy = Request("warmup", [0], greedy)
         width = self.buckets.pages
@@ -223,8 +226,9 @@ class LLMEngine:
                 s = seq(2)
                 plan.chunks.append(ScheduledChunk(s, 1, 1, [s]))
             units = min(tp // qb, sp * max_units)  # past the previous bucket, within this one
-            for i in range(sp):
-                n = min((units // sp + (i < units % sp)) * qb, max_chunk)  # pads to those blocks
+            r = min(sp, units)  # rows (each at least one block) that pad to sp
+            for i in range(r):
+                n = min((units // r + (i < units % r)) * qb, max_chunk)  # pads to those blocks
                 s = seq(n)
                 plan.chunks.append(ScheduledChunk(s, 0, n, [s]))
             batch, rows, _ = build_batch(plan, self.buckets, self.config.page_size)
@@ -234,6 +238,10 @@ class LLMEngine:
         return {"shapes": len(combos) + len(self.buckets.copies),
                 "compilations": self.runner.compilations - before,
                 "seconds": time.perf_counter() - t0}
+
+    def _rows_bucket(self, rows: int) -> int:
+        """The rows bucket `rows` rows pad to (the largest one past it)."""
+        return Buckets.fit(self.buckets.seqs, min(rows, self.buckets.seqs[-1]))
 
     # ----------------------------------------------------------------- introspection
     def kv_usage(self) -> dict:

@@ -57,6 +57,35 @@ def test_full_warmup_then_traffic_compiles_nothing(default_loaded, backend):
     assert engine.stats()["compilations"] == report["compilations"]
 
 
+def test_full_warmup_covers_every_packed_shape(default_loaded):
+    """Every (rows, tokens) a packed step can have: r chunks of n tokens in all, r <= n <= the
+    budget. Rows and tokens pad to buckets of different spacing (3 rows in the 3-token bucket
+    are 4 rows), so each pair is checked, not only the buckets' corners."""
+    from jaxserve.batch import build_batch
+    from jaxserve.runner import _signature
+    from jaxserve.sequence import Request, Sequence
+    from jaxserve.step_plan import ScheduledChunk, StepPlan
+
+    engine = LLMEngine(EngineConfig.from_options(num_pages=80, max_num_seqs=6,
+                                                 max_num_batched_tokens=40, page_size=8,
+                                                 attention_backend="cpu"),
+                       tiny_loaded(default_loaded.tokenizer))
+    engine.warmup(full=True)
+    dummy = Request("probe", [0], SamplingParams(temperature=0))
+    missing = []
+    for rows in range(1, 7):
+        for tokens in range(rows, 41):
+            plan = StepPlan()
+            for i in range(rows):
+                n = tokens // rows + (i < tokens % rows)
+                seq = Sequence(-1, dummy, [0] * n, 1, page_ids=[0] * engine.buckets.pages)
+                plan.chunks.append(ScheduledChunk(seq, 0, n, [seq]))
+            batch, _, _ = build_batch(plan, engine.buckets, 8)
+            if _signature(batch) not in engine.runner._signatures:
+                missing.append((rows, tokens))
+    assert not missing
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_default_warmup_covers_pure_decode_and_prefill(default_loaded, backend):
     loaded = dataclasses.replace(tiny_loaded(default_loaded.tokenizer))
