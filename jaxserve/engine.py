@@ -240,7 +240,7 @@ class LLMEngine:
                 "seconds": time.perf_counter() - t0}
 
     def _rows_bucket(self, rows: int) -> int:
-        """The rows bucket `rows` rows pad to (the largest one past it)."""
+        """The rows bucket `rows` rows pad to (the largest bucket when none holds them)."""
         return Buckets.fit(self.buckets.seqs, min(rows, self.buckets.seqs[-1]))
 
     # ----------------------------------------------------------------- introspection

@@ -105,7 +105,8 @@ class ModelRunner:
         _use_compilation_cache()
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
-        self.params = jax.tree_util.tree_map(self._to_device, llama.per_layer_params(params, backend))
+        self.params = jax.tree_util.tree_map(self._to_device,
+                                             llama.per_layer_params(params, backend))
         self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size,
                                  cfg.head_dim, self.dtype)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend

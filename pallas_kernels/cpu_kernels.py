@@ -5,8 +5,8 @@
                       through the page table, so each key and value is read once.
   matmul_*            (cpu_matmul.cc) f32 and weight-only int8 matmuls against weights
                       packed in 48-column panels (`pack_panels`): a register-tiled GEMM that
-                      streams each weight once, faster than XLA's dot at every row count the
-                      engine runs (1.3x at one row, 2x at 8-32, 1.2x at 256), and for int8
+                      streams each weight once: 1.2x XLA's dot at one row, 1.3-2x at 8-32,
+                      level at 256 (scripts/bench_matmul.py), and for int8
                       converting weights a panel at a time where XLA converts a whole copy.
 
 The sources are compiled with the machine's C++ compiler on first use (a few seconds) into one

@@ -8,9 +8,9 @@
 // microkernel: per k, three weight vectors and one broadcast x value per row feed three FMAs a
 // row, kM x 3 accumulators stay in registers, and no horizontal sums are needed. A panel is read
 // from memory once (software prefetch keeps the stream ahead of the FMAs) and stays in L2 while
-// later row tiles reuse it. Over SmolLM2's 30 layers of projections this ran 14.6 ms at one row,
-// 17.6 at 8, 30 at 32 and 154 at 256, where XLA's dot took 18.6, 34.5, 46.5 and 189; the int8
-// kernel converts each weight once per row tile (in registers up to 8 rows, else into an f32
+// later row tiles reuse it. Over SmolLM2's 30 layers of projections (scripts/bench_matmul.py)
+// this ran 14.9 ms at one row, 18.2 at 8, 38.3 at 32 and 193 at 256, where XLA's dot took 18.3,
+// 36.5, 50.0 and 198; the int8 kernel converts each weight once per row tile (in registers up to 8 rows, else into an f32
 // copy of the panel shared by all row tiles) where XLA converts the whole weight first.
 
 #include <algorithm>
@@ -175,17 +175,18 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
   const int64_t pair = m <= 2 ? 2 : 1;
   const int64_t per = ((panels + num_chunks - 1) / num_chunks + pair - 1) / pair * pair;
   jaxserve::RunChunks(pool, num_chunks, [=](int64_t chunk) {
-    // Int8 past one row tile: convert each panel once into float32 for all the row tiles.
-    std::vector<float> converted;
-    if (sizeof(W) == 1 && m > kRowTile) converted.resize(k_dim * kPanel);
     const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);
     if (p0 >= p1) return;
-    if (converted.empty()) {
+    if (sizeof(W) == 4 || m <= kRowTile) {
       PanelRows<W>(x, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
                    scale != nullptr ? scale + p0 * kPanel : nullptr, y + p0 * kPanel, n_dim,
                    n_dim - p0 * kPanel);
       return;
     }
+    // Int8 past one row tile: convert each panel once into float32 for all the row tiles, in a
+    // buffer each thread keeps across calls.
+    thread_local std::vector<float> converted;
+    converted.resize(k_dim * kPanel);
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = w + p * k_dim * kPanel;
       for (int64_t i = 0; i < k_dim * kPanel; ++i) converted[i] = static_cast<float>(panel[i]);
