@@ -55,7 +55,7 @@ def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: 
     pool, hidden = llama.forward(params, pool, batch.token_ids, batch.attn, cfg=cfg,
                                  backend=backend)
     logits = llama.logits(params, hidden[batch.logits_indices])
-    out = {"sampled": sample(logits, batch.sampling)}
+    out = {"sampled": sample(logits, batch.sampling, backend)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
         logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]

@@ -8,6 +8,8 @@
                       streams each weight once: 1.2x XLA's dot at one row, 1.3-2x at 8-32,
                       level at 256 (scripts/bench_matmul.py), and for int8
                       converting weights a panel at a time where XLA converts a whole copy.
+  argmax              (cpu_argmax.cc) greedy sampling's max and index per row, one read of the
+                      logits where XLA's top_k(x, 1) took ~10x as long at 256 rows.
 
 The sources are compiled with the machine's C++ compiler on first use (a few seconds) into one
 library in $XDG_CACHE_HOME/jaxserve/kernels (or ~/.cache), keyed by the sources, the compiler
@@ -31,12 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 
 _SOURCES = tuple(Path(__file__).with_name(n)
-                 for n in ("cpu_paged_attention.cc", "cpu_matmul.cc"))
+                 for n in ("cpu_paged_attention.cc", "cpu_matmul.cc", "cpu_argmax.cc"))
 _HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)
 # FFI target name -> the handler symbol the sources export.
 _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_matmul_f32": "JaxserveMatmulF32",
-            "jaxserve_matmul_int8": "JaxserveMatmulInt8"}
+            "jaxserve_matmul_int8": "JaxserveMatmulInt8",
+            "jaxserve_argmax": "JaxserveArgmax"}
 PANEL = 48  # output columns per weight panel (cpu_matmul.cc's kPanel)
 # Associative math lets the compiler vectorise dot products and sums.
 _FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno",
@@ -107,10 +110,13 @@ def unavailable_reason() -> str | None:
 
 
 def _call(target: str, shape, *args, **attrs):
+    """One f32 result of `shape`, or a tuple of results for a tuple of ShapeDtypeStructs."""
     reason = _load()
     if reason is not None:
         raise RuntimeError(f"CPU kernels unavailable: {reason}")
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(shape, jnp.float32))(*args, **attrs)
+    out = shape if isinstance(shape, tuple) and isinstance(shape[0], jax.ShapeDtypeStruct) \
+        else jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.ffi.ffi_call(target, out)(*args, **attrs)
 
 
 def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_scale: float):
@@ -142,3 +148,12 @@ def matmul_int8(x, panels, scale, n: int):
     """(x f32[M, K] @ Q) * scale f32[n], for Q i8[K, n] packed by `pack_panels`, converting the
     int8 weights inside the product -> f32[M, n]."""
     return _call("jaxserve_matmul_int8", (x.shape[0], n), x, panels, scale)
+
+
+def argmax(x):
+    """x f32[R, V] -> (ids i32[R], max f32[R]): each row's maximum and its lowest index, as
+    jax.lax.top_k(x, 1)."""
+    rows = x.shape[0]
+    return _call("jaxserve_argmax", (jax.ShapeDtypeStruct((rows,), jnp.int32),
+                                     jax.ShapeDtypeStruct((rows,), jnp.float32)),
+                 x.astype(jnp.float32))

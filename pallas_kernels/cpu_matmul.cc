@@ -31,6 +31,9 @@ namespace {
 constexpr int64_t kPanel = 48;     // output columns per panel: three 16-lane vectors
 constexpr int kRowTile = 8;        // rows per register tile: 8 x 3 accumulators
 constexpr int64_t kPrefetchK = 16;  // weights prefetched this many k ahead (3 KB of f32)
+// Weights a chunk's row tiles share before moving on: half of a 2 MB L2. Without the blocking the
+// 113 MB head was streamed once per row tile (15 ms at 32 rows).
+constexpr int64_t kBlockBytes = 1 << 20;
 // Panels a tile reads at once: one or two rows are bound by the weight stream, and two streams a
 // core read 10% faster than one (30 layers at one row: 12.6 vs 14.1 ms).
 template <int kM>
@@ -142,23 +145,29 @@ void DispatchRows(int64_t m, Body body) {
 }
 
 // All m rows of x against num_panels consecutive panels (w points at the first; scale and y at
-// its first column, cols of which are valid), row tile by row tile.
+// its first column, cols of which are valid): a block of panels that fits in L2 at a time, row
+// tile by row tile within it, so each panel is read from memory once however many rows there are.
 template <typename W>
 void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
                const float* scale, float* y, int64_t n_dim, int64_t cols) {
-  for (int64_t r = 0; r < m; r += kRowTile) {
-    DispatchRows(std::min<int64_t>(kRowTile, m - r), [&]<int kM>() {
-      int64_t p = 0;
-      const auto tile = [&]<int kP>() {
-        const int64_t col = p * kPanel;
-        Tile<kM, kP, W>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
-                        scale != nullptr ? scale + col : nullptr, y + r * n_dim + col, n_dim,
-                        std::min(kP * kPanel, cols - col));
-        p += kP;
-      };
-      while (p + kPanelsPerTile<kM> <= num_panels) tile.template operator()<kPanelsPerTile<kM>>();
-      while (p < num_panels) tile.template operator()<1>();
-    });
+  const int64_t panel_bytes = k_dim * kPanel * static_cast<int64_t>(sizeof(W));
+  const int64_t block = std::max<int64_t>(2, kBlockBytes / panel_bytes / 2 * 2);
+  for (int64_t b = 0; b < num_panels; b += block) {
+    const int64_t b1 = std::min(num_panels, b + block);
+    for (int64_t r = 0; r < m; r += kRowTile) {
+      DispatchRows(std::min<int64_t>(kRowTile, m - r), [&]<int kM>() {
+        int64_t p = b;
+        const auto tile = [&]<int kP>() {
+          const int64_t col = p * kPanel;
+          Tile<kM, kP, W>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
+                          scale != nullptr ? scale + col : nullptr, y + r * n_dim + col, n_dim,
+                          std::min(kP * kPanel, cols - col));
+          p += kP;
+        };
+        while (p + kPanelsPerTile<kM> <= b1) tile.template operator()<kPanelsPerTile<kM>>();
+        while (p < b1) tile.template operator()<1>();
+      });
+    }
   }
 }
 

@@ -1,5 +1,6 @@
 """The C++ CPU kernels against pure-jnp references: paged attention (decode rows, ragged causal
-prefill, GQA groups, padding tokens, odd head dims) and the f32 and int8 panel matmuls."""
+prefill, GQA groups, padding tokens, odd head dims), the f32 and int8 panel matmuls and the
+greedy argmax."""
 
 import jax
 import jax.numpy as jnp
@@ -111,7 +112,7 @@ def test_backend_resolution():
 
 
 # Row tiles of 8 and their remainders; K tails; N a multiple of 48, a partial last panel, and
-# fewer columns than one vector.
+# fewer columns than one vector; (576, 6000): a thread's panels span several L2 blocks.
 @pytest.mark.parametrize("m", [1, 3, 8, 11, 40])
 @pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (1536, 100), (64, 49)])
 def test_int8_matmul_matches_dequantized_product(m, k, n):
@@ -126,7 +127,7 @@ def test_int8_matmul_matches_dequantized_product(m, k, n):
 
 
 @pytest.mark.parametrize("m", [1, 5, 8, 13, 70])
-@pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (64, 49)])
+@pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (64, 49), (576, 6000)])
 def test_f32_matmul_matches_numpy(m, k, n):
     rng = np.random.default_rng(m * 100 + k + n)
     w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in]
@@ -134,6 +135,18 @@ def test_f32_matmul_matches_numpy(m, k, n):
     got = cpu_kernels.matmul_f32(jnp.asarray(x), jnp.asarray(cpu_kernels.pack_panels(w)), n)
     assert got.shape == (m, n)
     np.testing.assert_allclose(np.asarray(got), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows,width", [(1, 5), (3, 16), (7, 33), (256, 49152), (2, 49157)])
+def test_argmax_matches_numpy_with_ties(rows, width):
+    rng = np.random.default_rng(width)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    x[0, [width - 1, width // 2]] = 50.0  # a tie across vector lanes and the tail: lowest wins
+    x[-1, :] = -np.inf if rows > 1 else x[-1, :]  # all -inf: index 0
+    ids, values = jax.jit(cpu_kernels.argmax)(x)
+    np.testing.assert_array_equal(np.asarray(ids), x.argmax(-1))
+    np.testing.assert_array_equal(np.asarray(values), x.max(-1))
+    assert ids.dtype == jnp.int32
 
 
 def test_pack_panels_layout():

@@ -8,6 +8,10 @@ import numpy as np
 import pytest
 
 from jaxserve.sampling import GREEDY, RANDOM, SamplingMetadata, sample
+from pallas_kernels import cpu_kernels
+
+BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
+    not cpu_kernels.available(), reason="CPU kernels not built"))]
 
 
 def _metadata(rows: int, mode: str, k: int, temperature: float = 0.0) -> SamplingMetadata:
@@ -33,9 +37,10 @@ def logits() -> np.ndarray:
     return x
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("k", [0, 1, 5])
-def test_greedy_ids_and_logprobs_match_numpy(logits, k):
-    ids, chosen, top_ids, top_lp = sample(jnp.asarray(logits), _metadata(6, GREEDY, k))
+def test_greedy_ids_and_logprobs_match_numpy(logits, k, backend):
+    ids, chosen, top_ids, top_lp = sample(jnp.asarray(logits), _metadata(6, GREEDY, k), backend)
     expected = _log_softmax(logits)
     np.testing.assert_array_equal(np.asarray(ids), logits.argmax(-1))
     assert int(ids[1]) == 17 and int(ids[2]) == 0
@@ -49,12 +54,13 @@ def test_greedy_ids_and_logprobs_match_numpy(logits, k):
         np.testing.assert_array_equal(np.asarray(top_ids)[[0, 3, 4, 5]], order[[0, 3, 4, 5]])
 
 
-def test_no_logprobs_mode_samples_the_same_tokens(logits):
-    with_lp = sample(jnp.asarray(logits), _metadata(6, GREEDY, 0))
-    without = sample(jnp.asarray(logits), _metadata(6, GREEDY, -1))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_logprobs_mode_samples_the_same_tokens(logits, backend):
+    with_lp = sample(jnp.asarray(logits), _metadata(6, GREEDY, 0), backend)
+    without = sample(jnp.asarray(logits), _metadata(6, GREEDY, -1), backend)
     np.testing.assert_array_equal(np.asarray(without[0]), np.asarray(with_lp[0]))
     assert not np.asarray(without[1]).any() and without[2].shape == (6, 0)
-    seeded = [sample(jnp.asarray(logits), _metadata(6, RANDOM, k, temperature=1.0))[0]
+    seeded = [sample(jnp.asarray(logits), _metadata(6, RANDOM, k, temperature=1.0), backend)[0]
               for k in (-1, 0)]
     np.testing.assert_array_equal(np.asarray(seeded[0]), np.asarray(seeded[1]))
 

@@ -276,6 +276,7 @@ ABLATION_COLUMNS = (
     ("TTFT mean", lambda r: r["ttft_ms"]["mean"], 0),
     ("TTFT p99", lambda r: r["ttft_ms"]["p99"], 0),
     ("TPOT mean", lambda r: r["tpot_ms"]["mean"], 1),
+    ("ITL p99", lambda r: r["itl_ms"]["p99"], 1),
     ("E2E p90", lambda r: r["e2e_ms"]["p90"], 0),
     ("peak pages", lambda r: r.get("peak_kv_pages"), 0),
     ("peak KV MiB", lambda r: r.get("peak_kv_bytes", 0) / MIB, 1),
