@@ -10,7 +10,8 @@
 //
 // Work is split into (token, KV head) units over XLA's intra-op thread pool. Each unit walks its
 // pages once with an online float32 softmax, all G query heads of the group together, so a KV
-// page is read once per token. At 256 decode rows x 200 keys the kernel is bound by memory
+// page is read once per token. A step of too few units for the threads (one decode row: 3)
+// splits each unit's pages and merges the splits' softmax states. At 256 decode rows x 200 keys the kernel is bound by memory
 // (about 17 GB/s of scattered 4 KB pages here), not by its arithmetic.
 
 #include <algorithm>
@@ -64,34 +65,44 @@ struct Problem {
   float sm_scale;
 };
 
-// Scores, softmax and values of one (token, KV head) unit. kG, kD > 0 fix the group size and
-// head dim at compile time (the common shapes: loops unroll and the accumulators stay in
-// registers: 1.35x faster on cached pages at G = 3, D = 64); 0 reads them at run time.
+// The number of keys token t attends (0 for a padding token).
+inline int64_t KeysOf(const Problem& p, int64_t t) {
+  const int64_t row = p.token_row[t];
+  if (row < 0 || row >= p.num_rows) return 0;
+  const int64_t len = std::min<int64_t>(p.positions[t] + 1, p.seq_lens[row]);
+  return std::max<int64_t>(0, std::min<int64_t>(len, p.table_width * p.page_size));
+}
+
+// Scores, softmax and values of one (token, KV head) unit over split `split` of `num_splits`
+// equal runs of its pages. With one split the result is normalized into `out`; with more, the
+// unnormalized state (m[G], l[G], acc[G, D]) goes to `partial` for MergeSplits. kG, kD > 0 fix
+// the group size and head dim at compile time (the common shapes: loops unroll and the
+// accumulators stay in registers: 1.35x faster on cached pages at G = 3, D = 64); 0 reads them
+// at run time.
 template <int kG, int kD>
-void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, std::vector<float>& scratch) {
+void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split,
+                int64_t num_splits, float* partial, std::vector<float>& scratch) {
   const int64_t d = kD > 0 ? kD : d_runtime;
   const int64_t t = unit / p.num_kv_heads, h = unit % p.num_kv_heads;
   const int64_t g_size = kG > 0 ? kG : p.num_q_heads / p.num_kv_heads;
   float* out = p.out + (t * p.num_q_heads + h * g_size) * d;
-  const int64_t row = p.token_row[t];
-  int64_t len = 0;
-  if (row >= 0 && row < p.num_rows) {
-    len = std::min<int64_t>(p.positions[t] + 1, p.seq_lens[row]);
-    len = std::min<int64_t>(len, p.table_width * p.page_size);
-  }
-  if (len <= 0) {
+  const int64_t len = KeysOf(p, t), b = p.page_size;
+  const int64_t per_split = ((len + b - 1) / b + num_splits - 1) / num_splits * b;
+  const int64_t begin = std::min(len, split * per_split);
+  const int64_t end = std::min(len, begin + per_split);
+  if (begin >= end && partial == nullptr) {
     std::fill(out, out + g_size * d, 0.0f);
     return;
   }
   const float* q = p.q + (t * p.num_q_heads + h * g_size) * d;
-  const int32_t* table = p.page_tables + row * p.table_width;
-  const int64_t page_elems = p.page_size * d;
+  const int32_t* table = p.page_tables + (len > 0 ? p.token_row[t] * p.table_width : 0);
+  const int64_t page_elems = b * d;
   const float* k_head = p.k + h * p.num_pages * page_elems;
   const float* v_head = p.v + h * p.num_pages * page_elems;
 
   // One pass over the pages with an online softmax: a page's keys and values are read
   // together, then never again. m, l: running max and sum per query head; acc in `out`.
-  const int64_t b = p.page_size, row_bytes = d * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(float));
   constexpr bool kStatic = kG > 0 && kD > 0;
   alignas(64) float acc_static[kStatic ? kG * kD : 1];
   scratch.resize(g_size * (b + 2) + (kStatic ? 0 : g_size * d));
@@ -102,14 +113,14 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, std::vector<f
   std::fill(m, m + g_size, -1e30f);
   std::fill(l, l + g_size, 0.0f);
   std::fill(acc, acc + g_size * d, 0.0f);
-  for (int64_t first = 0; first < len; first += b) {
+  for (int64_t first = begin; first < end; first += b) {
     const int64_t page = table[first / b];
     const float* kp = k_head + page * page_elems;
     const float* vp = v_head + page * page_elems;
-    const int64_t n = std::min(b, len - first);
-    if (first + b < len) {  // see Prefetch
+    const int64_t n = std::min(b, end - first);
+    if (first + b < end) {  // see Prefetch
       const int64_t next = table[first / b + 1] * page_elems;
-      const int64_t bytes = std::min(b, len - first - b) * row_bytes;
+      const int64_t bytes = std::min(b, end - first - b) * row_bytes;
       Prefetch(k_head + next, bytes);
       Prefetch(v_head + next, bytes);
     }
@@ -146,27 +157,68 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, std::vector<f
       }
     }
   }
+  if (partial != nullptr) {
+    std::copy(m, m + g_size, partial);
+    std::copy(l, l + g_size, partial + g_size);
+    std::copy(acc, acc + g_size * d, partial + 2 * g_size);
+    return;
+  }
   for (int64_t g = 0; g < g_size; ++g) {
     const float inv = 1.0f / l[g];
     for (int64_t e = 0; e < d; ++e) out[g * d + e] = acc[g * d + e] * inv;
   }
 }
 
+// Work items [begin, end) of `num_splits` per unit (item = unit * num_splits + split); each
+// split's state goes to partials + item * (G * (D + 2)) when there is more than one.
 template <int kG, int kD>
-void AttendUnits(const Problem& p, int64_t d, int64_t begin, int64_t end) {
+void AttendItems(const Problem& p, int64_t d, int64_t num_splits, float* partials,
+                 int64_t begin, int64_t end) {
   thread_local std::vector<float> scratch;
-  for (int64_t u = begin; u < end; ++u) AttendUnit<kG, kD>(p, u, d, scratch);
+  const int64_t g = p.num_q_heads / p.num_kv_heads, stride = g * (d + 2);
+  for (int64_t i = begin; i < end; ++i) {
+    AttendUnit<kG, kD>(p, i / num_splits, d, i % num_splits, num_splits,
+                       num_splits > 1 ? partials + i * stride : nullptr, scratch);
+  }
 }
 
-void AttendRange(const Problem& p, int64_t d, int64_t begin, int64_t end) {
+void AttendRange(const Problem& p, int64_t d, int64_t num_splits, float* partials,
+                 int64_t begin, int64_t end) {
   const int64_t g = p.num_q_heads / p.num_kv_heads;
 #define JAXSERVE_CASE(G, D) \
-  if (g == G && d == D) return AttendUnits<G, D>(p, d, begin, end);
+  if (g == G && d == D) return AttendItems<G, D>(p, d, num_splits, partials, begin, end);
   JAXSERVE_CASE(1, 64) JAXSERVE_CASE(2, 64) JAXSERVE_CASE(3, 64) JAXSERVE_CASE(4, 64)
   JAXSERVE_CASE(5, 64) JAXSERVE_CASE(6, 64) JAXSERVE_CASE(7, 64) JAXSERVE_CASE(8, 64)
   JAXSERVE_CASE(1, 128) JAXSERVE_CASE(2, 128) JAXSERVE_CASE(4, 128) JAXSERVE_CASE(8, 128)
 #undef JAXSERVE_CASE
-  AttendUnits<0, 0>(p, d, begin, end);
+  AttendItems<0, 0>(p, d, num_splits, partials, begin, end);
+}
+
+// out = the softmax-weighted merge of each unit's split states.
+void MergeSplits(const Problem& p, int64_t d, int64_t units, int64_t num_splits,
+                 const float* partials) {
+  const int64_t g_size = p.num_q_heads / p.num_kv_heads, stride = g_size * (d + 2);
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t t = u / p.num_kv_heads, h = u % p.num_kv_heads;
+    float* out = p.out + (t * p.num_q_heads + h * g_size) * d;
+    const float* first = partials + u * num_splits * stride;
+    for (int64_t g = 0; g < g_size; ++g) {
+      float m = -1e30f;
+      for (int64_t s = 0; s < num_splits; ++s) m = std::max(m, first[s * stride + g]);
+      float l = 0.0f;
+      float* o = out + g * d;
+      std::fill(o, o + d, 0.0f);
+      for (int64_t s = 0; s < num_splits; ++s) {
+        const float* part = first + s * stride;
+        const float w = exp_nonpositive(part[g] - m);
+        l += w * part[g_size + g];
+        const float* acc = part + 2 * g_size + g * d;
+        for (int64_t e = 0; e < d; ++e) o[e] += w * acc[e];
+      }
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int64_t e = 0; e < d; ++e) o[e] *= inv;
+    }
+  }
 }
 
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -184,17 +236,36 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
             out->typed_data(), qd[0], qd[1], kd[0], kd[1], kd[2], td[0], td[1], sm_scale};
   const int64_t d = qd[2];
   const int64_t units = p.num_tokens * p.num_kv_heads;
-  // Below a few thousand keys a unit of work is microseconds: scheduling would cost more.
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  if (threads == 1 || units < 4 * threads) {
-    AttendRange(p, d, 0, units);
+  if (threads > 1 && units >= 4 * threads) {
+    const int64_t num_chunks = std::min<int64_t>(units, 8 * threads);
+    const int64_t per_chunk = (units + num_chunks - 1) / num_chunks;
+    jaxserve::RunChunks(pool, num_chunks, [p, d, units, per_chunk](int64_t c) {
+      AttendRange(p, d, 1, nullptr, c * per_chunk, std::min(units, (c + 1) * per_chunk));
+    });
     return ffi::Error::Success();
   }
-  const int64_t num_chunks = std::min<int64_t>(units, 8 * threads);
-  const int64_t per_chunk = (units + num_chunks - 1) / num_chunks;
-  jaxserve::RunChunks(pool, num_chunks, [p, d, units, per_chunk](int64_t c) {
-    AttendRange(p, d, c * per_chunk, std::min(units, (c + 1) * per_chunk));
+  // Few units (a decode step of one or two rows): split each unit's pages so that every thread
+  // has work, where there are enough keys (64 KB of them) to pay for the hand-off.
+  int64_t keys = 0, longest = 0;
+  for (int64_t t = 0; t < p.num_tokens; ++t) {
+    keys += KeysOf(p, t);
+    longest = std::max(longest, KeysOf(p, t));
+  }
+  const int64_t kv_bytes = keys * p.num_kv_heads * d * 2 * static_cast<int64_t>(sizeof(float));
+  const int64_t num_splits = std::min((4 * threads + units - 1) / std::max<int64_t>(units, 1),
+                                      (longest + p.page_size - 1) / p.page_size);
+  if (threads == 1 || kv_bytes < (64 << 10) || num_splits < 2) {
+    AttendRange(p, d, 1, nullptr, 0, units);
+    return ffi::Error::Success();
+  }
+  thread_local std::vector<float> partials;
+  partials.resize(units * num_splits * (p.num_q_heads / p.num_kv_heads) * (d + 2));
+  float* parts = partials.data();
+  jaxserve::RunChunks(pool, units * num_splits, [p, d, num_splits, parts](int64_t i) {
+    AttendRange(p, d, num_splits, parts, i, i + 1);
   });
+  MergeSplits(p, d, units, num_splits, parts);
   return ffi::Error::Success();
 }
 

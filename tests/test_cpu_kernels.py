@@ -72,6 +72,25 @@ def test_prefill_matches_reference_with_padding_tokens():
     assert not np.asarray(got)[-5:].any()
 
 
+@pytest.mark.parametrize("hq,hkv,lens", [(9, 3, [300]), (9, 3, [250, 3]), (4, 1, [400, 0]),
+                                         (8, 2, [17, 130])])
+def test_few_rows_split_their_pages_and_match(hq, hkv, lens):
+    """Too few (token, head) units for the threads: each unit's pages are split over them and
+    the splits' softmax states merged (splits past a short row's pages are empty)."""
+    rng = np.random.default_rng(len(lens) + hkv)
+    d, b = 64, 16
+    k, v = _pool(rng, hkv, 64, b, d)
+    tables = _tables(rng, lens, 64, b, 26)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.float32)
+    rows = jnp.where(seq_lens > 0, jnp.arange(len(lens)), len(lens)).astype(jnp.int32)
+    got = jax.jit(lambda q: cpu_kernels.paged_attention(
+        q, k, v, tables, seq_lens, rows, jnp.maximum(seq_lens - 1, 0), sm_scale=0.125))(q)
+    want = ref_paged_decode_attention(q, k, v, tables, seq_lens, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert np.isfinite(np.asarray(got)).all()
+
+
 def test_large_batch_uses_threads_and_matches():
     """Enough units to split over the thread pool; results must not depend on the split."""
     rng = np.random.default_rng(2)
