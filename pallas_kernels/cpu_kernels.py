@@ -5,7 +5,7 @@
                       through the page table, so each key and value is read once.
   matmul_*            (cpu_matmul.cc) f32 and weight-only int8 matmuls against weights
                       packed in 48-column panels (`pack_panels`): a register-tiled GEMM that
-                      streams each weight once: 1.2x XLA's dot at one row, 1.3-2x at 8-32,
+                      streams each weight once: 1.3x XLA's dot at one row, 1.6-1.9x at 8-32,
                       level at 256 (scripts/bench_matmul.py), and for int8
                       converting weights a panel at a time where XLA converts a whole copy.
   argmax              (cpu_argmax.cc) greedy sampling's max and index per row, one read of the

@@ -8,10 +8,12 @@
 // microkernel: per k, three weight vectors and one broadcast x value per row feed three FMAs a
 // row, kM x 3 accumulators stay in registers, and no horizontal sums are needed. A panel is read
 // from memory once (software prefetch keeps the stream ahead of the FMAs) and stays in L2 while
-// later row tiles reuse it. Over SmolLM2's 30 layers of projections (scripts/bench_matmul.py)
-// this ran 14.9 ms at one row, 18.2 at 8, 38.3 at 32 and 193 at 256, where XLA's dot took 18.3,
-// 36.5, 50.0 and 198; the int8 kernel converts each weight once per row tile (in registers up to 8 rows, else into an f32
-// copy of the panel shared by all row tiles) where XLA converts the whole weight first.
+// later row tiles reuse it; each thread takes one contiguous run of panels, a block at a time,
+// and prefetches its next block while the row tiles compute on the current one. Over SmolLM2's
+// 30 layers of projections (scripts/bench_matmul.py) this ran 14.8 ms at one row, 19.1 at 8,
+// 23.8 at 16, 30.6 at 32 and 206 at 256, where XLA's dot took 19.3, 36.1, 40.5, 49.4 and 201.
+// The int8 kernel converts each weight once per row tile (in registers up to 8 rows, else into
+// an f32 copy of the panel shared by all row tiles) where XLA converts the whole weight first.
 
 #include <algorithm>
 #include <cstdint>
@@ -31,13 +33,16 @@ namespace {
 constexpr int64_t kPanel = 48;     // output columns per panel: three 16-lane vectors
 constexpr int kRowTile = 8;        // rows per register tile: 8 x 3 accumulators
 constexpr int64_t kPrefetchK = 16;  // weights prefetched this many k ahead (3 KB of f32)
-// Weights a chunk's row tiles share before moving on: half of a 2 MB L2. Without the blocking the
-// 113 MB head was streamed once per row tile (15 ms at 32 rows).
-constexpr int64_t kBlockBytes = 1 << 20;
-// Panels a tile reads at once: one or two rows are bound by the weight stream, and two streams a
-// core read 10% faster than one (30 layers at one row: 12.6 vs 14.1 ms).
+// Weights a thread's row tiles share before moving on (one panel at SmolLM2's K = 576): each
+// weight comes from memory once however many row tiles there are, and the next block is
+// prefetched into L2 while they compute. Without blocks the 113 MB head was streamed once per
+// row tile (15 ms at 32 rows); without the prefetch the stream and the FMAs took turns.
+constexpr int64_t kBlockBytes = 128 << 10;
+// Panels a tile reads at once: up to four rows are bound by the weight stream, and two streams a
+// core read faster than one (30 layers at one row: 12.6 vs 14.1 ms; at 3 rows 16.0 vs 17.1).
+constexpr int kPairRows = 4;
 template <int kM>
-constexpr int kPanelsPerTile = kM <= 2 ? 2 : 1;
+constexpr int kPanelsPerTile = kM <= kPairRows ? 2 : 1;
 
 #if defined(__AVX512F__)
 // 16 lanes of float32 (GCC's generic vectors turned the int8 widening into scalar code).
@@ -60,6 +65,7 @@ template <typename W>
 inline void Prefetch(const W* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
+inline void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
 #else
 // Portable 16 lanes (correct everywhere; fast only where the compiler vectorises it).
 struct Vec {
@@ -95,18 +101,24 @@ inline void StoreFirst(float* p, Vec v, int64_t n) {
 }
 template <typename W>
 inline void Prefetch(const W*) {}
+inline void PrefetchL2(const char*) {}
 #endif
 
 // y[0:kM, 0:cols] = (x[0:kM] @ W) * scale for kP consecutive panels of W (cols <= 48 kP valid
 // columns; scale may be null). x and y have row strides k_dim and n_dim.
+//
+// The tile also prefetches `pf_lines` cache lines from `pf` into L2, spread over its k loop: the
+// next block's weights, fetched while this block's row tiles compute on weights already in L2.
 template <int kM, int kP, typename W>
 inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* scale, float* y,
-                 int64_t n_dim, int64_t cols) {
+                 int64_t n_dim, int64_t cols, const char* pf = nullptr, int64_t pf_lines = 0) {
   Vec acc[kM][3 * kP];
   for (int m = 0; m < kM; ++m) {
     for (int c = 0; c < 3 * kP; ++c) acc[m][c] = Zero();
   }
+  int64_t issued = 0;
   for (int64_t k = 0; k < k_dim; ++k) {
+    for (; issued * k_dim < (k + 1) * pf_lines; ++issued) PrefetchL2(pf + 64 * issued);
     Vec wv[3 * kP];
     for (int p = 0; p < kP; ++p) {
       const W* w = panels + p * k_dim * kPanel + k * kPanel;
@@ -151,18 +163,28 @@ template <typename W>
 void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
                const float* scale, float* y, int64_t n_dim, int64_t cols) {
   const int64_t panel_bytes = k_dim * kPanel * static_cast<int64_t>(sizeof(W));
-  const int64_t block = std::max<int64_t>(2, kBlockBytes / panel_bytes / 2 * 2);
+  const int64_t pair = m <= kPairRows ? 2 : 1;  // see kPanelsPerTile
+  const int64_t block = std::max<int64_t>(pair, kBlockBytes / panel_bytes / pair * pair);
+  const int64_t row_tiles = (m + kRowTile - 1) / kRowTile;
   for (int64_t b = 0; b < num_panels; b += block) {
     const int64_t b1 = std::min(num_panels, b + block);
+    // The block's tiles prefetch the next block between them (at 1-2 rows the hardware
+    // prefetcher keeps up with the stream, and the extra prefetches cost 5%).
+    const int64_t next_lines = m > 2 ? (std::min(num_panels, b1 + block) - b1) * panel_bytes / 64 : 0;
+    const char* next = reinterpret_cast<const char*>(w + b1 * k_dim * kPanel);
+    int64_t job = 0;
+    const int64_t jobs = row_tiles * (b1 - b);
     for (int64_t r = 0; r < m; r += kRowTile) {
       DispatchRows(std::min<int64_t>(kRowTile, m - r), [&]<int kM>() {
         int64_t p = b;
         const auto tile = [&]<int kP>() {
           const int64_t col = p * kPanel;
+          const int64_t first = job * next_lines / jobs, last = (job + kP) * next_lines / jobs;
           Tile<kM, kP, W>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
                           scale != nullptr ? scale + col : nullptr, y + r * n_dim + col, n_dim,
-                          std::min(kP * kPanel, cols - col));
+                          std::min(kP * kPanel, cols - col), next + 64 * first, last - first);
           p += kP;
+          job += kP;
         };
         while (p + kPanelsPerTile<kM> <= b1) tile.template operator()<kPanelsPerTile<kM>>();
         while (p < b1) tile.template operator()<1>();
@@ -179,9 +201,9 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t work = m * k_dim * n_dim * static_cast<int64_t>(sizeof(W));
-  const int64_t num_chunks = work < (256 << 10) ? 1 : std::min(panels, 4 * threads);
+  const int64_t num_chunks = work < (256 << 10) ? 1 : std::min(panels, threads);
   // Whole tiles per chunk: panels in pairs where a tile reads two.
-  const int64_t pair = m <= 2 ? 2 : 1;
+  const int64_t pair = m <= kPairRows ? 2 : 1;
   const int64_t per = ((panels + num_chunks - 1) / num_chunks + pair - 1) / pair * pair;
   jaxserve::RunChunks(pool, num_chunks, [=](int64_t chunk) {
     const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);
