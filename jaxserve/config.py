@@ -76,9 +76,6 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
-    # Prefill tokens a step that also decodes may carry (None: up to max_num_batched_tokens).
-    # Lower bounds inter-token latency: every prefill token rides in some running request's gap.
-    max_prefill_tokens_while_decoding: int | None = None
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     scheduling: str = "iteration"
@@ -115,10 +112,6 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= self.max_num_seqs,
               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
               f"({self.max_num_seqs}) so every running sequence can decode each step")
-        check(self.max_prefill_tokens_while_decoding is None
-              or self.max_prefill_tokens_while_decoding >= 1,
-              f"max_prefill_tokens_while_decoding must be >= 1, got "
-              f"{self.max_prefill_tokens_while_decoding}")
         check(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
         check(self.max_waiting is None or self.max_waiting >= 0,
               f"max_waiting must be >= 0, got {self.max_waiting}")

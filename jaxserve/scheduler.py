@@ -143,12 +143,6 @@ class Scheduler:
         anything_running = bool(self.running)
         queue = [s for s in self.running if s.seq_id not in self._in_flight]
         decodes_left = sum(self._is_decode_ready(s) for s in queue)
-        cap = cfg.max_prefill_tokens_while_decoding if decodes_left else None
-        cap = budget if cap is None else min(cap, budget)
-
-        def prefill_left() -> int:  # prefill tokens this step may still take
-            return min(budget - plan.num_tokens - decodes_left, cap - plan.num_prefill_tokens)
-
         i = 0
         while i < len(queue):
             seq = queue[i]
@@ -158,7 +152,7 @@ class Scheduler:
                 decodes_left -= 1
                 n = 1
             else:
-                n = self._chunk_len(seq, seq.num_computed_tokens, prefill_left())
+                n = self._chunk_len(seq, seq.num_computed_tokens, budget - plan.num_tokens - decodes_left)
                 if n == 0:
                     continue
             while self.kv.pages_needed(seq, n) > self.pool.num_available:
@@ -182,15 +176,15 @@ class Scheduler:
                 self._schedule_chunk(seq, n, plan)
 
         if cfg.scheduling == "iteration":
-            while not plan.preempted and self.waiting and prefill_left() > 0:
-                if not self._admit_one(plan, prefill_left()):
+            while not plan.preempted and self.waiting and plan.num_tokens < budget:
+                if not self._admit_one(plan, budget - plan.num_tokens):
                     break
         elif not anything_running:
             # Static (request-level) batching: once the previous batch has drained, admit a whole
             # new batch up to max_num_seqs; members beyond this step's token budget are admitted
             # without a chunk and prefilled in later steps. Nothing joins until it drains again.
             while self.waiting:
-                if not self._admit_one(plan, prefill_left(), allow_empty=True):
+                if not self._admit_one(plan, budget - plan.num_tokens, allow_empty=True):
                     break
 
         plan.chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first

@@ -40,10 +40,6 @@ class StepPlan:
         return sum(c.num_tokens for c in self.chunks)
 
     @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks if not c.is_decode)
-
-    @property
     def sample_rows(self) -> list[tuple[ScheduledChunk, Sequence]]:
         """(chunk, sequence) per sampled token, in the order the runner returns them."""
         return [(c, s) for c in self.chunks for s in c.sample_seqs]

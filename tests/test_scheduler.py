@@ -234,23 +234,6 @@ def test_chunk_sizes_under_budget():
     assert chunk_shape(step(sched, runner)) == [("a", 0, 7, 1), ("b", 0, 9, 1)]
 
 
-def test_prefill_cap_applies_only_to_steps_that_decode():
-    sched = make_sched(max_num_batched_tokens=10, max_prefill_tokens_while_decoding=3)
-    runner = FakeRunner(sched)
-    sched.add_request(make_request("a", list(range(6)), max_tokens=4))
-    sched.add_request(make_request("b", list(range(9)), max_tokens=2))
-    assert chunk_shape(step(sched, runner)) == [("a", 0, 0, 6), ("b", 0, 0, 4)]  # nothing decodes
-    assert chunk_shape(step(sched, runner)) == [("a", 0, 6, 1), ("b", 0, 4, 3)]
-    sched.add_request(make_request("c", list(range(20, 25)), max_tokens=2))
-    assert chunk_shape(step(sched, runner)) == [("a", 0, 7, 1), ("b", 0, 7, 2), ("c", 0, 0, 1)]
-    assert chunk_shape(step(sched, runner)) == [("a", 0, 8, 1), ("b", 0, 9, 1), ("c", 0, 1, 3)]
-    reqs = [make_request(f"r{i}", list(range(i, i + 7 + i)), max_tokens=5) for i in range(6)]
-    capped = run_to_completion(make_sched(max_prefill_tokens_while_decoding=2), clone(reqs))
-    assert capped.outputs == expected(reqs)  # greedy outputs do not depend on the cap
-    with pytest.raises(ValueError, match="max_prefill_tokens_while_decoding must be >= 1"):
-        make_sched(max_prefill_tokens_while_decoding=0)
-
-
 def test_without_chunked_prefill_prompts_are_whole_or_wait():
     sched = make_sched(max_num_batched_tokens=10, enable_chunked_prefill=False)
     runner = FakeRunner(sched)

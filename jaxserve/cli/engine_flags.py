@@ -19,9 +19,6 @@ flags.DEFINE_integer("kv_cache_bytes", None, "KV memory budget in bytes (instead
 flags.DEFINE_integer("max_model_len", None, "Longest prompt + output; default: the model's context.")
 flags.DEFINE_integer("max_num_seqs", _D.max_num_seqs, "Most sequences per step.")
 flags.DEFINE_integer("max_num_batched_tokens", _D.max_num_batched_tokens, "Most tokens per step.")
-flags.DEFINE_integer("max_prefill_tokens_while_decoding", None,
-                     "Most prefill tokens in a step that also decodes (bounds inter-token "
-                     "latency); default: up to max_num_batched_tokens.")
 flags.DEFINE_bool("enable_prefix_caching", _D.enable_prefix_caching, "Share full prompt pages.")
 flags.DEFINE_bool("enable_chunked_prefill", _D.enable_chunked_prefill, "Split long prompts.")
 flags.DEFINE_enum("scheduling", _D.scheduling, SCHEDULING_POLICIES,
@@ -35,7 +32,7 @@ flags.DEFINE_integer("max_waiting", None, "Refuse new requests beyond this many 
 FLAGS = flags.FLAGS
 _NAMES = ("model", "dtype", "quantization", "attention_backend", "page_size", "num_pages",
           "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-          "max_prefill_tokens_while_decoding", "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
+          "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
           "watermark", "cache_salt", "seed", "max_waiting")
 
 
