@@ -181,7 +181,7 @@ class Bench:
                                     "xla vs pallas on a tiny workload)")
             b, _ = self.run("cpu kernels", dict(self.options, attention_backend="cpu"), workload)
             v, _ = self.run("xla", dict(self.options, attention_backend="xla"), workload)
-            return b, v, "backend: C++ CPU kernels (attention, few-row matmuls) vs plain XLA"
+            return b, v, "backend: C++ CPU kernels (attention, matmuls, greedy argmax) vs plain XLA"
         note = None
         if jax.default_backend() == "cpu":
             workload = workload.replace(num_prompts=min(workload.num_prompts, 4), input_len="16",
