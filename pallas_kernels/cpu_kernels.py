@@ -109,14 +109,16 @@ def unavailable_reason() -> str | None:
     return _load()
 
 
-def _call(target: str, shape, *args, **attrs):
-    """One f32 result of `shape`, or a tuple of results for a tuple of ShapeDtypeStructs."""
+def _call(target: str, result, *args, **attrs):
+    """`result`: a jax.ShapeDtypeStruct, or a tuple of them for several outputs."""
     reason = _load()
     if reason is not None:
         raise RuntimeError(f"CPU kernels unavailable: {reason}")
-    out = shape if isinstance(shape, tuple) and isinstance(shape[0], jax.ShapeDtypeStruct) \
-        else jax.ShapeDtypeStruct(shape, jnp.float32)
-    return jax.ffi.ffi_call(target, out)(*args, **attrs)
+    return jax.ffi.ffi_call(target, result)(*args, **attrs)
+
+
+def _f32(*shape) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
 def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_scale: float):
@@ -124,7 +126,7 @@ def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_
     token_row i32[T] (S or more: a padding token, output zeros); positions i32[T]. Token t
     attends positions j <= positions[t], j < seq_lens[token_row[t]] of its row. -> f32[T, Hq, D]."""
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    return _call("jaxserve_paged_attention", q.shape, q.astype(jnp.float32),
+    return _call("jaxserve_paged_attention", _f32(*q.shape), q.astype(jnp.float32),
                  k.astype(jnp.float32), v.astype(jnp.float32), i32(page_tables), i32(seq_lens),
                  i32(token_row), i32(positions), sm_scale=np.float32(sm_scale))
 
@@ -141,19 +143,18 @@ def pack_panels(w_out_in: np.ndarray) -> np.ndarray:
 
 def matmul_f32(x, panels, n: int):
     """x f32[M, K] @ W, for W [K, n] packed by `pack_panels` -> f32[M, n]."""
-    return _call("jaxserve_matmul_f32", (x.shape[0], n), x, panels)
+    return _call("jaxserve_matmul_f32", _f32(x.shape[0], n), x, panels)
 
 
 def matmul_int8(x, panels, scale, n: int):
     """(x f32[M, K] @ Q) * scale f32[n], for Q i8[K, n] packed by `pack_panels`, converting the
     int8 weights inside the product -> f32[M, n]."""
-    return _call("jaxserve_matmul_int8", (x.shape[0], n), x, panels, scale)
+    return _call("jaxserve_matmul_int8", _f32(x.shape[0], n), x, panels, scale)
 
 
 def argmax(x):
     """x f32[R, V] -> (ids i32[R], max f32[R]): each row's maximum and its lowest index, as
     jax.lax.top_k(x, 1)."""
     rows = x.shape[0]
-    return _call("jaxserve_argmax", (jax.ShapeDtypeStruct((rows,), jnp.int32),
-                                     jax.ShapeDtypeStruct((rows,), jnp.float32)),
+    return _call("jaxserve_argmax", (jax.ShapeDtypeStruct((rows,), jnp.int32), _f32(rows)),
                  x.astype(jnp.float32))

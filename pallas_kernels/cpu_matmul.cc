@@ -40,9 +40,9 @@ constexpr int64_t kPrefetchK = 16;  // weights prefetched this many k ahead (3 K
 constexpr int64_t kBlockBytes = 128 << 10;
 // Panels a tile reads at once: up to four rows are bound by the weight stream, and two streams a
 // core read faster than one (30 layers at one row: 12.6 vs 14.1 ms; at 3 rows 16.0 vs 17.1).
-constexpr int kPairRows = 4;
+constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 4 ? 2 : 1; }
 template <int kM>
-constexpr int kPanelsPerTile = kM <= kPairRows ? 2 : 1;
+constexpr int kPanelsPerTile = PanelsPerTile(kM);
 
 #if defined(__AVX512F__)
 // 16 lanes of float32 (GCC's generic vectors turned the int8 widening into scalar code).
@@ -163,14 +163,15 @@ template <typename W>
 void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
                const float* scale, float* y, int64_t n_dim, int64_t cols) {
   const int64_t panel_bytes = k_dim * kPanel * static_cast<int64_t>(sizeof(W));
-  const int64_t pair = m <= kPairRows ? 2 : 1;  // see kPanelsPerTile
+  const int64_t pair = PanelsPerTile(m);
   const int64_t block = std::max<int64_t>(pair, kBlockBytes / panel_bytes / pair * pair);
   const int64_t row_tiles = (m + kRowTile - 1) / kRowTile;
   for (int64_t b = 0; b < num_panels; b += block) {
     const int64_t b1 = std::min(num_panels, b + block);
     // The block's tiles prefetch the next block between them (at 1-2 rows the hardware
     // prefetcher keeps up with the stream, and the extra prefetches cost 5%).
-    const int64_t next_lines = m > 2 ? (std::min(num_panels, b1 + block) - b1) * panel_bytes / 64 : 0;
+    const int64_t next_panels = std::min(num_panels, b1 + block) - b1;
+    const int64_t next_lines = m > 2 ? next_panels * panel_bytes / 64 : 0;
     const char* next = reinterpret_cast<const char*>(w + b1 * k_dim * kPanel);
     int64_t job = 0;
     const int64_t jobs = row_tiles * (b1 - b);
@@ -203,7 +204,7 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
   const int64_t work = m * k_dim * n_dim * static_cast<int64_t>(sizeof(W));
   const int64_t num_chunks = work < (256 << 10) ? 1 : std::min(panels, threads);
   // Whole tiles per chunk: panels in pairs where a tile reads two.
-  const int64_t pair = m <= kPairRows ? 2 : 1;
+  const int64_t pair = PanelsPerTile(m);
   const int64_t per = ((panels + num_chunks - 1) / num_chunks + pair - 1) / pair * pair;
   jaxserve::RunChunks(pool, num_chunks, [=](int64_t chunk) {
     const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);

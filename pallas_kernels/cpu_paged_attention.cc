@@ -8,11 +8,12 @@
 // positions i32[T]. Query head h * G + g reads KV head h (G = Hq / Hkv). Token t attends key
 // positions j <= positions[t] and j < seq_lens[token_row[t]].
 //
-// Work is split into (token, KV head) units over XLA's intra-op thread pool. Each unit walks its
-// pages once with an online float32 softmax, all G query heads of the group together, so a KV
-// page is read once per token. A step of too few units for the threads (one decode row: 3)
-// splits each unit's pages and merges the splits' softmax states. At 256 decode rows x 200 keys the kernel is bound by memory
-// (about 17 GB/s of scattered 4 KB pages here), not by its arithmetic.
+// Work is split into (token, KV head) units over the kernels' worker threads (cpu_parallel.h).
+// Each unit walks its pages once with an online float32 softmax, all G query heads of the group
+// together, so a KV page is read once per token. A step of too few units for the threads (one
+// decode row: 3) splits each unit's pages and merges the splits' softmax states. At 256 decode
+// rows x 200 keys the kernel is bound by memory (about 17 GB/s of scattered 4 KB pages here),
+// not by its arithmetic.
 
 #include <algorithm>
 #include <cstdint>
@@ -64,6 +65,11 @@ struct Problem {
   int64_t num_tokens, num_q_heads, num_kv_heads, num_pages, page_size, num_rows, table_width;
   float sm_scale;
 };
+
+// Floats of one split's softmax state: m[G], l[G], acc[G, D].
+inline int64_t SplitStateSize(const Problem& p, int64_t d) {
+  return p.num_q_heads / p.num_kv_heads * (d + 2);
+}
 
 // The number of keys token t attends (0 for a padding token).
 inline int64_t KeysOf(const Problem& p, int64_t t) {
@@ -175,7 +181,7 @@ template <int kG, int kD>
 void AttendItems(const Problem& p, int64_t d, int64_t num_splits, float* partials,
                  int64_t begin, int64_t end) {
   thread_local std::vector<float> scratch;
-  const int64_t g = p.num_q_heads / p.num_kv_heads, stride = g * (d + 2);
+  const int64_t stride = SplitStateSize(p, d);
   for (int64_t i = begin; i < end; ++i) {
     AttendUnit<kG, kD>(p, i / num_splits, d, i % num_splits, num_splits,
                        num_splits > 1 ? partials + i * stride : nullptr, scratch);
@@ -197,7 +203,7 @@ void AttendRange(const Problem& p, int64_t d, int64_t num_splits, float* partial
 // out = the softmax-weighted merge of each unit's split states.
 void MergeSplits(const Problem& p, int64_t d, int64_t units, int64_t num_splits,
                  const float* partials) {
-  const int64_t g_size = p.num_q_heads / p.num_kv_heads, stride = g_size * (d + 2);
+  const int64_t g_size = p.num_q_heads / p.num_kv_heads, stride = SplitStateSize(p, d);
   for (int64_t u = 0; u < units; ++u) {
     const int64_t t = u / p.num_kv_heads, h = u % p.num_kv_heads;
     float* out = p.out + (t * p.num_q_heads + h * g_size) * d;
@@ -249,8 +255,9 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
   // has work, where there are enough keys (64 KB of them) to pay for the hand-off.
   int64_t keys = 0, longest = 0;
   for (int64_t t = 0; t < p.num_tokens; ++t) {
-    keys += KeysOf(p, t);
-    longest = std::max(longest, KeysOf(p, t));
+    const int64_t n = KeysOf(p, t);
+    keys += n;
+    longest = std::max(longest, n);
   }
   const int64_t kv_bytes = keys * p.num_kv_heads * d * 2 * static_cast<int64_t>(sizeof(float));
   const int64_t num_splits = std::min((4 * threads + units - 1) / std::max<int64_t>(units, 1),
@@ -260,7 +267,7 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     return ffi::Error::Success();
   }
   thread_local std::vector<float> partials;
-  partials.resize(units * num_splits * (p.num_q_heads / p.num_kv_heads) * (d + 2));
+  partials.resize(units * num_splits * SplitStateSize(p, d));
   float* parts = partials.data();
   jaxserve::RunChunks(pool, units * num_splits, [p, d, num_splits, parts](int64_t i) {
     AttendRange(p, d, num_splits, parts, i, i + 1);
