@@ -82,6 +82,7 @@ class Buckets:
 @_pytree_dataclass
 class StepBatch:
     token_ids: jax.Array  # i32[T]
+    feed_rows: jax.Array  # i32[T] >= 0: the token is the previous step's sample at this row
     attn: AttentionMetadata
     logits_indices: jax.Array  # i32[R] flat token whose logits each sample row reads
     sampling: SamplingMetadata
@@ -105,6 +106,7 @@ def build_batch(plan: StepPlan, buckets: Buckets,
     width = buckets.pages
     t = sd + tp
     token_ids = np.zeros(t, np.int32)
+    feed_rows = np.full(t, -1, np.int32)
     positions = np.zeros(t, np.int32)
     slots = np.arange(t, dtype=np.int32) % page_size  # padding -> scratch page 0
     token_row = np.full(t, num_rows, np.int32)
@@ -124,7 +126,10 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         page_tables[row, :len(pages)] = pages
         seq_lens[row] = end
         pos = np.arange(start, end, dtype=np.int32)
-        token_ids[first:first + n] = seq.token_ids[start:end]
+        if chunk.feed_row >= 0:  # a decode of the token the step in flight samples
+            feed_rows[first] = chunk.feed_row
+        else:
+            token_ids[first:first + n] = seq.token_ids[start:end]
         positions[first:first + n] = pos
         slots[first:first + n] = np.asarray(pages, np.int32)[pos // page_size] * page_size \
             + pos % page_size
@@ -176,6 +181,7 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         mode = RANDOM
     batch = StepBatch(
         token_ids=token_ids,
+        feed_rows=feed_rows,
         attn=AttentionMetadata(positions=positions, slot_mapping=slots, page_tables=page_tables,
                                seq_lens=seq_lens, query_start=query_start, token_row=token_row,
                                num_decode=sd, query_block=qb),

@@ -80,6 +80,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     scheduling: str = "iteration"
     scheduling_policy: str = "fcfs"
+    # Plan and launch the next decode step before reading back this one's tokens (engine.step).
+    async_scheduling: bool = True
     watermark: float = 0.01  # fraction of pages kept free when admitting new requests
     cache_salt: str | None = None
     seed: int = 0

@@ -28,6 +28,16 @@ Prompt = str | list[int] | dict
 XLA_QUERY_BLOCK = 16
 
 
+@dataclasses.dataclass
+class _Launched:
+    """A step on the device: its plan, output arrays, real sample rows and chunk offsets."""
+
+    plan: StepPlan
+    out: dict
+    num_rows: int
+    offsets: list[int]
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
@@ -47,22 +57,26 @@ class LLMEngine:
 
             params = quantize_int8(params)
         self.backend = resolve_backend(config.attention_backend, config.dtype)
-        self.runner = ModelRunner(loaded.config, params, num_pages=self.num_pages,
-                                  page_size=config.page_size, dtype=config.dtype,
-                                  backend=self.backend)
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
             math.ceil(self.max_model_len / config.page_size),
             query_block=XLA_QUERY_BLOCK if self.backend == "xla" else 1,
             packed=self.backend == "cpu")
+        self.runner = ModelRunner(loaded.config, params, num_pages=self.num_pages,
+                                  page_size=config.page_size, dtype=config.dtype,
+                                  backend=self.backend,
+                                  max_sample_rows=2 * self.buckets.seqs[-1])  # decode + prefill
+        self._in_flight: _Launched | None = None  # the step on the device, not yet fetched
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, tuple[Request, str | None]] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
         self.num_steps = 0
         self.peak_referenced_pages = 0
-        # Wall time per step split into host work (schedule, batch, outputs) and the device call.
+        # Wall time of step() split into host work (schedule, build, dispatch, outputs) and waiting
+        # for the device; host_overlapped_seconds is the host work done while a step ran.
         self.host_seconds = 0.0
+        self.host_overlapped_seconds = 0.0
         self.device_seconds = 0.0
 
     # ----------------------------------------------------------------- requests
@@ -104,6 +118,8 @@ class LLMEngine:
         aborted = self.scheduler.abort(request_id)
         if entry is not None:
             self.outputs.release(entry[0])
+        if not self.scheduler.has_unfinished():
+            self._settle()
         return aborted
 
     def has_unfinished(self) -> bool:
@@ -111,28 +127,62 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns a snapshot of every request that progressed."""
+        """Run one iteration; returns a snapshot of every request that progressed.
+
+        With async_scheduling the next step is planned and launched before this one's tokens are
+        read back (Scheduler.schedule_next: when nothing waits and every running sequence
+        decodes), so the host's planning, batch building and dispatch overlap the device."""
         t0 = time.perf_counter()
-        plan: StepPlan = self.scheduler.schedule()
-        if plan.is_empty:
-            self.scheduler.update(plan, [])
-            return []
-        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        if self._in_flight is None:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                self.scheduler.update(plan, [])
+                return []
+            self._in_flight = self._launch(plan)
+        t_launched = time.perf_counter()
+        current = self._in_flight
+        self._in_flight = None
+        if self.config.async_scheduling:
+            plan = self.scheduler.schedule_next(current.plan)
+            if plan is not None:
+                self._in_flight = self._launch(plan, after=current.out)
         t1 = time.perf_counter()
-        copies = page_copies(plan.copies, self.buckets) if plan.copies else None
-        out = self.runner.execute(batch, num_rows, copies)
+        out = self.runner.fetch(current.out, current.num_rows)
         t2 = time.perf_counter()
+        results = self._apply(current, out)
+        ahead = self._in_flight is not None
+        if ahead and not self.scheduler.has_unfinished():
+            self._settle()  # everything it computes was finished meanwhile: drop it now
+        t3 = time.perf_counter()
+        # Host work while a step ran on the device overlapped it: planning the next step while
+        # `current` ran, and applying `current` while the next one runs.
+        self.host_seconds += (t1 - t0) + (t3 - t2)
+        self.host_overlapped_seconds += (t1 - t_launched) + ((t3 - t2) if ahead else 0.0)
+        self.device_seconds += t2 - t1
+        return results
+
+    def _launch(self, plan: StepPlan, after=None) -> "_Launched":
+        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        copies = page_copies(plan.copies, self.buckets) if plan.copies else None
+        return _Launched(plan, self.runner.dispatch(batch, copies, after), num_rows, offsets)
+
+    def _apply(self, launched: "_Launched", out) -> list[RequestOutput]:
+        plan = launched.plan
         self._record_logprobs(plan, out)
         if out.prompt_logprobs is not None:
-            self._record_prompt_logprobs(plan, offsets, out)
+            self._record_prompt_logprobs(plan, launched.offsets, out)
         changed = self.scheduler.update(plan, [int(t) for t in out.token_ids])
         self.num_steps += 1
         self.peak_referenced_pages = max(self.peak_referenced_pages,
                                          self.scheduler.pool.num_referenced)
-        results = self._process(changed)
-        self.host_seconds += (t1 - t0) + (time.perf_counter() - t2)
-        self.device_seconds += t2 - t1
-        return results
+        return self._process(changed)
+
+    def _settle(self) -> None:
+        """Read back and apply the step in flight, if any (its sequences are all finished or
+        aborted, so its tokens are dropped): afterwards no plan is outstanding."""
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            self._apply(launched, self.runner.fetch(launched.out, launched.num_rows))
 
     def _record_logprobs(self, plan: StepPlan, out) -> None:
         for i, (_, seq) in enumerate(plan.sample_rows):
@@ -269,6 +319,7 @@ class LLMEngine:
         stats = dict(self.scheduler.stats())
         stats.update(compilations=self.runner.compilations, steps=self.num_steps,
                      host_seconds=self.host_seconds, device_seconds=self.device_seconds,
+                     host_overlapped_seconds=self.host_overlapped_seconds,
                      peak_referenced_pages=self.peak_referenced_pages,
                      kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes)
         return stats

@@ -85,6 +85,23 @@ class KVManager:
             self.pool.decref(src)
         seq.page_ids.extend(fresh[len(shared):])
 
+    def prepare_slots(self, slots: list[tuple[Sequence, int]]) -> bool:
+        """Make slot `position` of each (seq, position) writable, where seq's pages already cover
+        every slot before it: a fresh page at a page boundary. All or nothing: False, changing
+        nothing, when a slot's page is shared (it would need a copy) or the pool lacks pages."""
+        grow = []
+        for seq, position in slots:
+            i = position // self.page_size
+            if i >= len(seq.page_ids):
+                grow.append(seq)
+            elif self.pool.refcount(seq.page_ids[i]) > 1:
+                return False
+        if len(grow) > self.pool.num_available:
+            return False
+        for seq, page in zip(grow, self.pool.allocate(len(grow))):
+            seq.page_ids.append(page)
+        return True
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child shares every page of parent (refcount++); writes later copy-on-write."""
         if child.page_ids:

@@ -1,7 +1,8 @@
 """ModelRunner: owns every device array (params, KV pool) and the one jitted step.
 
-step(params, pool, batch) -> (pool, sampled) is pure and jitted with the pool donated, so the pool
-is updated in place. Shapes come from the batch buckets; each new shape signature is one
+step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
+pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
+before they were read back (async scheduling). Shapes come from the batch buckets; each new shape signature is one
 compilation, counted in `compilations`. The jitted step is shared by every runner of the same
 model config and backend in the process, so a second engine (a benchmark's ablation variant, a
 test) reuses what the first compiled; `compilations` still counts the shapes this runner met.
@@ -51,11 +52,16 @@ def _copy_pages(pool: KVPool, src, dst) -> KVPool:
     return KVPool(tuple(KVCache(copy(c.k), copy(c.v)) for c in pool.layers))
 
 
-def _step(params, pool: KVPool, batch: StepBatch, *, cfg: ModelConfig, backend: str):
-    pool, hidden = llama.forward(params, pool, batch.token_ids, batch.attn, cfg=cfg,
-                                 backend=backend)
+def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str):
+    # Tokens sampled by the previous step (still in flight when this one was planned) come in
+    # as `feed`, the previous step's padded sample ids, and go out the same way.
+    token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
+                          batch.token_ids)
+    pool, hidden = llama.forward(params, pool, token_ids, batch.attn, cfg=cfg, backend=backend)
     logits = llama.logits(params, hidden[batch.logits_indices])
     out = {"sampled": sample(logits, batch.sampling, backend)}
+    ids = out["sampled"][0]
+    out["feed"] = jnp.zeros_like(feed).at[:ids.shape[0]].set(ids)
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
         logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
@@ -101,7 +107,7 @@ def _signature(batch: StepBatch) -> tuple:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
-                 dtype: str = "float32", backend: str = "xla"):
+                 dtype: str = "float32", backend: str = "xla", max_sample_rows: int = 512):
         _use_compilation_cache()
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
@@ -111,6 +117,7 @@ class ModelRunner:
                                  cfg.head_dim, self.dtype)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
         self._step = _jitted_step(cfg, backend)
+        self._no_feed = jnp.zeros(max_sample_rows, jnp.int32)  # the feed of a step planned alone
         self._signatures: set = set()
 
     def _to_device(self, x):
@@ -129,13 +136,15 @@ class ModelRunner:
     def param_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
 
-    def dispatch(self, batch: StepBatch, copies=None):
+    def dispatch(self, batch: StepBatch, copies=None, after=None):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
-        if any; returns device arrays (JAX dispatch is async)."""
+        if any; returns device arrays (JAX dispatch is async). `after` is the output of the
+        previous step when this one feeds on its samples (batch.feed_rows)."""
         if copies is not None:
             self.copy_pages(*copies)
         self._signatures.add(_signature(batch))
-        self.pool, out = self._step(self.params, pool=self.pool, batch=batch)
+        feed = self._no_feed if after is None else after["feed"]
+        self.pool, out = self._step(self.params, pool=self.pool, batch=batch, feed=feed)
         return out
 
     def copy_pages(self, src, dst) -> None:
@@ -145,7 +154,7 @@ class ModelRunner:
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:
         """Block on a dispatched step and copy its first num_rows rows to the host."""
-        out = jax.device_get(out)
+        out = jax.device_get({k: v for k, v in out.items() if k != "feed"})
         ids, lp, top_ids, top_lp = out["sampled"]
         result = StepOutput(ids[:num_rows], lp[:num_rows], top_ids[:num_rows], top_lp[:num_rows])
         if "prompt" in out:

@@ -30,11 +30,16 @@ Policies:
 - Pages freed while a plan is outstanding (returned by schedule(), not yet passed to update()) are
   not reallocated until update() of that plan: the device step may still write them.
 - Call update() for every plan schedule() returns, empty ones included.
+- Planning ahead (the engine's async_scheduling): schedule_next(plan), called while `plan` is still
+  on the device, plans the following decode step with the tokens `plan` samples fed in on the
+  device, so the host plans and launches step N+1 while step N runs. Only where nothing waits and
+  every running sequence decodes; otherwise it returns None and the engine plans after update().
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from jaxserve.config import EngineConfig
 from jaxserve.kv_manager import KVManager
@@ -68,11 +73,11 @@ class Scheduler:
         self._next_seq_id = 0
         self._step = 0
         self._outstanding: dict[int, tuple[int, StepPlan]] = {}  # id(plan) -> (step, plan)
-        self._in_flight: set[int] = set()  # seq ids with a chunk in an outstanding plan
+        self._in_flight: Counter[int] = Counter()  # seq id -> its chunks in outstanding plans
         self._finished_unreported: list[Request] = []
         self.counters = dict(num_preempted_total=0, num_aborted_total=0, num_finished_total=0,
                              num_rejected_total=0, prefix_cache_queries=0, prefix_cache_hits=0,
-                             num_steps=0, num_cow_copies=0)
+                             num_steps=0, num_cow_copies=0, num_scheduled_ahead=0)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -141,7 +146,7 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         self.running.sort(key=self._order_key)
         anything_running = bool(self.running)
-        queue = [s for s in self.running if s.seq_id not in self._in_flight]
+        queue = [s for s in self.running if not self._in_flight[s.seq_id]]
         decodes_left = sum(self._is_decode_ready(s) for s in queue)
         i = 0
         while i < len(queue):
@@ -196,6 +201,50 @@ class Scheduler:
             self.counters["num_cow_copies"] += len(plan.copies)
         return plan
 
+    def schedule_next(self, plan: StepPlan) -> StepPlan | None:
+        """The step after `plan`, planned while `plan` is still on the device (its tokens are not
+        known yet), or None where that needs them. Only the common case: nothing waiting, and
+        every running sequence samples its own next token in `plan` (decodes and last prompt
+        chunks, no forks); each then decodes that token, fed in on the device (feed_row).
+        A sequence that `plan`'s token will certainly finish (max_tokens, max_model_len) is left
+        out; one that an EOS, stop token or stop string finishes is computed once more and its
+        token dropped by update(), as for any sequence finished while a plan is in flight.
+        Needs a page at most per sequence, none copied and no preemption; otherwise None."""
+        if not plan.chunks:
+            return None
+        if id(plan) not in self._outstanding:
+            raise ValueError("schedule_next plans the step after one still in flight")
+        if self.waiting or plan.preempted:
+            return None
+        if len(plan.chunks) != len(self.running) or \
+                any(len(c.sample_seqs) != 1 or c.sample_seqs[0] is not c.seq
+                    or c.seq.status is not SequenceStatus.RUNNING for c in plan.chunks):
+            return None
+        nxt = StepPlan()
+        rows = []
+        for row, chunk in enumerate(plan.chunks):  # one sample row per chunk, in order
+            seq = chunk.seq
+            position = chunk.start + chunk.num_tokens  # the token `plan` samples
+            max_tokens = seq.sampling_params.max_tokens
+            if (max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens) \
+                    or position + 1 >= self.max_model_len:
+                continue
+            rows.append((row, seq, position))
+        if not rows:
+            return None
+        if not self.kv.prepare_slots([(seq, position) for _, seq, position in rows]):
+            return None
+        for row, seq, position in rows:
+            nxt.chunks.append(ScheduledChunk(seq=seq, start=position, num_tokens=1,
+                                             sample_seqs=[seq], feed_row=row))
+            self._in_flight[seq.seq_id] += 1
+        self._step += 1
+        self._outstanding[id(nxt)] = (self._step, nxt)
+        self.pool.defer_tag = self._step
+        self.counters["num_steps"] += 1
+        self.counters["num_scheduled_ahead"] += 1
+        return nxt
+
     def _admit_one(self, plan: StepPlan, budget_left: int, allow_empty: bool = False) -> bool:
         """Admit the head waiting sequence with its first chunk; False if it does not fit now.
         With allow_empty, a sequence for which no budget is left is admitted without a chunk."""
@@ -238,7 +287,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         self.kv.prepare_write(seq, n, plan.copies)
         chunk = ScheduledChunk(seq=seq, start=start, num_tokens=n)
-        self._in_flight.add(seq.seq_id)
+        self._in_flight[seq.seq_id] += 1
         if start + n == seq.num_tokens:
             chunk.sample_seqs.append(seq)
             request = seq.request
@@ -253,7 +302,7 @@ class Scheduler:
                     self.kv.fork(seq, child)
                     request.sequences.append(child)
                     self.running.append(child)
-                    self._in_flight.add(child.seq_id)
+                    self._in_flight[child.seq_id] += 1
                     chunk.sample_seqs.append(child)
         plan.chunks.append(chunk)
 
@@ -266,8 +315,10 @@ class Scheduler:
         touched: dict[str, Request] = {}
         valid: set[int] = set()
         for chunk in plan.chunks:
-            for s in [chunk.seq, *chunk.sample_seqs]:
-                self._in_flight.discard(s.seq_id)
+            for seq_id in {chunk.seq.seq_id, *(s.seq_id for s in chunk.sample_seqs)}:
+                self._in_flight[seq_id] -= 1
+                if self._in_flight[seq_id] <= 0:
+                    del self._in_flight[seq_id]
             seq = chunk.seq
             if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == chunk.start:
                 valid.add(id(chunk))

@@ -20,6 +20,9 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     sample_seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    # >= 0: a decode scheduled while the previous step is still running: its input token is not
+    # on the host yet but is the token that step samples at this row (the device feeds it in).
+    feed_row: int = -1
 
     @property
     def is_decode(self) -> bool:

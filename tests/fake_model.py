@@ -58,7 +58,9 @@ class FakeRunner:
         self.slots: dict[int, int] = {}
         self.strict = strict
 
-    def run(self, plan: StepPlan) -> list[int]:
+    def run(self, plan: StepPlan, feed: list[int] | None = None) -> list[int]:
+        """`feed`: what the previous plan sampled, for chunks planned before it was applied
+        (feed_row >= 0: the token at position `start` is feed[feed_row], not yet on the host)."""
         b, sched = self.page_size, self.sched
         kinds = [c.is_decode for c in plan.chunks]
         assert kinds == sorted(kinds, reverse=True), "decode chunks must come first"
@@ -75,7 +77,10 @@ class FakeRunner:
         live = sched.live_sequences()
         for chunk in plan.chunks:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
-            assert start == seq.num_computed_tokens and 0 < chunk.num_tokens and end <= seq.num_tokens
+            if chunk.feed_row >= 0:  # planned ahead: one token, the one the previous plan samples
+                assert chunk.num_tokens == 1 and start == seq.num_tokens and feed is not None
+            else:
+                assert start == seq.num_computed_tokens and 0 < chunk.num_tokens and end <= seq.num_tokens
             assert len(seq.page_ids) >= -(-end // b), "page table too short for the chunk"
             allowed = {id(seq)} | {id(s) for s in chunk.sample_seqs}
             for idx in range(start // b, -(-end // b)):
@@ -85,15 +90,18 @@ class FakeRunner:
                 assert holders <= allowed, f"write into page {page} shared with another sequence"
                 if sched.cache is not None:
                     assert not sched.cache.is_cached(page), f"write into cached page {page}"
-            for pos in range(start, end):
-                self.slots[seq.page_ids[pos // b] * b + pos % b] = seq.token_ids[pos]
+            tokens = [feed[chunk.feed_row]] if chunk.feed_row >= 0 else seq.token_ids[start:end]
+            for pos, token in zip(range(start, end), tokens):
+                self.slots[seq.page_ids[pos // b] * b + pos % b] = token
         out = []
         for chunk, s in plan.sample_rows:
             seq, end = chunk.seq, chunk.start + chunk.num_tokens
             assert s.page_ids == seq.page_ids
             ctx = [self.slots[seq.page_ids[p // b] * b + p % b] for p in range(end)]
             if self.strict:
-                assert ctx == seq.token_ids[:end], f"seq {seq.seq_id} reads wrong KV"
+                known = seq.token_ids[:end] if chunk.feed_row < 0 else \
+                    seq.token_ids[:end - 1] + [feed[chunk.feed_row]]
+                assert ctx == known, f"seq {seq.seq_id} reads wrong KV"
             out.append(next_token(ctx, seq.num_prompt_tokens, s.fork_index))
         return out
 
@@ -116,12 +124,15 @@ def make_request(rid: str, prompt: list[int], *, max_tokens: int = 8, n: int = 1
 
 def run_to_completion(scheduler: Scheduler, requests, *, abort_at: dict[int, list[str]] | None = None,
                       runner: FakeRunner | None = None, max_steps: int = 100_000,
-                      check: bool = True, keep_plans: bool = False) -> RunResult:
+                      check: bool = True, keep_plans: bool = False,
+                      ahead: bool = False) -> RunResult:
     """Drive schedule -> fake run -> update until everything finishes.
 
     requests: Requests (all added before step 0) or (arrival_step, Request) pairs.
     abort_at: step -> request ids aborted while that step's plan is in flight (after schedule(),
-    before update()). Checks invariants after every operation and that nothing leaks at the end."""
+    before update()). Checks invariants after every operation and that nothing leaks at the end.
+    ahead: as the engine's async scheduling, plan (schedule_next) and run the next step before
+    applying this one's tokens, wherever the scheduler can."""
     runner = runner or FakeRunner(scheduler)
     arrivals: dict[int, list[Request]] = {}
     all_requests = []
@@ -131,15 +142,23 @@ def run_to_completion(scheduler: Scheduler, requests, *, abort_at: dict[int, lis
         all_requests.append(req)
     abort_at = abort_at or {}
     plans, step = [], 0
+    ahead_plan = None  # (plan, sampled) run ahead, applied in the next iteration
     last_event = max(list(arrivals) + list(abort_at) + [0])
-    while step <= last_event or scheduler.has_unfinished():
+    while step <= last_event or scheduler.has_unfinished() or ahead_plan is not None:
         assert step < max_steps, "scheduler made no progress (hang)"
         for req in arrivals.get(step, []):
             scheduler.add_request(req)
-        plan = scheduler.schedule()
+        if ahead_plan is None:
+            plan = scheduler.schedule()
+            sampled = runner.run(plan)
+        else:
+            plan, sampled = ahead_plan
+        ahead_plan = None
+        nxt = scheduler.schedule_next(plan) if ahead else None
+        if nxt is not None:
+            ahead_plan = (nxt, runner.run(nxt, feed=sampled))
         if check:
             scheduler.check_invariants()
-        sampled = runner.run(plan)
         for rid in abort_at.get(step, []):
             scheduler.abort(rid)
             if check:

@@ -214,6 +214,35 @@ def test_abort_storm_leaves_no_pages_and_survivors_unchanged(default_loaded):
     assert [finished[ids[i]] for i in sample] == expected
 
 
+def test_async_scheduling_changes_no_output(default_loaded, prompts):
+    """Steps planned and launched before the previous one's tokens are read back give the same
+    tokens, stop where they should (EOS, stop strings, max_tokens) and leave no page behind."""
+    params = [SamplingParams(temperature=0, max_tokens=m, stop=stop)
+              for m, stop in ((40, None), (9, None), (30, ["."]), (25, None), (17, ["the"]))]
+    runs = {}
+    for flag in (False, True):
+        engine = LLMEngine(EngineConfig.from_options(num_pages=200, max_num_seqs=4,
+                                                     async_scheduling=flag), default_loaded)
+        ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+        finished, steps = {}, 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].text,
+                                                out.outputs[0].finish_reason)
+            steps += 1
+            if steps == 12:  # one more, mid-stream, aborted two steps later
+                late = engine.add_request(prompts[2], SamplingParams(temperature=0, max_tokens=50))
+            if steps == 14:
+                assert engine.abort(late.request_id)
+        stats = engine.stats()
+        assert stats["referenced_pages"] == 0 and stats["pending_free_pages"] == 0
+        assert (stats["num_scheduled_ahead"] > 0) == flag
+        runs[flag] = [finished[i] for i in ids]
+    assert runs[True] == runs[False]
+    assert {r[2] for r in runs[True]} >= {"stop", "length"}
+
+
 def test_bad_input_is_refused_clearly(llm):
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)

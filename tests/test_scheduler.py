@@ -176,6 +176,17 @@ def test_cancellation_storm_leaves_nothing_referenced():
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_scenarios_match_reference(seed):
+    _random_scenario(seed, ahead=False)
+
+
+@given(seed=st.integers(0, 2**32 - 1))
+def test_random_scenarios_planned_ahead_match_reference(seed):
+    """As the engine's async scheduling: the next step planned and run before this one's
+    tokens are applied, wherever schedule_next can."""
+    _random_scenario(seed, ahead=True)
+
+
+def _random_scenario(seed, ahead):
     rng = random.Random(seed)
     page_size = rng.choice([1, 2, 3, 4, 8])
     max_len = 64
@@ -196,7 +207,7 @@ def test_random_scenarios_match_reference(seed):
         reqs.append((rng.randint(0, 20), r))
         if rng.random() < 0.2:
             aborts.setdefault(rng.randint(0, 40), []).append(r.request_id)
-    res = run_to_completion(sched, reqs, abort_at=aborts)
+    res = run_to_completion(sched, reqs, abort_at=aborts, ahead=ahead)
     for _, r in reqs:
         if any(s.status is SequenceStatus.FINISHED_ABORTED for s in r.sequences):
             continue
@@ -392,6 +403,50 @@ def test_second_schedule_before_update_skips_sequences_in_flight():
     assert sched.stats()["pending_free_pages"] == 0
     run_to_completion(sched, [], runner=runner)
     assert a.sequences[0].output_token_ids == expected([a])["a"][0]
+
+
+def test_schedule_next_decodes_ahead_and_drops_what_a_stop_makes_moot():
+    p = [5, 6, 7]
+    ref = reference_outputs(p, make_request("x", p, max_tokens=20).sampling_params)[0]
+    sched = make_sched(eos=(ref[5],), page_size=4)
+    runner = FakeRunner(sched)
+    a = make_request("a", p, max_tokens=20)
+    b = make_request("b", [9, 9], max_tokens=2)
+    sched.add_request(a)
+    sched.add_request(b)
+    p1 = sched.schedule()
+    s1 = runner.run(p1)
+    p2 = sched.schedule_next(p1)  # both prompts end in p1: both decode their first token
+    assert chunk_shape(p2) == [("a", 0, 3, 1), ("b", 0, 2, 1)]
+    assert [c.feed_row for c in p2.chunks] == [0, 1]
+    s2 = runner.run(p2, feed=s1)
+    sched.update(p1, s1)
+    p3 = sched.schedule_next(p2)  # b's second token is its last: only a goes on
+    assert chunk_shape(p3) == [("a", 0, 4, 1)] and a.sequences[0].page_ids[1] != 0  # a new page
+    s3 = runner.run(p3, feed=s2)
+    sched.update(p2, s2)
+    assert b.sequences[0].status is SequenceStatus.FINISHED_LENGTH
+    sched.add_request(make_request("c", [1], max_tokens=1))
+    assert sched.schedule_next(p3) is None  # something waits: admission needs the tokens
+    sched.update(p3, s3)
+    sched.abort("c")
+    # Run a to its EOS (its 6th token); the step planned ahead of that token is dropped.
+    plan = sched.schedule()
+    out = runner.run(plan)
+    while True:
+        nxt = sched.schedule_next(plan)
+        nxt_out = runner.run(nxt, feed=out)
+        sched.update(plan, out)
+        if a.sequences[0].is_finished:
+            break
+        plan, out = nxt, nxt_out
+    assert a.sequences[0].output_token_ids == ref[:6]
+    assert sched.stats()["pending_free_pages"] > 0  # a's pages wait for the step in flight
+    assert sched.update(nxt, nxt_out) == []
+    assert sched.stats()["pending_free_pages"] == 0 and sched.stats()["referenced_pages"] == 0
+    assert a.sequences[0].output_token_ids == ref[:6]
+    assert sched.counters["num_scheduled_ahead"] >= 4
+    sched.check_invariants()
 
 
 def test_static_batch_forms_beyond_one_steps_budget_then_drains():
