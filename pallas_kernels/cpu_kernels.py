@@ -14,7 +14,7 @@
 The sources are compiled with the machine's C++ compiler on first use (a few seconds) into one
 library in $XDG_CACHE_HOME/jaxserve/kernels (or ~/.cache), keyed by the sources, the compiler
 flags, jaxlib's version and the CPU's features; `available()` says whether that worked, and
-`unavailable_reason()` why not.
+`unavailable_reason()` why not. A new build removes the builds there unused for STALE_DAYS.
 """
 
 from __future__ import annotations
@@ -65,6 +65,23 @@ def _library_path() -> Path:
     return root / "jaxserve" / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
 
+STALE_DAYS = 7
+
+
+def _prune(keep: Path) -> None:
+    """Remove other builds in keep's directory not loaded for STALE_DAYS (each load touches its
+    file): every edit of the sources leaves a library behind."""
+    import time
+
+    cutoff = time.time() - STALE_DAYS * 86400
+    for old in keep.parent.glob("cpu_kernels-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass  # another process removed it first
+
+
 def _build(path: Path) -> None:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -92,7 +109,9 @@ def _load() -> str | None:
         path = _library_path()
         if not path.exists():
             _build(path)
+            _prune(path)
         library = ctypes.cdll.LoadLibrary(str(path))
+        os.utime(path)  # in use: not stale
         for target, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")

@@ -216,3 +216,17 @@ def test_cpu_layout_runs_the_kernels_with_the_same_products(kind):
                                    rtol=1e-4, atol=1e-4)
     ids = jnp.asarray([0, 47, 48, 99], jnp.int32)
     np.testing.assert_array_equal(np.asarray(llama.embed(packed, ids)), params["embed"][ids])
+
+
+def test_a_new_build_prunes_only_stale_builds(tmp_path):
+    import os
+    import time
+
+    keep, fresh, stale = (tmp_path / f"cpu_kernels-{k}.so" for k in ("new", "fresh", "stale"))
+    for f in (keep, fresh, stale):
+        f.write_bytes(b"")
+    old = time.time() - (cpu_kernels.STALE_DAYS + 1) * 86400
+    os.utime(stale, (old, old))
+    os.utime(keep, (old, old))  # the build being kept is never removed
+    cpu_kernels._prune(keep)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [fresh.name, keep.name]
