@@ -186,8 +186,8 @@ class LLMEngine:
 
     def _record_logprobs(self, plan: StepPlan, out) -> None:
         for i, (_, seq) in enumerate(plan.sample_rows):
-            if seq.sampling_params.logprobs is None:
-                continue
+            if seq.sampling_params.logprobs is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # (a finished sequence's token from a step planned ahead is dropped)
             entry = {int(t): float(lp) for t, lp in zip(out.top_ids[i][:seq.sampling_params.logprobs],
                                                           out.top_logprobs[i])}
             entry[int(out.token_ids[i])] = float(out.logprobs[i])

@@ -217,7 +217,7 @@ def test_abort_storm_leaves_no_pages_and_survivors_unchanged(default_loaded):
 def test_async_scheduling_changes_no_output(default_loaded, prompts):
     """Steps planned and launched before the previous one's tokens are read back give the same
     tokens, stop where they should (EOS, stop strings, max_tokens) and leave no page behind."""
-    params = [SamplingParams(temperature=0, max_tokens=m, stop=stop)
+    params = [SamplingParams(temperature=0, max_tokens=m, stop=stop, logprobs=2)
               for m, stop in ((40, None), (9, None), (30, ["."]), (25, None), (17, ["the"]))]
     runs = {}
     for flag in (False, True):
@@ -228,8 +228,9 @@ def test_async_scheduling_changes_no_output(default_loaded, prompts):
         while engine.has_unfinished():
             for out in engine.step():
                 if out.finished:
-                    finished[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].text,
-                                                out.outputs[0].finish_reason)
+                    c = out.outputs[0]
+                    finished[out.request_id] = (c.token_ids, c.text, c.finish_reason,
+                                                [sorted(lp) for lp in c.logprobs])
             steps += 1
             if steps == 12:  # one more, mid-stream, aborted two steps later
                 late = engine.add_request(prompts[2], SamplingParams(temperature=0, max_tokens=50))
