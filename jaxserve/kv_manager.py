@@ -89,13 +89,9 @@ class KVManager:
         """Make slot `position` of each (seq, position) writable, where seq's pages already cover
         every slot before it: a fresh page at a page boundary. All or nothing: False, changing
         nothing, when a slot's page is shared (it would need a copy) or the pool lacks pages."""
-        grow = []
-        for seq, position in slots:
-            i = position // self.page_size
-            if i >= len(seq.page_ids):
-                grow.append(seq)
-            elif self.pool.refcount(seq.page_ids[i]) > 1:
-                return False
+        if any(self._shared_pages_in(seq, position, position + 1) for seq, position in slots):
+            return False
+        grow = [seq for seq, position in slots if self.pages_for(position + 1) > len(seq.page_ids)]
         if len(grow) > self.pool.num_available:
             return False
         for seq, page in zip(grow, self.pool.allocate(len(grow))):

@@ -2,10 +2,11 @@
 
 step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
 pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
-before they were read back (async scheduling). Shapes come from the batch buckets; each new shape signature is one
-compilation, counted in `compilations`. The jitted step is shared by every runner of the same
-model config and backend in the process, so a second engine (a benchmark's ablation variant, a
-test) reuses what the first compiled; `compilations` still counts the shapes this runner met.
+before they were read back (async scheduling). Shapes come from the batch buckets; each new
+shape signature is one compilation, counted in `compilations`. The jitted step is shared by
+every runner of the same model config and backend in the process, so a second engine (a
+benchmark's ablation variant, a test) reuses what the first compiled; `compilations` still
+counts the shapes this runner met.
 """
 
 from __future__ import annotations

@@ -194,12 +194,16 @@ class Scheduler:
 
         plan.chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first
         if plan.chunks:
-            self._step += 1
-            self._outstanding[id(plan)] = (self._step, plan)
-            self.pool.defer_tag = self._step
-            self.counters["num_steps"] += 1
-            self.counters["num_cow_copies"] += len(plan.copies)
+            self._track(plan)
         return plan
+
+    def _track(self, plan: StepPlan) -> None:
+        """A non-empty plan goes out: outstanding until update(), pages freed meanwhile held."""
+        self._step += 1
+        self._outstanding[id(plan)] = (self._step, plan)
+        self.pool.defer_tag = self._step
+        self.counters["num_steps"] += 1
+        self.counters["num_cow_copies"] += len(plan.copies)
 
     def schedule_next(self, plan: StepPlan) -> StepPlan | None:
         """The step after `plan`, planned while `plan` is still on the device (its tokens are not
@@ -238,10 +242,7 @@ class Scheduler:
             nxt.chunks.append(ScheduledChunk(seq=seq, start=position, num_tokens=1,
                                              sample_seqs=[seq], feed_row=row))
             self._in_flight[seq.seq_id] += 1
-        self._step += 1
-        self._outstanding[id(nxt)] = (self._step, nxt)
-        self.pool.defer_tag = self._step
-        self.counters["num_steps"] += 1
+        self._track(nxt)
         self.counters["num_scheduled_ahead"] += 1
         return nxt
 

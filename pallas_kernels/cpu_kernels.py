@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -71,8 +72,6 @@ STALE_DAYS = 7
 def _prune(keep: Path) -> None:
     """Remove other builds in keep's directory not loaded for STALE_DAYS (each load touches its
     file): every edit of the sources leaves a library behind."""
-    import time
-
     cutoff = time.time() - STALE_DAYS * 86400
     for old in keep.parent.glob("cpu_kernels-*.so"):
         try:
