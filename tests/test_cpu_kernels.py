@@ -230,3 +230,23 @@ def test_a_new_build_prunes_only_stale_builds(tmp_path):
     os.utime(keep, (old, old))  # the build being kept is never removed
     cpu_kernels._prune(keep)
     assert sorted(p.name for p in tmp_path.iterdir()) == [fresh.name, keep.name]
+
+
+def test_cpu_peaks_script_measures_the_fma_peak():
+    """scripts/cpu_peaks.py builds and runs its loops and prints a positive rate a core and for
+    all cores (the README's peaks come from it)."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if "avx512f" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("no AVX-512: the script skips its FMA loop")
+    script = Path(__file__).resolve().parent.parent / "scripts" / "cpu_peaks.py"
+    done = subprocess.run([sys.executable, str(script), "--seconds=0.05"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    fma = re.search(r"AVX-512 f32 FMA\s+(\d+)\s+(\d+)", done.stdout)
+    assert fma, done.stdout
+    one, total = map(int, fma.groups())
+    assert one > 0 and total > 0

@@ -1,0 +1,150 @@
+"""The CPU's arithmetic peaks, measured: AVX-512 f32 FMAs and, where the CPU has AMX, bf16 tile
+products. Each is a register-only loop (no memory traffic) built with the machine's C++ compiler
+and run on every core at once; the sum is the machine's peak. perf_report's compute bound uses
+the f32 matmul rate XLA reaches; this says how far that and the engine's kernels are from the
+silicon, and what an AMX path could buy.
+
+  python scripts/cpu_peaks.py
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_float("seconds", 1.5, "Roughly how long each loop runs.")
+
+# 16 independent accumulators: enough to cover the FMA latency on both ports.
+FMA = r"""
+#include <immintrin.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+int main(int argc, char** argv) {
+  const long n = atol(argv[1]);
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_set1_ps(1.0f + i * 1e-7f);
+  const __m512 b = _mm512_set1_ps(0.9999999f), c = _mm512_set1_ps(1e-8f);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long it = 0; it < n; ++it) {
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) a[i] = _mm512_fmadd_ps(a[i], b, c);
+  }
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  float s = 0;
+  for (int i = 0; i < 16; ++i) s += _mm512_reduce_add_ps(a[i]);
+  printf("%.6g %g\n", n * 16.0 * 32 / dt / 1e9, s);
+}
+"""
+
+# Four 16x16 f32 accumulator tiles, each += a 16x32 bf16 tile times a 32x16 one per instruction.
+AMX = r"""
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+struct alignas(64) TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+int main(int argc, char** argv) {
+  const long n = atol(argv[1]);
+  if (syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) != 0) {
+    printf("0 denied\n");
+    return 0;
+  }
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+  alignas(64) static uint16_t ones[16 * 32];
+  alignas(64) static float out[16 * 16];
+  for (auto& v : ones) v = 0x3f80;  // bf16 1.0
+  _tile_loadd(4, ones, 64); _tile_loadd(5, ones, 64); _tile_loadd(6, ones, 64); _tile_loadd(7, ones, 64);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long it = 0; it < n; ++it) {
+    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+  }
+  const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  _tile_stored(0, out, 64);
+  _tile_release();
+  printf("%.6g %g\n", n * 4.0 * 16 * 16 * 32 * 2 / dt / 1e9, out[0]);
+}
+"""
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build(source: str, name: str, workdir: str) -> str:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        sys.exit("no C++ compiler (g++/c++ or $CXX)")
+    src, exe = os.path.join(workdir, name + ".cc"), os.path.join(workdir, name)
+    Path(src).write_text(source)
+    done = subprocess.run([compiler, "-O2", "-march=native", src, "-o", exe], capture_output=True,
+                          text=True)
+    if done.returncode != 0:
+        sys.exit(f"building {name} failed:\n{done.stderr[-2000:]}")
+    return exe
+
+
+def _rate(exe: str, iterations: int, copies: int) -> list[float]:
+    """GFLOP/s of each of `copies` simultaneous runs."""
+    procs = [subprocess.Popen([exe, str(iterations)], stdout=subprocess.PIPE, text=True)
+             for _ in range(copies)]
+    return [float(p.communicate()[0].split()[0]) for p in procs]
+
+
+def _measure(exe: str, flops_per_iteration: int, cores: int) -> tuple[float, float]:
+    """(one core alone, all cores at once) in GFLOP/s, each loop sized to ~FLAGS.seconds."""
+    probe = _rate(exe, 200_000, 1)[0]
+    if probe == 0:
+        return 0.0, 0.0
+    iterations = int(FLAGS.seconds * probe * 1e9 / flops_per_iteration)
+    return _rate(exe, iterations, 1)[0], sum(_rate(exe, iterations, cores))
+
+
+def main(argv):
+    del argv
+    cpu = _cpu_flags()
+    cores = os.cpu_count() or 1
+    with tempfile.TemporaryDirectory() as workdir:
+        rows = []
+        if "avx512f" in cpu:
+            rows.append(("AVX-512 f32 FMA", *_measure(_build(FMA, "fma", workdir), 16 * 32, cores)))
+        else:
+            print("no AVX-512 on this CPU: FMA loop skipped")
+        if {"amx_tile", "amx_bf16"} <= cpu:
+            one, total = _measure(_build(AMX, "amx", workdir), 4 * 16 * 16 * 32 * 2,
+                                  cores)
+            if one == 0:
+                print("AMX present but the kernel refused this process its tile state")
+            else:
+                rows.append(("AMX bf16 tiles", one, total))
+        else:
+            print("no AMX-BF16 on this CPU: tile loop skipped")
+    print(f"{'peak':<20}{'one core':>14}{f'{cores} cores':>14}  GFLOP/s")
+    for name, one, total in rows:
+        print(f"{name:<20}{one:>14.0f}{total:>14.0f}")
+    if len(rows) == 2:
+        print(f"AMX bf16 / AVX-512 f32: x{rows[1][2] / rows[0][2]:.1f}")
+
+
+if __name__ == "__main__":
+    app.run(main)
