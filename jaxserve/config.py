@@ -59,7 +59,7 @@ SCHEDULING_POLICIES = ("iteration", "static")
 PRIORITY_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,9 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     dtype: str = "float32"
-    quantization: str = "none"  # "int8": weight-only, per-output-channel scales
+    # "int8": weight-only, per-output-channel scales. "bf16": weights and matmul inputs rounded to
+    # bfloat16, products summed in f32 on AMX tiles (CPUs with AMX-BF16, the "cpu" backend).
+    quantization: str = "none"
     attention_backend: str = "auto"  # auto: pallas on TPU/GPU; on CPU the C++ kernel, else xla
     page_size: int = 16
     num_pages: int | None = None  # total pages including the reserved scratch page 0

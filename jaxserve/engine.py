@@ -52,11 +52,21 @@ class LLMEngine:
             config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
             model_fingerprint=f"{loaded.fingerprint}:{config.dtype}:{config.quantization}")
         params = loaded.params
+        self.backend = resolve_backend(config.attention_backend, config.dtype)
         if config.quantization == "int8":
             from jaxserve.quantize import quantize_int8
 
             params = quantize_int8(params)
-        self.backend = resolve_backend(config.attention_backend, config.dtype)
+        elif config.quantization == "bf16":
+            from jaxserve.quantize import round_bf16
+            from pallas_kernels import cpu_kernels
+
+            if self.backend != "cpu" or not cpu_kernels.amx_bf16_available():
+                raise ValueError("quantization='bf16' runs on the CPU backend with AMX-BF16 "
+                                 f"(backend {self.backend!r}, AMX "
+                                 f"{'available' if cpu_kernels.amx_bf16_available() else 'unavailable'}); "
+                                 "on GPU or TPU use dtype='bfloat16'")
+            params = round_bf16(params)
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
             math.ceil(self.max_model_len / config.page_size),

@@ -1,5 +1,6 @@
 """Weight-only int8 quantization with per-output-channel scales, applied to a clean float params
-tree (the model code only sees {"q_t", "scale"} leaves through `llama.matmul`).
+tree (the model code only sees {"q_t", "scale"} leaves through `llama.matmul`); and bfloat16
+rounding of the same weights for the CPU backend's AMX matmul.
 
 Weights are stored transposed, i8[..., out, in]: measured on XLA CPU at one token, the int8
 [out, in] weight converted inside `x @ q_t.T` runs 3x faster than an [in, out] one (30 x
@@ -29,3 +30,17 @@ def quantize_int8(params: dict) -> dict:
     layers = {k: quantize_weight(v) if k in _QUANTIZED else v for k, v in params["layers"].items()}
     head = params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T
     return {**params, "layers": layers, "lm_head": quantize_weight(head)}
+
+
+def round_bf16(params: dict) -> dict:
+    """The layer projections and the output head rounded to bfloat16 (nearest even); the CPU
+    backend packs them for its AMX matmul, which rounds the activations it multiplies too.
+    Embeddings and norms stay float; a tied head gets its own rounded copy."""
+    from jax.numpy import bfloat16
+
+    def bf16(w):
+        return np.asarray(w, np.float32).astype(bfloat16)
+
+    layers = {k: bf16(v) if k in _QUANTIZED else v for k, v in params["layers"].items()}
+    head = params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T
+    return {**params, "layers": layers, "lm_head": bf16(head)}

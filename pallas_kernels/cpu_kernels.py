@@ -8,6 +8,10 @@
                       streams each weight once: 1.3x XLA's dot at one row, 1.6-1.9x at 8-32,
                       level at 256 (scripts/bench_matmul.py), and for int8
                       converting weights a panel at a time where XLA converts a whole copy.
+  matmul_bf16         (cpu_matmul_bf16.cc) x rounded to bfloat16 times bfloat16 weights on AMX
+                      tiles, f32 accumulation, against weights packed in 16-column tiles
+                      (`pack_bf16_tiles`); `amx_bf16_available()` says whether this CPU and
+                      kernel allow it.
   argmax              (cpu_argmax.cc) greedy sampling's max and index per row, one read of the
                       logits where XLA's top_k(x, 1) took 14x as long at 256 rows.
 
@@ -34,14 +38,17 @@ import jax.numpy as jnp
 import numpy as np
 
 _SOURCES = tuple(Path(__file__).with_name(n)
-                 for n in ("cpu_paged_attention.cc", "cpu_matmul.cc", "cpu_argmax.cc"))
+                 for n in ("cpu_paged_attention.cc", "cpu_matmul.cc", "cpu_matmul_bf16.cc",
+                           "cpu_argmax.cc"))
 _HEADERS = (Path(__file__).with_name("cpu_parallel.h"),)
 # FFI target name -> the handler symbol the sources export.
 _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_matmul_f32": "JaxserveMatmulF32",
             "jaxserve_matmul_int8": "JaxserveMatmulInt8",
+            "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
             "jaxserve_argmax": "JaxserveArgmax"}
 PANEL = 48  # output columns per weight panel (cpu_matmul.cc's kPanel)
+BF16_TILE, BF16_DEPTH = 16, 32  # output columns per bf16 weight tile, k per tile product
 # Associative math lets the compiler vectorise dot products and sums.
 _FLAGS = ("-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno",
           "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math", "-ffp-contract=fast")
@@ -99,11 +106,15 @@ def _build(path: Path) -> None:
             os.unlink(tmp)
 
 
+_library = None
+
+
 @functools.cache
 def _load() -> str | None:
     """Builds (once per cache key) and registers the kernels; returns None or why it failed."""
     import ctypes
 
+    global _library
     try:
         path = _library_path()
         if not path.exists():
@@ -114,6 +125,7 @@ def _load() -> str | None:
         for target, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")
+        _library = library
     except (OSError, RuntimeError) as e:
         return str(e)
     return None
@@ -125,6 +137,12 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return _load()
+
+
+@functools.cache
+def amx_bf16_available() -> bool:
+    """The kernels built with AMX-BF16 and Linux granted this process the tile state."""
+    return _load() is None and bool(_library.JaxserveAmxBf16Available())
 
 
 def _call(target: str, result, *args, **attrs):
@@ -157,6 +175,24 @@ def pack_panels(w_out_in: np.ndarray) -> np.ndarray:
     padded = np.zeros((panels * PANEL, k), w_out_in.dtype)
     padded[:n] = w_out_in
     return np.ascontiguousarray(padded.reshape(panels, PANEL, k).transpose(0, 2, 1))
+
+
+def pack_bf16_tiles(w_out_in: np.ndarray) -> np.ndarray:
+    """A weight [N, K] ([out, in]) -> its bfloat16 bits u16[ceil(N / 16), Kp / 2, 16, 2] (Kp:
+    K rounded up to 32), rounded to nearest even: element [t, i, c, j] is W[16 t + c, 2 i + j],
+    zero past N and K (the pair layout AMX's TDPBF16PS reads)."""
+    n, k = w_out_in.shape
+    tiles, kp = -(-n // BF16_TILE), -(-k // BF16_DEPTH) * BF16_DEPTH
+    padded = np.zeros((tiles * BF16_TILE, kp), jnp.bfloat16)
+    padded[:n, :k] = np.asarray(w_out_in, np.float32).astype(jnp.bfloat16)
+    bits = padded.view(np.uint16).reshape(tiles, BF16_TILE, kp // 2, 2)
+    return np.ascontiguousarray(bits.transpose(0, 2, 1, 3))
+
+
+def matmul_bf16(x, tiles, n: int):
+    """bf16(x f32[M, K]) @ W for W [K, n] packed by `pack_bf16_tiles`, accumulated in f32 ->
+    f32[M, n]. Needs amx_bf16_available()."""
+    return _call("jaxserve_matmul_bf16", _f32(x.shape[0], n), x, tiles)
 
 
 def matmul_f32(x, panels, n: int):

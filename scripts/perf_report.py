@@ -10,7 +10,8 @@ Bounds are computed in the same run, from measurements, never hard-coded:
   measured at the start and again before each single-stream f32 run (the best of all is the
   bound; each run is also shown against the rate measured just before it).
 Reported: offline total throughput (prompt + output tokens/s) vs the compute bound, single-stream
-decode for f32 and int8 weights vs the bandwidth bound and, where `llama_cpp` is importable
+decode for f32 and int8 weights vs the bandwidth bound (and, where the CPU has AMX-BF16, for
+`--quantization=bf16`: single-stream and offline, next to f32), and, where `llama_cpp` is importable
 (scripts/install_llama_cpp.sh builds it), llama.cpp on the same GGUF in the same run;
 host work per step at 64 running requests (and how much of it overlapped a device step: async
 scheduling plans step N+1 while step N runs), and compilations after warm-up.
@@ -125,11 +126,11 @@ def llama_cpp_single_stream(model_path: str):
     return run
 
 
-def offline(loaded, num_prompts: int, max_num_seqs: int) -> dict:
+def offline(loaded, num_prompts: int, max_num_seqs: int, quantization: str = "none") -> dict:
     from jaxserve.sampling_params import SamplingParams
 
     pages_per_seq = -(-(FLAGS.input_len + FLAGS.output_len) // 16)
-    engine = make_engine(loaded, max_num_seqs=max_num_seqs,
+    engine = make_engine(loaded, quantization=quantization, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                          num_pages=1 + max_num_seqs * pages_per_seq,
                          enable_prefix_caching=False)
@@ -172,6 +173,7 @@ def main(argv):
     import jax
 
     from jaxserve.weights import load_model, resolve_model_path
+    from pallas_kernels import cpu_kernels
 
     loaded = load_model("smollm2-135m")
     cfg = loaded.config
@@ -185,14 +187,15 @@ def main(argv):
     # formats, repeat, and report the best and the median of each.
     gguf_path = resolve_model_path("smollm2-135m")
     llama_cpp_run = llama_cpp_single_stream(gguf_path)
-    runs = {"none": [], "int8": [], "llama_cpp": []}
+    formats = ("none", "int8") + (("bf16",) if cpu_kernels.amx_bf16_available() else ())
+    runs = {**{q: [] for q in formats}, "llama_cpp": []}
     # Each f32 run is also compared with a read rate measured just before it (the machine's
     # bandwidth drifts within a run too); the headline bound uses the best rate of them all.
     run_bounds, read_runs = [], []
     for _ in range(FLAGS.repeats):
         read_runs.append(max(measure_read_gbps().values()))
         run_bounds.append(read_runs[-1] * 1e9 / weight_bytes)
-        for quantization in ("none", "int8"):
+        for quantization in formats:
             runs[quantization].append(single_stream(loaded, quantization))
         if llama_cpp_run:
             runs["llama_cpp"].append(llama_cpp_run())
@@ -204,6 +207,11 @@ def main(argv):
     lc = max(runs["llama_cpp"]) if runs["llama_cpp"] else None
     run = offline(loaded, FLAGS.num_prompts, FLAGS.max_num_seqs)
     at64 = offline(loaded, 64, 64)  # 64 running requests: the host-overhead target
+    bf16 = max(runs["bf16"]) if "bf16" in runs else None
+    # bf16 weights are half the bytes (the head a bf16 copy; the f32 embedding table is only
+    # looked up), so its bound is twice the f32 one.
+    bf16_offline = (offline(loaded, FLAGS.num_prompts, FLAGS.max_num_seqs, "bf16")
+                    if bf16 else None)
     result = {
         "machine": {"cpus": os.cpu_count(), "backend": jax.default_backend(),
                     "matmul_gflops": gflops, "read_gbps": gbps, "read_gbps_by_method": reads,
@@ -216,9 +224,12 @@ def main(argv):
                           "f32_run_bounds": run_bounds, "f32_runs_vs_their_bound": per_run,
                           "llama_cpp_gguf": os.path.basename(gguf_path),
                           "llama_cpp_tokens_per_s": lc, "llama_cpp_runs": runs["llama_cpp"],
-                          "int8_vs_llama_cpp": int8 / lc if lc else None},
+                          "int8_vs_llama_cpp": int8 / lc if lc else None,
+                          "bf16_tokens_per_s": bf16, "bf16_runs": runs.get("bf16"),
+                          "bf16_vs_its_bound": bf16 / (2 * decode_bound) if bf16 else None},
         "offline": {**run, "vs_compute_bound": run["total_tokens_per_s"] / compute_bound},
         "host_at_64_running": at64,
+        "bf16_offline": bf16_offline,
     }
     rows = [
         ("f32 matmul (measured)", f"{gflops:.0f} GFLOP/s"),
@@ -241,6 +252,15 @@ def main(argv):
          f"{run['total_tokens_per_s']:.0f} tok/s ({run['total_tokens_per_s'] / compute_bound:.0%}"
          f" of compute bound)"),
         ("offline output throughput", f"{run['output_tokens_per_s']:.0f} tok/s"),
+        ("single-stream decode bf16 (AMX), best",
+         f"{bf16:.1f} tok/s ({bf16 / f32:.2f}x f32; {bf16 / (2 * decode_bound):.0%} of a bf16 "
+         f"bound of {2 * decode_bound:.1f}; median {np.median(runs['bf16']):.1f})" if bf16
+         else "skipped (no AMX-BF16)"),
+        ("offline total, bf16 (AMX)",
+         f"{bf16_offline['total_tokens_per_s']:.0f} tok/s "
+         f"({bf16_offline['total_tokens_per_s'] / run['total_tokens_per_s']:.2f}x f32; "
+         f"compilations after warm-up {bf16_offline['compilations_after_warmup']})"
+         if bf16_offline else "skipped (no AMX-BF16)"),
         ("host work per step, 64 running", f"{at64['host_ms_per_step']:.2f} ms of "
          f"{at64['step_ms']:.1f} ms ({at64['host_share']:.1%}; {at64['host_overlapped_share']:.0%}"
          f" overlapped a device step, {at64['host_exposed_share']:.1%} exposed)"),

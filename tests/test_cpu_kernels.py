@@ -185,10 +185,35 @@ def test_matmul_shape_errors_are_reported():
         jax.block_until_ready(cpu_kernels.matmul_f32(x, panels, 40))  # N must need both panels
 
 
-@pytest.mark.parametrize("kind", ["f32", "int8"])
+@pytest.mark.parametrize("m", [1, 5, 17, 33, 70])
+@pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (64, 49), (1536, 576)])
+def test_bf16_matmul_matches_the_product_of_rounded_inputs(m, k, n):
+    if not cpu_kernels.amx_bf16_available():
+        pytest.skip("no AMX-BF16 here")
+    rng = np.random.default_rng(m * 100 + k + n)
+    w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    rounded = lambda a: a.astype(jnp.bfloat16).astype(np.float64)  # noqa: E731
+    want = rounded(x) @ rounded(w).T
+    got = cpu_kernels.matmul_bf16(jnp.asarray(x), jnp.asarray(cpu_kernels.pack_bf16_tiles(w)), n)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_bf16_tiles_pair_rows_of_k_for_each_column():
+    w = np.arange(37 * 40, dtype=np.float32).reshape(37, 40) / 7  # [out, in]
+    tiles = cpu_kernels.pack_bf16_tiles(w)
+    assert tiles.dtype == np.uint16 and tiles.shape == (3, 32, 16, 2)  # K 40 -> 64, N 37 -> 48
+    as_float = tiles.view(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(as_float[1, 3, 4], w[20, 6:8].astype(jnp.bfloat16))
+    assert not as_float[2, :, 5:].any() and not as_float[:, 20:].any()  # zero past N and K
+
+
+@pytest.mark.parametrize("kind", ["f32", "int8", "bf16"])
 def test_cpu_layout_runs_the_kernels_with_the_same_products(kind):
     """per_layer_params packs every projection, the head and a tied embedding for the cpu
-    backend only; the packed model computes the same products and looks up the same rows."""
+    backend only; the packed model computes the same products (bf16: of bf16-rounded inputs)
+    and looks up the same rows."""
     from jaxserve.model import llama
 
     rng = np.random.default_rng(5)
@@ -203,17 +228,24 @@ def test_cpu_layout_runs_the_kernels_with_the_same_products(kind):
     if kind == "int8":
         from jaxserve.quantize import quantize_int8
         params = quantize_int8(params)
+    if kind == "bf16":
+        from jaxserve.quantize import round_bf16
+        if not cpu_kernels.amx_bf16_available():
+            pytest.skip("no AMX-BF16 here")
+        params = round_bf16(params)
     plain, packed = llama.per_layer_params(params), llama.per_layer_params(params, "cpu")
     weights = lambda p: [p["layers"][0][k] for k in ("w_qkv", "wo", "w_gate_up", "w_down")]  # noqa: E731
     head = lambda p: p["lm_head"] if "lm_head" in p else p["embed"]  # noqa: E731
-    target = "jaxserve_matmul_int8" if kind == "int8" else "jaxserve_matmul_f32"
+    target = f"jaxserve_matmul_{kind}"
     for wp, wx in zip(weights(packed) + [head(packed)], weights(plain) + [head(plain)]):
         assert isinstance(wp, llama.PanelWeight) and not isinstance(wx, llama.PanelWeight)
-        x = jnp.asarray(rng.standard_normal((3, wp.panels.shape[1])), jnp.float32)
+        k = (wx["q_t"] if isinstance(wx, dict) else wx).shape[1]
+        x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
         assert target in jax.jit(lambda x: llama.matmul(x, wp)).lower(x).as_text()
         assert "jaxserve" not in jax.jit(lambda x: llama.matmul(x, wx)).lower(x).as_text()
-        np.testing.assert_allclose(np.asarray(llama.matmul(x, wp)), np.asarray(llama.matmul(x, wx)),
-                                   rtol=1e-4, atol=1e-4)
+        x_ref = x.astype(jnp.bfloat16).astype(jnp.float32) if kind == "bf16" else x
+        np.testing.assert_allclose(np.asarray(llama.matmul(x, wp)),
+                                   np.asarray(llama.matmul(x_ref, wx)), rtol=1e-4, atol=1e-4)
     ids = jnp.asarray([0, 47, 48, 99], jnp.int32)
     np.testing.assert_array_equal(np.asarray(llama.embed(packed, ids)), params["embed"][ids])
 

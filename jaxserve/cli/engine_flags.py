@@ -10,7 +10,8 @@ from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, PRIORITY_POLICIES, QUAN
 _D = EngineConfig()
 flags.DEFINE_string("model", _D.model, "Model name (smollm2-135m), GGUF file, HF or orbax directory.")
 flags.DEFINE_enum("dtype", _D.dtype, DTYPES, "Weights, activations and KV dtype.")
-flags.DEFINE_enum("quantization", _D.quantization, QUANTIZATIONS, "Weight-only quantization.")
+flags.DEFINE_enum("quantization", _D.quantization, QUANTIZATIONS,
+                  "int8: weight-only int8; bf16: bfloat16 weights and matmuls on AMX (CPU).")
 flags.DEFINE_enum("attention_backend", _D.attention_backend, ATTENTION_BACKENDS,
                   "auto: pallas on TPU/GPU, xla on CPU.")
 flags.DEFINE_integer("page_size", _D.page_size, "KV slots per page.")

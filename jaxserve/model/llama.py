@@ -60,7 +60,8 @@ def apply_rope(x, cos, sin):
 @dataclasses.dataclass(frozen=True)
 class PanelWeight:
     """A weight [in, out=n] packed for the CPU matmul: panels [ceil(n / 48), in, 48], f32, or
-    int8 with a per-output-channel scale f32[n] (None for f32)."""
+    int8 with a per-output-channel scale f32[n] (None otherwise); or the bits of bfloat16 tiles
+    u16[ceil(n / 16), in / 2, 16, 2] (cpu_kernels.pack_bf16_tiles) for the AMX matmul."""
     panels: jax.Array
     scale: jax.Array | None
     n: int
@@ -72,6 +73,8 @@ def matmul(x, w):
     x @ W through the C++ kernel for a PanelWeight."""
     if isinstance(w, PanelWeight):
         x = x.astype(jnp.float32)
+        if w.panels.dtype == jnp.uint16:
+            return cpu_kernels.matmul_bf16(x, w.panels, w.n)
         if w.scale is None:
             return cpu_kernels.matmul_f32(x, w.panels, w.n)
         return cpu_kernels.matmul_int8(x, w.panels, w.scale.astype(jnp.float32), w.n)
@@ -98,10 +101,13 @@ def _out_in(ws: list):
 
 
 def _panels(w) -> PanelWeight:
-    """An [out, in] weight (float or int8 dict) -> a PanelWeight (host numpy arrays)."""
+    """An [out, in] weight (float, bfloat16 or int8 dict) -> a PanelWeight (host numpy
+    arrays)."""
     if isinstance(w, dict):
         return PanelWeight(cpu_kernels.pack_panels(np.asarray(w["q_t"])),
                            np.asarray(w["scale"], np.float32), len(w["scale"]))
+    if w.dtype == jnp.bfloat16:
+        return PanelWeight(cpu_kernels.pack_bf16_tiles(w), None, w.shape[0])
     w = np.asarray(w, np.float32)
     return PanelWeight(cpu_kernels.pack_panels(w), None, w.shape[0])
 
