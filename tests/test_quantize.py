@@ -65,8 +65,9 @@ def _greedy(loaded, prompts, **options):
 
 
 def test_bf16_greedy_agrees_with_f32(default_loaded):
-    """Measured 2026-12-01: identical on all three prompts here; on seven chat and plain
-    prompts of 48 tokens, 197 of 217 tokens the same."""
+    """Measured 2026-12-01: identical on all three prompts here; over sixteen chat prompts of
+    up to 64 tokens (scripts/quantization_agreement.py) 11 identical, 81% of tokens before the
+    first difference."""
     from pallas_kernels import cpu_kernels
 
     if not cpu_kernels.amx_bf16_available():
