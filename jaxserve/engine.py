@@ -61,11 +61,12 @@ class LLMEngine:
             from jaxserve.quantize import round_bf16
             from pallas_kernels import cpu_kernels
 
-            if self.backend != "cpu" or not cpu_kernels.amx_bf16_available():
-                raise ValueError("quantization='bf16' runs on the CPU backend with AMX-BF16 "
+            amx = cpu_kernels.amx_bf16_available()
+            if self.backend != "cpu" or not amx:
+                raise ValueError(f"quantization='bf16' runs on the CPU backend with AMX-BF16 "
                                  f"(backend {self.backend!r}, AMX "
-                                 f"{'available' if cpu_kernels.amx_bf16_available() else 'unavailable'}); "
-                                 "on GPU or TPU use dtype='bfloat16'")
+                                 f"{'available' if amx else 'unavailable'}); on GPU or TPU use "
+                                 "dtype='bfloat16'")
             params = round_bf16(params)
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,

@@ -27,9 +27,15 @@ def quantize_weight(w: np.ndarray) -> dict:
 def quantize_int8(params: dict) -> dict:
     """Quantize the layer projections and the output head; embeddings and norms stay float.
     A tied head gets its own quantized copy (the embedding lookup keeps the float table)."""
-    layers = {k: quantize_weight(v) if k in _QUANTIZED else v for k, v in params["layers"].items()}
+    return _map_weights(params, quantize_weight)
+
+
+def _map_weights(params: dict, fn) -> dict:
+    """fn applied to the layer projections and to the output head ([in, out]; a tied model's
+    is the embedding table, transposed, and gets its own copy: the lookup keeps the table)."""
+    layers = {k: fn(v) if k in _QUANTIZED else v for k, v in params["layers"].items()}
     head = params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T
-    return {**params, "layers": layers, "lm_head": quantize_weight(head)}
+    return {**params, "layers": layers, "lm_head": fn(head)}
 
 
 def round_bf16(params: dict) -> dict:
@@ -38,9 +44,4 @@ def round_bf16(params: dict) -> dict:
     Embeddings and norms stay float; a tied head gets its own rounded copy."""
     from jax.numpy import bfloat16
 
-    def bf16(w):
-        return np.asarray(w, np.float32).astype(bfloat16)
-
-    layers = {k: bf16(v) if k in _QUANTIZED else v for k, v in params["layers"].items()}
-    head = params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T
-    return {**params, "layers": layers, "lm_head": bf16(head)}
+    return _map_weights(params, lambda w: np.asarray(w, np.float32).astype(bfloat16))

@@ -5,10 +5,10 @@
 // Tile t holds output columns [16 t, 16 t + 16) of the [K, N] weight, zero past N and past K up
 // to Kp (a multiple of 32), in the pair layout TDPBF16PS reads: row i of a 32-deep slice holds
 // (W[2i][n], W[2i + 1][n]) for its 16 columns n. x is rounded to bf16 (nearest even) once per
-// call into a zero-padded [Mp, Kp] copy laid out in A tiles; the products accumulate in f32. One instruction
-// multiplies a 16 x 32 slice of x by a 32 x 16 slice of W: this machine's cores ran 3.3 TFLOP/s
-// of them (scripts/cpu_peaks.py) against 0.23 for AVX-512 f32 FMAs, so prompt tokens cost a
-// fraction of the f32 kernel's time and the half-size weights stream twice as fast.
+// call into a zero-padded [Mp, Kp] copy laid out in A tiles; the products accumulate in f32. One
+// instruction multiplies a 16 x 32 slice of x by a 32 x 16 slice of W: this machine's cores ran
+// 3.3 TFLOP/s of them (scripts/cpu_peaks.py) against 0.23 for AVX-512 f32 FMAs, so prompt tokens
+// cost a fraction of the f32 kernel's time and the half-size weights stream twice as fast.
 //
 // JaxserveAmxBf16Available() says whether this build has AMX and the kernel granted this
 // process the tile state (Linux asks for it once per process with arch_prctl).
@@ -63,7 +63,8 @@ void ConfigureTiles() {
 
 // x f32[m, k] -> bf16, rounded to nearest even, zero-padded to [mp, kp], in A tiles: the 16 x 32
 // slice of row block b and k chunk c is the kilobyte at ((b * kp / 32) + c) * 512, so a tile
-// load reads one contiguous kilobyte, not 16 lines a row apart (at 1024 rows x 30 layers of projections: 295 -> 205 ms). Rows [r0, r1) of the [mp, kp] copy.
+// load reads one contiguous kilobyte, not 16 lines a row apart (30 layers of projections at 1024
+// rows: 295 -> 205 ms). Writes rows [r0, r1) of the [mp, kp] copy.
 void RoundRows(const float* x, int64_t m, int64_t k, uint16_t* out, int64_t kp, int64_t r0,
                int64_t r1) {
   const int64_t chunks = kp / kDepth;
@@ -146,7 +147,7 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* 
   const int64_t mp = (m + kRows - 1) / kRows * kRows;
   thread_local std::vector<uint16_t> rounded;
   rounded.resize(mp * kp);
-  uint16_t* out = rounded.data();
+  uint16_t* xb = rounded.data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Rounding, split over the threads by row blocks where there are many rows (at 1024 rows it
   // took ~150 us a call on one core).
@@ -154,10 +155,9 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* 
   const int64_t round_chunks = m < 64 ? 1 : std::min(blocks, threads);
   const int64_t blocks_per = (blocks + round_chunks - 1) / round_chunks;
   jaxserve::RunChunks(pool, round_chunks, [=](int64_t chunk) {
-    RoundRows(x, m, k, out, kp, std::min(mp, chunk * blocks_per * kRows),
+    RoundRows(x, m, k, xb, kp, std::min(mp, chunk * blocks_per * kRows),
               std::min(mp, (chunk + 1) * blocks_per * kRows));
   });
-  const uint16_t* xb = out;
   // Column tiles in pairs, split over the threads (a chunk per thread: the pool is the cores).
   const int64_t pairs = (tiles + 1) / 2;
   const int64_t work = m * k * n * 2;

@@ -54,6 +54,13 @@ def _greedy_prompts(tok):
     return [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
 
 
+@pytest.fixture(scope="module")
+def f32_greedy(default_loaded):
+    """The f32 model's greedy outputs and weight bytes, the reference both formats are held to."""
+    prompts = _greedy_prompts(default_loaded.tokenizer)
+    return prompts, *_greedy(default_loaded, prompts)
+
+
 def _greedy(loaded, prompts, **options):
     engine = LLMEngine(EngineConfig.from_options(num_pages=64, max_num_seqs=4, **options), loaded)
     ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=16)).request_id
@@ -64,7 +71,7 @@ def _greedy(loaded, prompts, **options):
     return [done[i] for i in ids], engine.runner.param_bytes
 
 
-def test_bf16_greedy_agrees_with_f32(default_loaded):
+def test_bf16_greedy_agrees_with_f32(default_loaded, f32_greedy):
     """Measured 2026-12-01: identical on all three prompts here; over sixteen chat prompts of
     up to 64 tokens (scripts/quantization_agreement.py) 11 identical, 81% of tokens before the
     first difference."""
@@ -72,8 +79,7 @@ def test_bf16_greedy_agrees_with_f32(default_loaded):
 
     if not cpu_kernels.amx_bf16_available():
         pytest.skip("no AMX-BF16 here")
-    prompts = _greedy_prompts(default_loaded.tokenizer)
-    f32, f32_bytes = _greedy(default_loaded, prompts)
+    prompts, f32, f32_bytes = f32_greedy
     bf16, bf16_bytes = _greedy(default_loaded, prompts, quantization="bf16")
     assert bf16_bytes < 0.75 * f32_bytes  # the float embedding table (lookup) stays
     agree = sum(a == b for x, y in zip(f32, bf16) for a, b in zip(x, y))
@@ -87,10 +93,9 @@ def test_bf16_refuses_a_backend_without_amx(default_loaded):
                                             attention_backend="xla"), default_loaded)
 
 
-def test_int8_greedy_agrees_with_f32(default_loaded):
+def test_int8_greedy_agrees_with_f32(default_loaded, f32_greedy):
     """Measured: identical greedy tokens on all six prompts (24 tokens each) on 2026-11-29."""
-    prompts = _greedy_prompts(default_loaded.tokenizer)
-    f32, f32_bytes = _greedy(default_loaded, prompts)
+    prompts, f32, f32_bytes = f32_greedy
     int8, int8_bytes = _greedy(default_loaded, prompts, quantization="int8")
     assert int8_bytes < 0.5 * f32_bytes  # the float embedding table (lookup) stays
     agree = sum(a == b for x, y in zip(f32, int8) for a, b in zip(x, y))
