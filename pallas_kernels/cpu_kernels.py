@@ -64,6 +64,12 @@ def _cpu_features() -> str:
     return platform.processor()
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (avx512f, amx_bf16, ...); empty elsewhere."""
+    line = _cpu_features()
+    return frozenset(line.split(":", 1)[1].split()) if line.startswith("flags") else frozenset()
+
+
 def _library_path() -> Path:
     key = hashlib.sha256()
     for part in (*(s.read_bytes() for s in _SOURCES + _HEADERS), " ".join(_FLAGS).encode(),

@@ -18,6 +18,10 @@ from pathlib import Path
 
 from absl import app, flags
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels import cpu_kernels  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_float("seconds", 1.5, "Roughly how long each loop runs.")
 
@@ -81,16 +85,6 @@ int main(int argc, char** argv) {
 """
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _build(source: str, name: str, workdir: str) -> str:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
@@ -122,7 +116,7 @@ def _measure(exe: str, flops_per_iteration: int, cores: int) -> tuple[float, flo
 
 def main(argv):
     del argv
-    cpu = _cpu_flags()
+    cpu = cpu_kernels.cpu_flags()
     cores = os.cpu_count() or 1
     with tempfile.TemporaryDirectory() as workdir:
         rows = []
