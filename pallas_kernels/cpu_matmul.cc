@@ -45,6 +45,12 @@ constexpr int64_t kBlockBytes = 128 << 10;
 // Panels a tile reads at once: up to four rows are bound by the weight stream, and two streams a
 // core read faster than one (30 layers at one row: 12.6 vs 14.1 ms; at 3 rows 16.0 vs 17.1).
 constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 4 ? 2 : 1; }
+// From this many rows on, f32 matmuls split the rows over the threads, not the panels, and
+// broadcast from packed rows: 30 layers of projections (scripts/bench_matmul.py) at 96 rows
+// 85.6-92.4 ms vs 94.8-101.1, at 128 rows 111-117 vs 124-138, at 512 rows 440-466 vs 484-496.
+// At 64 rows and fewer, streaming the weights once per thread cost more (64 rows: 66 vs 63;
+// 16 rows: 39 vs 27). Splitting rows without packing gained nothing.
+constexpr int64_t kSplitRows = 96;
 template <int kM>
 constexpr int kPanelsPerTile = PanelsPerTile(kM);
 
@@ -109,11 +115,12 @@ inline void PrefetchL2(const char*) {}
 #endif
 
 // y[0:kM, 0:cols] = (x[0:kM] @ W) * scale for kP consecutive panels of W (cols <= 48 kP valid
-// columns; scale may be null). x and y have row strides k_dim and n_dim.
+// columns; scale may be null). x has row stride k_dim, or with kPackedX is one row tile packed
+// k-major (PackRows); y has row stride n_dim.
 //
 // The tile also prefetches `pf_lines` cache lines from `pf` into L2, spread over its k loop: the
 // next block's weights, fetched while this block's row tiles compute on weights already in L2.
-template <int kM, int kP, typename W>
+template <int kM, int kP, typename W, bool kPackedX>
 inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* scale, float* y,
                  int64_t n_dim, int64_t cols, const char* pf = nullptr, int64_t pf_lines = 0) {
   Vec acc[kM][3 * kP];
@@ -138,7 +145,7 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* sc
       for (int c = 0; c < 3; ++c) wv[3 * p + c] = Load(w + 16 * c);
     }
     for (int m = 0; m < kM; ++m) {
-      const Vec xv = Broadcast(x[m * k_dim + k]);
+      const Vec xv = Broadcast(kPackedX ? x[k * kRowTile + m] : x[m * k_dim + k]);
       for (int c = 0; c < 3 * kP; ++c) acc[m][c] = Fma(xv, wv[c], acc[m][c]);
     }
   }
@@ -162,12 +169,27 @@ void DispatchRows(int64_t m, Body body) {
   }
 }
 
+// x [m, k_dim] into xp row tile by row tile, each k-major: xp[t][k][i] = x[8 t + i][k], zero
+// past row m. A tile's k then broadcasts its rows' values from one 32-byte run instead of eight
+// rows a row apart.
+void PackRows(const float* x, int64_t m, int64_t k_dim, float* xp) {
+  for (int64_t t = 0; t * kRowTile < m; ++t) {
+    float* dst = xp + t * kRowTile * k_dim;
+    const int64_t rows = std::min<int64_t>(kRowTile, m - t * kRowTile);
+    for (int64_t i = 0; i < kRowTile; ++i) {
+      const float* src = x + (t * kRowTile + i) * k_dim;
+      for (int64_t k = 0; k < k_dim; ++k) dst[k * kRowTile + i] = i < rows ? src[k] : 0.0f;
+    }
+  }
+}
+
 // All m rows of x against num_panels consecutive panels (w points at the first; scale and y at
 // its first column, cols of which are valid): a block of panels that fits in L2 at a time, row
 // tile by row tile within it, so each panel is read from memory once however many rows there are.
+// xp, where not null, is x packed by PackRows.
 template <typename W>
-void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
-               const float* scale, float* y, int64_t n_dim, int64_t cols) {
+void PanelRows(const float* x, const float* xp, int64_t m, int64_t k_dim, const W* w,
+               int64_t num_panels, const float* scale, float* y, int64_t n_dim, int64_t cols) {
   const int64_t panel_bytes = k_dim * kPanel * static_cast<int64_t>(sizeof(W));
   const int64_t pair = PanelsPerTile(m);
   const int64_t block = std::max<int64_t>(pair, kBlockBytes / panel_bytes / pair * pair);
@@ -187,9 +209,16 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
         const auto tile = [&]<int kP>() {
           const int64_t col = p * kPanel;
           const int64_t first = job * next_lines / jobs, last = (job + kP) * next_lines / jobs;
-          Tile<kM, kP, W>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
-                          scale != nullptr ? scale + col : nullptr, y + r * n_dim + col, n_dim,
-                          std::min(kP * kPanel, cols - col), next + 64 * first, last - first);
+          const W* panel = w + p * k_dim * kPanel;
+          const float* s = scale != nullptr ? scale + col : nullptr;
+          const int64_t n = std::min(kP * kPanel, cols - col);
+          if (xp != nullptr) {
+            Tile<kM, kP, W, true>(xp + r * k_dim, k_dim, panel, s, y + r * n_dim + col, n_dim,
+                                  n, next + 64 * first, last - first);
+          } else {
+            Tile<kM, kP, W, false>(x + r * k_dim, k_dim, panel, s, y + r * n_dim + col, n_dim,
+                                   n, next + 64 * first, last - first);
+          }
           p += kP;
           job += kP;
         };
@@ -211,12 +240,29 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
   const int64_t num_chunks = work < (256 << 10) ? 1 : std::min(panels, threads);
   // Whole tiles per chunk: panels in pairs where a tile reads two.
   const int64_t pair = PanelsPerTile(m);
+  if (sizeof(W) == 4 && m >= kSplitRows && num_chunks > 1) {
+    // Many rows: each thread takes a run of row tiles over every panel and packs its rows
+    // first (PackRows). Every thread then streams all the weights, which only pays where
+    // there are rows enough to reuse each panel.
+    const int64_t tiles = (m + kRowTile - 1) / kRowTile;
+    const int64_t chunks = std::min(threads, tiles);
+    jaxserve::RunChunks(pool, chunks, [=](int64_t chunk) {
+      const int64_t r0 = chunk * tiles / chunks * kRowTile;
+      const int64_t r1 = std::min(m, (chunk + 1) * tiles / chunks * kRowTile);
+      thread_local std::vector<float> packed;
+      packed.resize((r1 - r0 + kRowTile - 1) / kRowTile * kRowTile * k_dim);
+      PackRows(x + r0 * k_dim, r1 - r0, k_dim, packed.data());
+      PanelRows<W>(x + r0 * k_dim, packed.data(), r1 - r0, k_dim, w, panels, scale,
+                   y + r0 * n_dim, n_dim, n_dim);
+    });
+    return;
+  }
   const int64_t per = ((panels + num_chunks - 1) / num_chunks + pair - 1) / pair * pair;
   jaxserve::RunChunks(pool, num_chunks, [=](int64_t chunk) {
     const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);
     if (p0 >= p1) return;
     if (sizeof(W) == 4 || m <= kRowTile) {
-      PanelRows<W>(x, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
+      PanelRows<W>(x, nullptr, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
                    scale != nullptr ? scale + p0 * kPanel : nullptr, y + p0 * kPanel, n_dim,
                    n_dim - p0 * kPanel);
       return;
@@ -228,8 +274,8 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = w + p * k_dim * kPanel;
       for (int64_t i = 0; i < k_dim * kPanel; ++i) converted[i] = static_cast<float>(panel[i]);
-      PanelRows<float>(x, m, k_dim, converted.data(), 1, scale + p * kPanel, y + p * kPanel,
-                       n_dim, n_dim - p * kPanel);
+      PanelRows<float>(x, nullptr, m, k_dim, converted.data(), 1, scale + p * kPanel,
+                       y + p * kPanel, n_dim, n_dim - p * kPanel);
     }
   });
 }
