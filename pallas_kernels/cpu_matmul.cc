@@ -45,12 +45,13 @@ constexpr int64_t kBlockBytes = 128 << 10;
 // Panels a tile reads at once: up to four rows are bound by the weight stream, and two streams a
 // core read faster than one (30 layers at one row: 12.6 vs 14.1 ms; at 3 rows 16.0 vs 17.1).
 constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 4 ? 2 : 1; }
-// From this many rows on, f32 matmuls split the rows over the threads, not the panels, and
-// broadcast from packed rows: 30 layers of projections (scripts/bench_matmul.py) at 96 rows
-// 85.6-92.4 ms vs 94.8-101.1, at 128 rows 111-117 vs 124-138, at 512 rows 440-466 vs 484-496.
-// At 64 rows and fewer, streaming the weights once per thread cost more (64 rows: 66 vs 63;
-// 16 rows: 39 vs 27). Splitting rows without packing gained nothing.
-constexpr int64_t kSplitRows = 96;
+// From this many rows a thread on, f32 matmuls split the rows over the threads, not the panels,
+// and broadcast from packed rows. On two cores, 30 layers of projections
+// (scripts/bench_matmul.py) at 96 rows took 85.6-92.4 ms vs 94.8-101.1, at 128 rows 111-117 vs
+// 124-138, at 512 rows 440-466 vs 484-496. At 64 rows and fewer, streaming the weights once per
+// thread cost more (64 rows: 66 vs 63; 16 rows: 39 vs 27). Splitting rows without packing
+// gained nothing.
+constexpr int64_t kSplitRowsPerThread = 48;
 template <int kM>
 constexpr int kPanelsPerTile = PanelsPerTile(kM);
 
@@ -240,7 +241,7 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
   const int64_t num_chunks = work < (256 << 10) ? 1 : std::min(panels, threads);
   // Whole tiles per chunk: panels in pairs where a tile reads two.
   const int64_t pair = PanelsPerTile(m);
-  if (sizeof(W) == 4 && m >= kSplitRows && num_chunks > 1) {
+  if (sizeof(W) == 4 && m >= kSplitRowsPerThread * threads && num_chunks > 1) {
     // Many rows: each thread takes a run of row tiles over every panel and packs its rows
     // first (PackRows). Every thread then streams all the weights, which only pays where
     // there are rows enough to reuse each panel.

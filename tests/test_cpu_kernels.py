@@ -145,7 +145,8 @@ def test_int8_matmul_matches_dequantized_product(m, k, n):
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-# 101 rows: past kSplitRows (rows split over the threads, packed), with a partial last tile.
+# 101 rows: on two cores past kSplitRowsPerThread (rows split over the threads, packed), with a
+# partial last tile.
 @pytest.mark.parametrize("m", [1, 5, 8, 13, 70, 101])
 @pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (64, 49), (576, 6000)])
 def test_f32_matmul_matches_numpy(m, k, n):
