@@ -187,10 +187,10 @@ void PackRows(const float* x, int64_t m, int64_t k_dim, float* xp) {
 // All m rows of x against num_panels consecutive panels (w points at the first; scale and y at
 // its first column, cols of which are valid): a block of panels that fits in L2 at a time, row
 // tile by row tile within it, so each panel is read from memory once however many rows there are.
-// xp, where not null, is x packed by PackRows.
-template <typename W>
-void PanelRows(const float* x, const float* xp, int64_t m, int64_t k_dim, const W* w,
-               int64_t num_panels, const float* scale, float* y, int64_t n_dim, int64_t cols) {
+// With kPackedX, x is packed by PackRows (row tile r / 8 then starts at x + r * k_dim as well).
+template <typename W, bool kPackedX = false>
+void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
+               const float* scale, float* y, int64_t n_dim, int64_t cols) {
   const int64_t panel_bytes = k_dim * kPanel * static_cast<int64_t>(sizeof(W));
   const int64_t pair = PanelsPerTile(m);
   const int64_t block = std::max<int64_t>(pair, kBlockBytes / panel_bytes / pair * pair);
@@ -210,16 +210,11 @@ void PanelRows(const float* x, const float* xp, int64_t m, int64_t k_dim, const 
         const auto tile = [&]<int kP>() {
           const int64_t col = p * kPanel;
           const int64_t first = job * next_lines / jobs, last = (job + kP) * next_lines / jobs;
-          const W* panel = w + p * k_dim * kPanel;
-          const float* s = scale != nullptr ? scale + col : nullptr;
-          const int64_t n = std::min(kP * kPanel, cols - col);
-          if (xp != nullptr) {
-            Tile<kM, kP, W, true>(xp + r * k_dim, k_dim, panel, s, y + r * n_dim + col, n_dim,
-                                  n, next + 64 * first, last - first);
-          } else {
-            Tile<kM, kP, W, false>(x + r * k_dim, k_dim, panel, s, y + r * n_dim + col, n_dim,
-                                   n, next + 64 * first, last - first);
-          }
+          Tile<kM, kP, W, kPackedX>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
+                                    scale != nullptr ? scale + col : nullptr,
+                                    y + r * n_dim + col, n_dim,
+                                    std::min(kP * kPanel, cols - col), next + 64 * first,
+                                    last - first);
           p += kP;
           job += kP;
         };
@@ -253,8 +248,8 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
       thread_local std::vector<float> packed;
       packed.resize((r1 - r0 + kRowTile - 1) / kRowTile * kRowTile * k_dim);
       PackRows(x + r0 * k_dim, r1 - r0, k_dim, packed.data());
-      PanelRows<W>(x + r0 * k_dim, packed.data(), r1 - r0, k_dim, w, panels, scale,
-                   y + r0 * n_dim, n_dim, n_dim);
+      PanelRows<W, true>(packed.data(), r1 - r0, k_dim, w, panels, scale, y + r0 * n_dim,
+                         n_dim, n_dim);
     });
     return;
   }
@@ -263,7 +258,7 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
     const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);
     if (p0 >= p1) return;
     if (sizeof(W) == 4 || m <= kRowTile) {
-      PanelRows<W>(x, nullptr, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
+      PanelRows<W>(x, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
                    scale != nullptr ? scale + p0 * kPanel : nullptr, y + p0 * kPanel, n_dim,
                    n_dim - p0 * kPanel);
       return;
@@ -275,8 +270,8 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = w + p * k_dim * kPanel;
       for (int64_t i = 0; i < k_dim * kPanel; ++i) converted[i] = static_cast<float>(panel[i]);
-      PanelRows<float>(x, nullptr, m, k_dim, converted.data(), 1, scale + p * kPanel,
-                       y + p * kPanel, n_dim, n_dim - p * kPanel);
+      PanelRows<float>(x, m, k_dim, converted.data(), 1, scale + p * kPanel, y + p * kPanel,
+                       n_dim, n_dim - p * kPanel);
     }
   });
 }
