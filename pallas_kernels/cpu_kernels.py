@@ -94,15 +94,20 @@ def _prune(keep: Path) -> None:
             pass  # another process removed it first
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernels build with: $CXX, else g++ or c++ on PATH (None if none)."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
 def _build(path: Path) -> None:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    cxx = compiler()
+    if cxx is None:
         raise RuntimeError("no C++ compiler (g++/c++ or $CXX) to build the CPU kernels")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", tmp]
+        cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"building the CPU kernels failed:\n{done.stderr[-2000:]}")

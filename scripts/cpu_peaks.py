@@ -10,7 +10,6 @@ silicon, and what an AMX path could buy.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,12 +85,12 @@ int main(int argc, char** argv) {
 
 
 def _build(source: str, name: str, workdir: str) -> str:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
+    cxx = cpu_kernels.compiler()
+    if cxx is None:
         sys.exit("no C++ compiler (g++/c++ or $CXX)")
     src, exe = os.path.join(workdir, name + ".cc"), os.path.join(workdir, name)
     Path(src).write_text(source)
-    done = subprocess.run([compiler, "-O2", "-march=native", src, "-o", exe], capture_output=True,
+    done = subprocess.run([cxx, "-O2", "-march=native", src, "-o", exe], capture_output=True,
                           text=True)
     if done.returncode != 0:
         sys.exit(f"building {name} failed:\n{done.stderr[-2000:]}")
