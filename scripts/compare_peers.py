@@ -33,7 +33,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxserve.bench.report import summarize  # noqa: E402
+from jaxserve.bench.report import greedy_agreement, summarize  # noqa: E402
 from jaxserve.bench.workload import WorkloadSpec  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -190,17 +190,6 @@ def _ban(logits, token):
     return logits
 
 
-def agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    prefixes = []
-    for x, y in zip(a, b):
-        k = 0
-        while k < min(len(x), len(y)) and x[k] == y[k]:
-            k += 1
-        prefixes.append(k)
-    return {"identical_requests": sum(1 for x, y in zip(a, b) if x == y), "requests": len(a),
-            "mean_matching_prefix": sum(prefixes) / max(len(prefixes), 1)}
-
-
 def _row(name, r) -> str:
     return (f"{name:<28}{r['output_tok_s']:>10.1f}{r['requests_per_s']:>9.2f}"
             f"{r['ttft_ms']['mean']:>11.0f}{r['e2e_ms']['mean']:>11.0f}{r['e2e_ms']['p50']:>11.0f}"
@@ -225,7 +214,7 @@ def main(argv):
         hf_model = load_hf()
         hf, hf_tokens = run_hf(hf_model, requests, batch_size=FLAGS.hf_batch_size)
         out["hf"] = hf
-        out["agreement_with_hf"] = agreement(js_tokens, hf_tokens)
+        out["agreement_with_hf"] = greedy_agreement(js_tokens, hf_tokens)
         out["ratios_jaxserve_over_hf"] = {
             "output_throughput": js["output_tok_s"] / hf["output_tok_s"],
             "mean_ttft": js["ttft_ms"]["mean"] / hf["ttft_ms"]["mean"],

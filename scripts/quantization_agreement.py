@@ -41,12 +41,9 @@ def greedy(loaded, prompts, quantization: str) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
-def first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def main(argv):
     del argv
+    from jaxserve.bench.report import greedy_agreement
     from jaxserve.weights import load_model
     from pallas_kernels import cpu_kernels
 
@@ -59,10 +56,9 @@ def main(argv):
     formats = ["int8"] + (["bf16"] if cpu_kernels.amx_bf16_available() else [])
     print(f"{'format':<8}{'identical':>12}{'tokens before the first difference':>38}")
     for quantization in formats:
-        outputs = greedy(loaded, prompts, quantization)
-        same = sum(a == b for a, b in zip(reference, outputs))
-        agreed = sum(first_difference(a, b) for a, b in zip(reference, outputs))
-        print(f"{quantization:<8}{f'{same}/{len(prompts)}':>12}"
+        a = greedy_agreement(reference, greedy(loaded, prompts, quantization))
+        same, agreed = f"{a['identical_requests']}/{a['requests']}", a["matching_prefix_tokens"]
+        print(f"{quantization:<8}{same:>12}"
               f"{f'{agreed}/{total} ({agreed / total:.0%})':>38}")
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from jaxserve import kv_budget
 from jaxserve.bench import build_report, format_report, run_http, summarize
-from jaxserve.bench.report import format_ablation, length_buckets, percentile
+from jaxserve.bench.report import format_ablation, greedy_agreement, length_buckets, percentile
 from jaxserve.bench.runner import RequestRecord, RunResult
 from jaxserve.bench.workload import LengthDist, WorkloadSpec
 
@@ -237,3 +237,11 @@ def test_cli_end_to_end(tmp_path, default_model_path):
     bad = subprocess.run(cmd[:4] + ["--input_len=zipf:3"], capture_output=True, text=True,
                          timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "bad length spec" in bad.stderr
+
+
+def test_greedy_agreement_counts_identical_outputs_and_matching_prefixes():
+    a = [[1, 2, 3], [4, 5], [7], []]
+    b = [[1, 2, 3], [4, 6, 9], [7, 8], [1]]
+    assert greedy_agreement(a, b) == {"identical_requests": 1, "requests": 4,
+                                      "matching_prefix_tokens": 3 + 1 + 1 + 0,
+                                      "mean_matching_prefix": 5 / 4}

@@ -25,7 +25,7 @@ PERCENTILES = (50, 90, 99)
 MIB = 1 << 20
 
 __all__ = ["summarize", "percentile", "build_report", "format_report", "format_ablation",
-           "write_plots", "length_buckets"]
+           "write_plots", "length_buckets", "greedy_agreement"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -37,6 +37,17 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(rank)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (rank - lo)
+
+
+def greedy_agreement(a: Sequence[Sequence[int]], b: Sequence[Sequence[int]]) -> dict[str, Any]:
+    """How closely two systems' outputs for the same requests agree: the requests whose tokens
+    are identical, and the tokens each output matches before its first difference (summed and
+    averaged over the requests)."""
+    prefixes = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), min(len(p), len(q)))
+                for p, q in zip(a, b)]
+    return {"identical_requests": sum(list(p) == list(q) for p, q in zip(a, b)),
+            "requests": len(prefixes), "matching_prefix_tokens": sum(prefixes),
+            "mean_matching_prefix": sum(prefixes) / max(len(prefixes), 1)}
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:
