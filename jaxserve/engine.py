@@ -76,7 +76,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.config, params, num_pages=self.num_pages,
                                   page_size=config.page_size, dtype=config.dtype,
                                   backend=self.backend,
-                                  max_sample_rows=2 * self.buckets.seqs[-1])  # decode + prefill
+                                  max_sample_rows=2 * self.buckets.seqs[-1],  # decode + prefill
+                                  huge_pages=config.huge_pages)
         self._in_flight: _Launched | None = None  # the step on the device, not yet fetched
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, tuple[Request, str | None]] = {}
@@ -332,7 +333,8 @@ class LLMEngine:
                      host_seconds=self.host_seconds, device_seconds=self.device_seconds,
                      host_overlapped_seconds=self.host_overlapped_seconds,
                      peak_referenced_pages=self.peak_referenced_pages,
-                     kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes)
+                     kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
+                     huge_page_bytes=self.runner.huge_page_bytes)
         return stats
 
 

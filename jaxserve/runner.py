@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxserve.batch import StepBatch
 from jaxserve.config import ModelConfig
+from jaxserve.huge_pages import collapse_into_huge_pages
 from jaxserve.model import llama
 from jaxserve.model.attention import KVCache, KVPool
 from jaxserve.sampling import sample
@@ -108,7 +109,8 @@ def _signature(batch: StepBatch) -> tuple:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
-                 dtype: str = "float32", backend: str = "xla", max_sample_rows: int = 512):
+                 dtype: str = "float32", backend: str = "xla", max_sample_rows: int = 512,
+                 huge_pages: bool = False):
         _use_compilation_cache()
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
@@ -120,6 +122,9 @@ class ModelRunner:
         self._step = _jitted_step(cfg, backend)
         self._no_feed = jnp.zeros(max_sample_rows, jnp.int32)  # the feed of a step planned alone
         self._signatures: set = set()
+        # The pool is donated each step and XLA writes it in place, so its memory stays put.
+        self.huge_page_bytes = collapse_into_huge_pages(
+            jax.tree_util.tree_leaves((self.params, self.pool))) if huge_pages else 0
 
     def _to_device(self, x):
         x = np.asarray(x)

@@ -27,6 +27,8 @@ flags.DEFINE_enum("scheduling", _D.scheduling, SCHEDULING_POLICIES,
 flags.DEFINE_enum("scheduling_policy", _D.scheduling_policy, PRIORITY_POLICIES, "Queue order.")
 flags.DEFINE_bool("async_scheduling", _D.async_scheduling,
                   "Launch the next decode step before reading back this one's tokens.")
+flags.DEFINE_bool("huge_pages", _D.huge_pages,
+                  "Back the weights and KV pool with 2 MiB pages (CPU, Linux 6.1+).")
 flags.DEFINE_float("watermark", _D.watermark, "Fraction of pages kept free at admission.")
 flags.DEFINE_string("cache_salt", None, "Prefix-cache salt (isolates tenants).")
 flags.DEFINE_integer("seed", _D.seed, "Engine seed for unseeded requests.")
@@ -36,7 +38,7 @@ FLAGS = flags.FLAGS
 _NAMES = ("model", "dtype", "quantization", "attention_backend", "page_size", "num_pages",
           "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
-          "async_scheduling", "watermark", "cache_salt", "seed", "max_waiting")
+          "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting")
 
 
 def engine_options() -> dict:
