@@ -28,7 +28,7 @@ flags.DEFINE_enum("scheduling_policy", _D.scheduling_policy, PRIORITY_POLICIES, 
 flags.DEFINE_bool("async_scheduling", _D.async_scheduling,
                   "Launch the next decode step before reading back this one's tokens.")
 flags.DEFINE_bool("huge_pages", _D.huge_pages,
-                  "Back the weights and KV pool with 2 MiB pages (CPU, Linux 6.1+).")
+                  "Back the weights with 2 MiB pages (CPU, Linux 6.1+).")
 flags.DEFINE_float("watermark", _D.watermark, "Fraction of pages kept free at admission.")
 flags.DEFINE_string("cache_salt", None, "Prefix-cache salt (isolates tenants).")
 flags.DEFINE_integer("seed", _D.seed, "Engine seed for unseeded requests.")
