@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -30,8 +30,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 48;     // output columns per panel: three 16-lane vectors
-constexpr int kRowTile = 8;        // rows per register tile: 8 x 3 accumulators
+constexpr int64_t kPanel = 48;  // output columns per panel: three 16-lane or six 8-lane vectors
 // Weights prefetched this many k ahead (3 KB of f32), except f32 at one row: there the FMAs wait
 // on nothing but the stream, and the hardware prefetcher alone ran it faster (538 MB of panels
 // at 30.0 vs 28.2 GB/s in a standalone loop; single-stream decode 47.8 -> 49.1 tok/s). Int8 at
@@ -42,9 +41,6 @@ constexpr int64_t kPrefetchK = 16;
 // prefetched into L2 while they compute. Without blocks the 113 MB head was streamed once per
 // row tile (15 ms at 32 rows); without the prefetch the stream and the FMAs took turns.
 constexpr int64_t kBlockBytes = 128 << 10;
-// Panels a tile reads at once: up to four rows are bound by the weight stream, and two streams a
-// core read faster than one (30 layers at one row: 12.6 vs 14.1 ms; at 3 rows 16.0 vs 17.1).
-constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 4 ? 2 : 1; }
 // From this many rows a thread on, f32 matmuls split the rows over the threads, not the panels,
 // and broadcast from packed rows. On two cores, 30 layers of projections
 // (scripts/bench_matmul.py) at 96 rows took 85.6-92.4 ms vs 94.8-101.1, at 128 rows 111-117 vs
@@ -52,11 +48,17 @@ constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 4 ? 2 : 1; }
 // thread cost more (64 rows: 66 vs 63; 16 rows: 39 vs 27). Splitting rows without packing
 // gained nothing.
 constexpr int64_t kSplitRowsPerThread = 48;
-template <int kM>
-constexpr int kPanelsPerTile = PanelsPerTile(kM);
 
 #if defined(__AVX512F__)
 // 16 lanes of float32 (GCC's generic vectors turned the int8 widening into scalar code).
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
+constexpr int kRowTile = 8;  // rows per register tile: 8 x 3 accumulators
+// Panels a tile reads at once: up to four rows are bound by the weight stream, and two streams a
+// core read faster than one (30 layers at one row: 12.6 vs 14.1 ms; at 3 rows 16.0 vs 17.1).
+constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 4 ? 2 : 1; }
+// A tile's vectors accumulated in one pass over k: all of them.
+constexpr int PassVecs(int /*rows*/, int vecs) { return vecs; }
 using Vec = __m512;
 inline Vec Zero() { return _mm512_setzero_ps(); }
 inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
@@ -77,8 +79,48 @@ inline void Prefetch(const W* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
 }
 inline void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 lanes of float32 in 16 registers (AMD Zen, Intel before AVX-512). A panel is six vectors and
+// a pass holds at most 12 accumulators: one row over two panels, two rows over one, up to four
+// over half a panel, six over a third (16 columns, one cache line a k). Two-row passes over
+// whole panels read 192 bytes from L2 per 12 FMAs, all that L2 delivers here, so more rows
+// take narrower passes. The portable 16-lane struct below spilled everything: at 256 rows 30
+// layers of projections took 5.7 s there, against 0.64 s for XLA's dot.
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+constexpr int kRowTile = 6;
+constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 1 ? 2 : 1; }
+constexpr int PassVecs(int rows, int vecs) {
+  return rows <= 1 ? vecs : rows <= 2 ? std::min(vecs, 6) : rows <= 4 ? 3 : 2;
+}
+using Vec = __m256;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec Load(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec Broadcast(float v) { return _mm256_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline __m256i Lanes(int64_t n) {
+  const int32_t k = static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// The first n (<= 8) lanes; masked-off lanes are neither read nor written.
+inline Vec LoadFirst(const float* p, int64_t n) { return _mm256_maskload_ps(p, Lanes(n)); }
+inline void StoreFirst(float* p, Vec v, int64_t n) { _mm256_maskstore_ps(p, Lanes(n), v); }
+template <typename W>
+inline void Prefetch(const W* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+inline void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
 #else
 // Portable 16 lanes (correct everywhere; fast only where the compiler vectorises it).
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
+constexpr int kRowTile = 8;
+constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 4 ? 2 : 1; }
+constexpr int PassVecs(int /*rows*/, int vecs) { return vecs; }
 struct Vec {
   float v[16];
 };
@@ -115,46 +157,77 @@ inline void Prefetch(const W*) {}
 inline void PrefetchL2(const char*) {}
 #endif
 
+constexpr int kVecs = kPanel / kLanes;  // vectors per k of a panel
+template <int kM>
+constexpr int kPanelsPerTile = PanelsPerTile(kM);
+
 // y[0:kM, 0:cols] = (x[0:kM] @ W) * scale for kP consecutive panels of W (cols <= 48 kP valid
 // columns; scale may be null). x has row stride k_dim, or with kPackedX is one row tile packed
 // k-major (PackRows); y has row stride n_dim.
 //
-// The tile also prefetches `pf_lines` cache lines from `pf` into L2, spread over its k loop: the
-// next block's weights, fetched while this block's row tiles compute on weights already in L2.
+// The tile's kVecs kP column vectors are accumulated PassVecs at a time, each pass a walk over
+// k. Per k, a pass loads its weight vectors before the rows' broadcasts where both fit in the
+// registers beside the accumulators, and otherwise broadcasts the rows first and loads one
+// weight vector at a time.
+//
+// The tile also prefetches `pf_lines` cache lines from `pf` into L2, spread over its k loops:
+// the next block's weights, fetched while this block's row tiles compute on weights already in
+// L2.
 template <int kM, int kP, typename W, bool kPackedX>
 inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* scale, float* y,
                  int64_t n_dim, int64_t cols, const char* pf = nullptr, int64_t pf_lines = 0) {
-  Vec acc[kM][3 * kP];
-  for (int m = 0; m < kM; ++m) {
-    for (int c = 0; c < 3 * kP; ++c) acc[m][c] = Zero();
-  }
+  constexpr int kAll = kVecs * kP;
+  constexpr int kG = PassVecs(kM, kAll);
+  constexpr int kPanelVecs = std::min(kG, kVecs);  // a pass's vectors within one panel
+  static_assert(kAll % kG == 0 && (kG % kVecs == 0 || kVecs % kG == 0));
+  constexpr bool kWeightsFirst = kG + 1 + kM * kG <= kRegisters;
+  const int64_t steps = kAll / kG * k_dim;
   int64_t issued = 0;
-  for (int64_t k = 0; k < k_dim; ++k) {
-    for (; issued * k_dim < (k + 1) * pf_lines; ++issued) PrefetchL2(pf + 64 * issued);
-    Vec wv[3 * kP];
-    for (int p = 0; p < kP; ++p) {
-      const W* w = panels + p * k_dim * kPanel + k * kPanel;
-      // 48 weights of one k span up to three cache lines; prefetching past the end is harmless.
+  for (int g = 0; g < kAll; g += kG) {
+    // Vector g + j of the tile: columns kLanes (g + j) .., in panel (g + j) / kVecs.
+    const auto weights = [&](int j, int64_t k) {
+      const int v = g + j;
+      return panels + (v / kVecs) * k_dim * kPanel + k * kPanel + kLanes * (v % kVecs);
+    };
+    Vec acc[kM][kG];
+    for (int m = 0; m < kM; ++m) {
+      for (int j = 0; j < kG; ++j) acc[m][j] = Zero();
+    }
+    for (int64_t k = 0; k < k_dim; ++k) {
+      const int64_t step = g / kG * k_dim + k;
+      for (; issued * steps < (step + 1) * pf_lines; ++issued) PrefetchL2(pf + 64 * issued);
       if constexpr (kM > 1 || sizeof(W) == 1) {  // see kPrefetchK
-        const W* ahead = w + kPrefetchK * kPanel;
-        Prefetch(ahead);
-        if constexpr (sizeof(W) == 4) {
-          Prefetch(ahead + 16);
-          Prefetch(ahead + 32);
+        // The pass's weights of one k span up to three cache lines a panel (int8: the next k's
+        // line is the same or the one after); prefetching past the end is harmless.
+        for (int j = 0; j < kG; j += kPanelVecs) {
+          const char* ahead = reinterpret_cast<const char*>(weights(j, k + kPrefetchK));
+          const int64_t bytes = sizeof(W) == 1 ? 1 : kPanelVecs * kLanes * sizeof(W);
+          for (int64_t b = 0; b < bytes; b += 64) Prefetch(ahead + b);
         }
       }
-      for (int c = 0; c < 3; ++c) wv[3 * p + c] = Load(w + 16 * c);
+      const auto xk = [&](int m) { return kPackedX ? x[k * kRowTile + m] : x[m * k_dim + k]; };
+      if constexpr (kWeightsFirst) {
+        Vec wv[kG];
+        for (int j = 0; j < kG; ++j) wv[j] = Load(weights(j, k));
+        for (int m = 0; m < kM; ++m) {
+          const Vec xv = Broadcast(xk(m));
+          for (int j = 0; j < kG; ++j) acc[m][j] = Fma(xv, wv[j], acc[m][j]);
+        }
+      } else {
+        Vec xv[kM];
+        for (int m = 0; m < kM; ++m) xv[m] = Broadcast(xk(m));
+        for (int j = 0; j < kG; ++j) {
+          const Vec wv = Load(weights(j, k));
+          for (int m = 0; m < kM; ++m) acc[m][j] = Fma(xv[m], wv, acc[m][j]);
+        }
+      }
     }
-    for (int m = 0; m < kM; ++m) {
-      const Vec xv = Broadcast(kPackedX ? x[k * kRowTile + m] : x[m * k_dim + k]);
-      for (int c = 0; c < 3 * kP; ++c) acc[m][c] = Fma(xv, wv[c], acc[m][c]);
+    for (int j = 0; j < kG; ++j) {
+      const int64_t col = kLanes * (g + j), lanes = cols - col;
+      if (lanes <= 0) break;
+      const Vec s = scale != nullptr ? LoadFirst(scale + col, lanes) : Broadcast(1.0f);
+      for (int m = 0; m < kM; ++m) StoreFirst(y + m * n_dim + col, Mul(acc[m][j], s), lanes);
     }
-  }
-  for (int c = 0; c < 3 * kP; ++c) {
-    const int64_t lanes = cols - 16 * c;
-    if (lanes <= 0) break;
-    const Vec s = scale != nullptr ? LoadFirst(scale + 16 * c, lanes) : Broadcast(1.0f);
-    for (int m = 0; m < kM; ++m) StoreFirst(y + m * n_dim + 16 * c, Mul(acc[m][c], s), lanes);
   }
 }
 
@@ -170,8 +243,8 @@ void DispatchRows(int64_t m, Body body) {
   }
 }
 
-// x [m, k_dim] into xp row tile by row tile, each k-major: xp[t][k][i] = x[8 t + i][k], zero
-// past row m. A tile's k then broadcasts its rows' values from one 32-byte run instead of eight
+// x [m, k_dim] into xp row tile by row tile, each k-major: xp[t][k][i] = x[kRowTile t + i][k], zero
+// past row m. A tile's k then broadcasts its rows' values from one run instead of kRowTile
 // rows a row apart.
 void PackRows(const float* x, int64_t m, int64_t k_dim, float* xp) {
   for (int64_t t = 0; t * kRowTile < m; ++t) {
