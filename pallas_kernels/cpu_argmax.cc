@@ -4,12 +4,12 @@
 //
 // XLA's CPU top_k(x, 1) (and argmax, 1.5x slower still) took 20 ms at 256 rows x 49k logits,
 // about 5% of a decode step, for a pass that reads 50 MB: this reads each row once with 16
-// running (max, index) lanes and runs rows in parallel.
+// (AVX-512) or 8 (AVX2) running (max, index) lanes and runs rows in parallel.
 
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -19,6 +19,19 @@
 namespace ffi = xla::ffi;
 
 namespace {
+
+// The lanes' (max, index) pairs -> the maximum and its lowest index.
+inline void ReduceLanes(const float* m, const int32_t* k, int lanes, float* best,
+                        int64_t* best_i) {
+  *best = m[0];
+  *best_i = k[0];
+  for (int l = 1; l < lanes; ++l) {
+    if (m[l] > *best || (m[l] == *best && k[l] < *best_i)) {
+      *best = m[l];
+      *best_i = k[l];
+    }
+  }
+}
 
 // Each lane keeps its first strict maximum; ties across lanes go to the lower index.
 void ArgmaxRow(const float* x, int64_t n, int32_t* id, float* value) {
@@ -42,14 +55,28 @@ void ArgmaxRow(const float* x, int64_t n, int32_t* id, float* value) {
     alignas(64) int32_t k[16];
     _mm512_store_ps(m, vmax);
     _mm512_store_si512(k, vidx);
-    best = m[0];
-    best_i = k[0];
-    for (int l = 1; l < 16; ++l) {
-      if (m[l] > best || (m[l] == best && k[l] < best_i)) {
-        best = m[l];
-        best_i = k[l];
-      }
+    ReduceLanes(m, k, 16, &best, &best_i);
+  }
+#elif defined(__AVX2__)
+  // 8 lanes, the comparison as a lane mask that blends values and indices (256 rows x 49k
+  // logits: 3.1 ms in the scalar loop below).
+  if (n >= 8) {
+    __m256 vmax = _mm256_loadu_ps(x);
+    __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i cur = _mm256_add_epi32(vidx, _mm256_set1_epi32(8));
+    const __m256i step = _mm256_set1_epi32(8);
+    for (i = 8; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
+      vmax = _mm256_blendv_ps(vmax, v, gt);
+      vidx = _mm256_blendv_epi8(vidx, cur, _mm256_castps_si256(gt));
+      cur = _mm256_add_epi32(cur, step);
     }
+    alignas(32) float m[8];
+    alignas(32) int32_t k[8];
+    _mm256_store_ps(m, vmax);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(k), vidx);
+    ReduceLanes(m, k, 8, &best, &best_i);
   }
 #endif
   for (; i < n; ++i) {
