@@ -6,7 +6,8 @@
   matmul_*            (cpu_matmul.cc) f32 and weight-only int8 matmuls against weights
                       packed in 48-column panels (`pack_panels`): a register-tiled GEMM that
                       streams each weight once: 1.3x XLA's dot at one row, 1.6-1.9x at 8-32,
-                      level at 256 (scripts/bench_matmul.py), and for int8
+                      level at 256 with AVX-512 (scripts/bench_matmul.py; with AVX2 1.1x,
+                      1.5-1.9x and level), and for int8
                       converting weights a panel at a time where XLA converts a whole copy.
   matmul_bf16         (cpu_matmul_bf16.cc) x rounded to bfloat16 times bfloat16 weights on AMX
                       tiles, f32 accumulation, against weights packed in 16-column tiles

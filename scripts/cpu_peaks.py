@@ -1,8 +1,8 @@
 """The CPU's arithmetic peaks, measured: f32 FMAs (AVX-512, else AVX2) and, where the CPU has
-AMX, bf16 tile products. Each is a register-only loop (no memory traffic) built with the machine's C++ compiler
-and run on every core at once; the sum is the machine's peak. perf_report's compute bound uses
-the f32 matmul rate XLA reaches; this says how far that and the engine's kernels are from the
-silicon, and what an AMX path could buy.
+AMX, bf16 tile products. Each is a register-only loop (no memory traffic) built with the
+machine's C++ compiler and run on every core at once; the sum is the machine's peak.
+perf_report's compute bound uses the f32 matmul rate XLA reaches; this says how far that and the
+engine's kernels are from the silicon, and what an AMX path could buy.
 
   python scripts/cpu_peaks.py
 """
