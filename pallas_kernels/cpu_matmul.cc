@@ -55,13 +55,6 @@ constexpr int64_t kSplitRowsPerThread = 48;
 #if defined(__AVX512F__)
 // 16 lanes of float32 (GCC's generic vectors turned the int8 widening into scalar code).
 constexpr int kLanes = 16;
-constexpr int kRegisters = 32;
-constexpr int kRowTile = 8;  // rows per register tile: 8 x 3 accumulators
-// Panels a tile reads at once: up to four rows are bound by the weight stream, and two streams a
-// core read faster than one (30 layers at one row: 12.6 vs 14.1 ms; at 3 rows 16.0 vs 17.1).
-constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 4 ? 2 : 1; }
-// A tile's vectors accumulated in one pass over k: all of them.
-constexpr int PassVecs(int /*rows*/, int vecs) { return vecs; }
 using Vec = __m512;
 inline Vec Zero() { return _mm512_setzero_ps(); }
 inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
@@ -77,26 +70,9 @@ inline __mmask16 Lanes(int64_t n) {
 // The first n (<= 16) lanes; masked-off lanes are neither read nor written.
 inline Vec LoadFirst(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(Lanes(n), p); }
 inline void StoreFirst(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, Lanes(n), v); }
-template <typename W>
-inline void Prefetch(const W* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
-inline void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
 #elif defined(__AVX2__) && defined(__FMA__)
-// 8 lanes of float32 in 16 registers (AMD Zen, Intel before AVX-512). A panel is six vectors and
-// a pass holds at most 12 accumulators: one row over two panels, two rows over one, up to four
-// over half a panel, six over a third (16 columns, one cache line a k). Two-row passes over
-// whole panels read 192 bytes from L2 per 12 FMAs, all that L2 delivers here, so more rows
-// take narrower passes (30 layers of projections at 256 rows: 131 GFLOP/s with two-row tiles
-// only, 157-166 with these). The portable 16-lane struct below spilled everything: 3.4 s there
-// at 256 rows, against 0.33 s for these tiles and for XLA's dot.
+// 8 lanes of float32 in 16 registers (AMD Zen, Intel before AVX-512).
 constexpr int kLanes = 8;
-constexpr int kRegisters = 16;
-constexpr int kRowTile = 6;
-constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 1 ? 2 : 1; }
-constexpr int PassVecs(int rows, int vecs) {
-  return rows <= 1 ? vecs : rows <= 2 ? std::min(vecs, 6) : rows <= 4 ? 3 : 2;
-}
 using Vec = __m256;
 inline Vec Zero() { return _mm256_setzero_ps(); }
 inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
@@ -114,18 +90,9 @@ inline __m256i Lanes(int64_t n) {
 // The first n (<= 8) lanes; masked-off lanes are neither read nor written.
 inline Vec LoadFirst(const float* p, int64_t n) { return _mm256_maskload_ps(p, Lanes(n)); }
 inline void StoreFirst(float* p, Vec v, int64_t n) { _mm256_maskstore_ps(p, Lanes(n), v); }
-template <typename W>
-inline void Prefetch(const W* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
-inline void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
 #else
 // Portable 16 lanes (correct everywhere; fast only where the compiler vectorises it).
 constexpr int kLanes = 16;
-constexpr int kRegisters = 32;
-constexpr int kRowTile = 8;
-constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= 4 ? 2 : 1; }
-constexpr int PassVecs(int /*rows*/, int vecs) { return vecs; }
 struct Vec {
   float v[16];
 };
@@ -157,12 +124,41 @@ inline Vec LoadFirst(const float* p, int64_t n) {
 inline void StoreFirst(float* p, Vec v, int64_t n) {
   for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) p[i] = v.v[i];
 }
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+template <typename W>
+inline void Prefetch(const W* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+inline void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
+#else
 template <typename W>
 inline void Prefetch(const W*) {}
 inline void PrefetchL2(const char*) {}
 #endif
 
 constexpr int kVecs = kPanel / kLanes;  // vectors per k of a panel
+// Register tiling. 16 lanes (32 registers): a row tile is 8 rows x one panel's 3 accumulators,
+// in one pass over k. 8 lanes (AVX2, 16 registers): a panel is six vectors and a pass holds at
+// most 12 accumulators: one row over two panels, two rows over one, up to four over half a
+// panel, six over a third (16 columns, one cache line a k). Two-row passes over whole panels
+// read 192 bytes from L2 per 12 FMAs, all that L2 delivers there, so more rows take narrower
+// passes (30 layers of projections at 256 rows: 131 GFLOP/s with two-row tiles only, 157-166
+// with these). The portable 16-lane struct spilled everything on that AVX2 machine: 3.4 s at
+// 256 rows, against 0.33 s for these tiles and for XLA's dot.
+constexpr bool kNarrow = kLanes == 8;
+constexpr int kRegisters = kNarrow ? 16 : 32;
+constexpr int kRowTile = kNarrow ? 6 : 8;
+// Panels a tile reads at once: with 16 lanes up to four rows are bound by the weight stream, and
+// two streams a core read faster than one (30 layers at one row: 12.6 vs 14.1 ms; at 3 rows
+// 16.0 vs 17.1).
+constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= (kNarrow ? 1 : 4) ? 2 : 1; }
+// A tile's vectors (vecs = kVecs kP) accumulated in one pass over k.
+constexpr int PassVecs(int rows, int vecs) {
+  if (!kNarrow || rows <= 1) return vecs;
+  return rows <= 2 ? std::min(vecs, 6) : rows <= 4 ? 3 : 2;
+}
 template <int kM>
 constexpr int kPanelsPerTile = PanelsPerTile(kM);
 
