@@ -6,8 +6,8 @@
 """
 
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.outputs import CompletionOutput, RequestOutput
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.outputs import CompletionOutput, RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 
 
 def __getattr__(name):

@@ -20,8 +20,8 @@ import os
 import uuid
 
 from jaxserve.engine import LLMEngine
-from jaxserve.server.protocol import APIError, ParsedRequest, ProtocolContext, ResponseBuilder, \
-    parse_request
+from jaxserve.server.protocol import APIError, ParsedRequest, ProtocolContext, parse_request
+from jaxserve.server.responses import ResponseBuilder
 
 URL_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
 

@@ -84,7 +84,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # Plan and launch the next decode step before reading back this one's tokens (engine.step).
     async_scheduling: bool = True
-    # Collapse the weights' host memory into 2 MiB pages (jaxserve.huge_pages).
+    # Collapse the weights' host memory into 2 MiB pages (jaxserve.backends.cpu.huge_pages).
     huge_pages: bool = True
     watermark: float = 0.01  # fraction of pages kept free when admitting new requests
     cache_salt: str | None = None

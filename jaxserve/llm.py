@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from jaxserve.config import EngineConfig
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine, Prompt
-from jaxserve.outputs import RequestOutput
-from jaxserve.sampling_params import SamplingParams
 
 Messages = list[dict[str, str]]
 

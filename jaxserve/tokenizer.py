@@ -318,3 +318,22 @@ class IncrementalDetokenizer:
         self._prefix_offset = self._read_offset = len(self._ids)
         self.text += delta
         return delta
+
+
+def tokenize_prompt(tokenizer: Tokenizer, prompt, vocab_size: int) -> tuple[str | None, list[int]]:
+    """A prompt as users give it (text, a list of token ids, or a dict with "prompt" or
+    "prompt_token_ids") -> (its text if any, its token ids); ids are checked against the
+    vocabulary."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            if any(t < 0 or t >= vocab_size for t in ids):
+                raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
+            return prompt.get("prompt"), ids
+        prompt = prompt.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return tokenize_prompt(tokenizer, {"prompt_token_ids": prompt}, vocab_size)
+    raise TypeError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
+                    f"'prompt_token_ids'; got {type(prompt).__name__}")

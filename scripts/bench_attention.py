@@ -52,7 +52,8 @@ def case(num_seqs: int, context: int, tokens_per_seq: int):
     tokens_per_seq tokens are this step's queries (1: decode rows)."""
     import jax.numpy as jnp
 
-    from jaxserve.model.attention import AttentionMetadata, KVCache, KVPool
+    from jaxserve.model.attention import AttentionMetadata
+    from jaxserve.model.kv_cache import KVCache, KVPool
 
     b, rng = FLAGS.page_size, np.random.default_rng(0)
     pages = -(-context // b)
@@ -98,23 +99,22 @@ def time_all_layers(q, pool, md, backend: str = "xla") -> float:
 
 
 def sweep(label: str, prefix: str, q, pool, md):
-    from jaxserve.model import attention
-
-    from pallas_kernels import cpu_kernels
+    from jaxserve.backends import xla
+    from jaxserve.backends.cpu import kernels as cpu_kernels
 
     if cpu_kernels.available():  # the same tokens (a prefill case's alignment padding included)
         print(f"{label:44s} cpu kernel (no block constants)  "
               f"{time_all_layers(q, pool, md, 'cpu'):8.1f} ms/step "
               f"({md.token_row.shape[0]} tokens)", flush=True)
 
-    saved = {n: getattr(attention, n) for n in dir(attention) if n.startswith(prefix)}
+    saved = {n: getattr(xla, n) for n in dir(xla) if n.startswith(prefix)}
     for ppb, chunk in itertools.product(FLAGS.pages_per_block, FLAGS.rows_per_chunk):
-        setattr(attention, f"{prefix}_PAGES_PER_BLOCK", int(ppb))
-        setattr(attention, f"{prefix}_ROWS_PER_CHUNK", int(chunk))
+        setattr(xla, f"{prefix}_PAGES_PER_BLOCK", int(ppb))
+        setattr(xla, f"{prefix}_ROWS_PER_CHUNK", int(chunk))
         print(f"{label:44s} pages/block {ppb:>3}  rows/chunk {chunk:>5}  "
               f"{time_all_layers(q, pool, md):8.1f} ms/step", flush=True)
     for n, v in saved.items():
-        setattr(attention, n, v)
+        setattr(xla, n, v)
     print(f"  (defaults: {saved})")
 
 

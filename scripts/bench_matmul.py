@@ -19,7 +19,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels import cpu_kernels  # noqa: E402
+from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("rows", ["1", "2", "8", "16", "32", "64", "256"], "Row counts (tokens a step).")

@@ -1,6 +1,6 @@
 """Compare jaxserve with peers on the same offline workload, model and machine, in one run.
 
-The workload (jaxserve.bench.workload) fixes the prompts as token ids and each request's output
+The workload (jaxserve.tools.bench.workload) fixes the prompts as token ids and each request's output
 length; decoding is greedy with ignore_eos, so every system generates exactly the same number of
 tokens. Peers:
 
@@ -33,8 +33,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxserve.bench.report import greedy_agreement, summarize  # noqa: E402
-from jaxserve.bench.workload import WorkloadSpec  # noqa: E402
+from jaxserve.tools.bench.report import greedy_agreement, summarize  # noqa: E402
+from jaxserve.tools.bench.workload import WorkloadSpec  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("num_prompts", 32, "Requests.")
@@ -67,9 +67,9 @@ def _latency_summary(e2e: list[float], ttft: list[float], tokens: int, wall: flo
 
 def run_jaxserve(loaded, requests, *, max_num_seqs: int) -> tuple[dict, list[list[int]]]:
     from jaxserve.config import EngineConfig
+    from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine import LLMEngine
     from jaxserve.llm import LLM
-    from jaxserve.sampling_params import SamplingParams
 
     llm = LLM.__new__(LLM)  # share the loaded weights: build the engine directly
     # Prefix caching off: the warm-up runs the same prompts, and cached prompt pages would be an
@@ -256,7 +256,7 @@ def main(argv):
                   f"{h['output_tok_s'] if h else float('nan'):>10.1f}", flush=True)
         out["concurrency_sweep"] = sweep
         if FLAGS.plot_dir:
-            from jaxserve import plots
+            from jaxserve.tools import plots
 
             series = {"jaxserve": [s["jaxserve"]["output_tok_s"] for s in sweep]}
             if hf_model is not None:

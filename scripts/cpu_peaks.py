@@ -19,7 +19,7 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels import cpu_kernels  # noqa: E402
+from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("seconds", 1.5, "Roughly how long each loop runs.")

@@ -68,7 +68,7 @@ def measure_read_gbps() -> dict:
     import jax
     import jax.numpy as jnp
 
-    from jaxserve.huge_pages import collapse_into_huge_pages
+    from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 
     x = jnp.ones((32768, 4096), jnp.float32)  # 512 MiB
     v = jnp.ones((4096,), jnp.float32)
@@ -102,7 +102,7 @@ def drain(engine) -> dict:
 
 
 def single_stream(loaded, quantization: str) -> float:
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     engine = make_engine(loaded, quantization=quantization, max_num_seqs=1, num_pages=64,
                          enable_prefix_caching=False)
@@ -138,7 +138,7 @@ def llama_cpp_single_stream(model_path: str):
 
 
 def offline(loaded, num_prompts: int, max_num_seqs: int, quantization: str = "none") -> dict:
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     pages_per_seq = -(-(FLAGS.input_len + FLAGS.output_len) // 16)
     engine = make_engine(loaded, quantization=quantization, max_num_seqs=max_num_seqs,
@@ -183,8 +183,8 @@ def main(argv):
     del argv
     import jax
 
+    from jaxserve.backends.cpu import kernels as cpu_kernels
     from jaxserve.weights import load_model, resolve_model_path
-    from pallas_kernels import cpu_kernels
 
     loaded = load_model("smollm2-135m")
     cfg = loaded.config

@@ -28,8 +28,8 @@ QUESTIONS = (
 
 def greedy(loaded, prompts, quantization: str) -> list[list[int]]:
     from jaxserve.config import EngineConfig
+    from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine import LLMEngine
-    from jaxserve.sampling_params import SamplingParams
 
     engine = LLMEngine(EngineConfig.from_options(num_pages=256, max_num_seqs=len(prompts),
                                                  quantization=quantization), loaded)
@@ -43,9 +43,9 @@ def greedy(loaded, prompts, quantization: str) -> list[list[int]]:
 
 def main(argv):
     del argv
-    from jaxserve.bench.report import greedy_agreement
+    from jaxserve.backends.cpu import kernels as cpu_kernels
+    from jaxserve.tools.bench.report import greedy_agreement
     from jaxserve.weights import load_model
-    from pallas_kernels import cpu_kernels
 
     loaded = load_model("smollm2-135m")
     tok = loaded.tokenizer

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.scheduler import Scheduler
-from jaxserve.sequence import Request
-from jaxserve.step_plan import StepPlan
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.sequence import Request
+from jaxserve.core.step_plan import StepPlan
 
 V = 1009
 

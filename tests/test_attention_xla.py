@@ -1,6 +1,7 @@
 """The engine's XLA attention path (jaxserve.model.attention) against the kernels' pure-jnp
 references: mixed decode + ragged prefill steps, permuted pages, lengths around page boundaries,
-GQA, and a page table wider than any sequence (the blocked loop stops at the longest row)."""
+GQA, a page table wider than any sequence (the blocked loop stops at the longest row), and
+extreme logits against a float64 softmax."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.model.attention import AttentionMetadata, KVCache, attend
+from jaxserve.model.attention import AttentionMetadata, attend
+from jaxserve.model.kv_cache import KVCache
 from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_prefill_attention
 
 
@@ -117,11 +119,11 @@ def test_aligned_prefill_layout_matches_packed_reference(query_block):
 def test_row_chunks_and_page_blocks_match_references(monkeypatch, rows_per_chunk, pages_per_block):
     """Rows run in chunks (the last one partial) and keys in blocks of pages; neither changes
     the result."""
-    from jaxserve.model import attention
+    from jaxserve.backends import xla
 
     for prefix in ("DECODE", "PREFILL"):
-        monkeypatch.setattr(attention, f"{prefix}_ROWS_PER_CHUNK", rows_per_chunk)
-        monkeypatch.setattr(attention, f"{prefix}_PAGES_PER_BLOCK", pages_per_block)
+        monkeypatch.setattr(xla, f"{prefix}_ROWS_PER_CHUNK", rows_per_chunk)
+        monkeypatch.setattr(xla, f"{prefix}_PAGES_PER_BLOCK", pages_per_block)
     rng = np.random.default_rng(rows_per_chunk)
     decode_lens = [1, 7, 8, 9, 33, 2, 16]
     q, cache, md = _step(rng, 8, decode_lens, [], 3, 3, 16, width=6)
@@ -135,3 +137,65 @@ def test_row_chunks_and_page_blocks_match_references(monkeypatch, rows_per_chunk
     ref = ref_ragged_prefill_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                        md.query_start, sm_scale=0.25)
     np.testing.assert_allclose(out[:7], np.asarray(ref)[:7], atol=2e-5, rtol=2e-5)
+
+
+def _dense_f64(q, cache, md, sm_scale):
+    """Independent oracle for the real tokens: each token's causal keys gathered from its row's
+    pages, softmax in float64 numpy."""
+    q = np.asarray(q, np.float64)
+    k, v = np.asarray(cache.k, np.float64), np.asarray(cache.v, np.float64)
+    hkv, _, page_size, d = k.shape
+    group = q.shape[1] // hkv
+    real = int(md.query_start[-1])
+    out = np.zeros((real,) + q.shape[1:])
+    for t in range(real):
+        row, pos = int(md.token_row[t]), int(md.positions[t])
+        pages = np.asarray(md.page_tables[row])[:pos // page_size + 1]
+        keys = k[:, pages].reshape(hkv, -1, d)[:, :pos + 1]
+        values = v[:, pages].reshape(hkv, -1, d)[:, :pos + 1]
+        for h in range(q.shape[1]):
+            scores = keys[h // group] @ q[t, h] * sm_scale
+            w = np.exp(scores - scores.max())
+            out[t, h] = w @ values[h // group] / w.sum()
+    return out
+
+
+def test_extreme_logits_match_float64_softmax():
+    """Scores near +-1e4 (plus O(1) spread), where exp without the running max overflows float32:
+    the XLA path matches a float64 numpy softmax and the jnp references. float32 scores of
+    magnitude 1e4 carry ~1e4 * 2^-24 absolute rounding, so float64 agreement is ~1e-3 (observed
+    1.6e-3; atol = rtol = 5e-3); against the float32 references the ordinary 2e-5 (observed
+    2.4e-7)."""
+    rng = np.random.default_rng(7)
+    d, sm_scale = 64, 0.125
+    decode_lens = [3, 17, 8, 30]
+    prefill = [(9, 25), (5, 5), (16, 16)]
+    q, cache, md = _step(rng, 8, decode_lens, prefill, 2, 3, d, width=4)
+    u = np.sign(rng.standard_normal(d)).astype(np.float32)
+    q, k = np.asarray(q), np.asarray(cache.k)
+    q = 100.0 * u * np.sign(q[..., :1])  # |q . k| * sm_scale = 100 * 12.5 * 64 / 8 = 1e4
+    k = (12.5 * u * np.sign(k[..., :1]) + 0.01 * k).astype(np.float32)
+    # Decode row 1 (17 keys): key 4 scores 2e4 for query head 0, dominating every other by ~1e4.
+    page, slot = int(md.page_tables[1, 0]), 4
+    k[0, page, slot] = 0.25 * q[1, 0]  # q . k * sm_scale = 0.25 * 100^2 * 64 / 8 = 2e4
+    q = jnp.asarray(q.astype(np.float32))
+    cache = type(cache)(k=jnp.asarray(k), v=cache.v)
+    score = float(np.asarray(q)[0, 0] @ k[0, int(md.page_tables[0, 0]), 0]) * sm_scale
+    assert 9e3 < abs(score) < 1.1e4
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.exp(np.float32(abs(score))))  # a naive softmax overflows
+
+    out = np.asarray(attend("xla", q, cache, md, sm_scale=sm_scale))
+    sd, real = len(decode_lens), int(md.query_start[-1])
+    ref_decode = ref_paged_decode_attention(q[:sd], cache.k, cache.v, md.page_tables[:sd],
+                                            md.seq_lens[:sd], sm_scale=sm_scale)
+    ref_prefill = ref_ragged_prefill_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
+                                               md.seq_lens[sd:], md.query_start[sd:] - sd,
+                                               sm_scale=sm_scale)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out[:sd], np.asarray(ref_decode), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out[sd:real], np.asarray(ref_prefill)[:real - sd], atol=2e-5,
+                               rtol=2e-5)
+    np.testing.assert_allclose(out[:real], _dense_f64(q, cache, md, sm_scale), atol=5e-3,
+                               rtol=5e-3)
+    np.testing.assert_allclose(out[1, 0], np.asarray(cache.v)[0, page, slot], atol=1e-6)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

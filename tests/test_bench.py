@@ -14,11 +14,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 
-from jaxserve import kv_budget
-from jaxserve.bench import build_report, format_report, run_http, summarize
-from jaxserve.bench.report import format_ablation, greedy_agreement, length_buckets, percentile
-from jaxserve.bench.runner import RequestRecord, RunResult
-from jaxserve.bench.workload import LengthDist, WorkloadSpec
+from jaxserve.tools import kv_budget
+from jaxserve.tools.bench import build_report, format_report, run_http, summarize
+from jaxserve.tools.bench.report import format_ablation, greedy_agreement, length_buckets, percentile
+from jaxserve.tools.bench.runner import RequestRecord, RunResult
+from jaxserve.tools.bench.workload import LengthDist, WorkloadSpec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 49152
@@ -129,9 +129,9 @@ def test_report_hand_values():
 
 @pytest.fixture(scope="module")
 def small_run(default_loaded):
-    from jaxserve.bench import run_engine
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
+    from jaxserve.tools.bench import run_engine
 
     config = EngineConfig(max_num_seqs=8, num_pages=48, max_model_len=96,
                           max_num_batched_tokens=256, enable_prefix_caching=False)
@@ -143,6 +143,7 @@ def small_run(default_loaded):
     return spec, result, build_report(result, workload=spec)
 
 
+@pytest.mark.slow
 def test_small_run_counts(small_run):
     spec, result, rep = small_run
     assert rep["completed"] + rep["rejected"] + rep["cancelled"] + rep["failed"] == spec.num_prompts
@@ -158,6 +159,7 @@ def test_small_run_counts(small_run):
     assert "6 / 1 / 0 / 0" in text
 
 
+@pytest.mark.slow
 def test_peak_kv_matches_analytic(small_run):
     """All at once, prefix caching off, no preemption: at the step with the most referenced pages
     the engine holds exactly kv_budget.pages_needed of the lengths live then (no slack)."""
@@ -218,6 +220,7 @@ def test_http_driver_counts_stream_tokens():
 
 # ---- CLI --------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path, default_model_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "jaxserve.cli.main", "bench", "--num_prompts=3",

@@ -19,6 +19,7 @@ def run(*args, timeout=300):
     return subprocess.run(JAXSERVE + list(args), capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_chat_answers_paris(default_model_path):
     proc = run("generate", "--chat", "--prompt=What is the capital of France?",
                "--temperature=0", "--max_tokens=16", "--json")
@@ -46,6 +47,7 @@ def test_bad_input_gives_clear_error(flag, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_context(default_model_path):
     proc = run("generate", "--prompt=" + "word " * 200, "--max_model_len=64")
     assert proc.returncode == 2

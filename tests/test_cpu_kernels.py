@@ -1,17 +1,27 @@
 """The C++ CPU kernels against pure-jnp references: paged attention (decode rows, ragged causal
-prefill, GQA groups, padding tokens, odd head dims), the f32 and int8 panel matmuls and the
-greedy argmax."""
+prefill, GQA groups, padding tokens, odd head dims, out-of-range page ids), the f32 and int8
+panel matmuls and the greedy argmax; every instruction set's branch of the sources compiling;
+the choice of the backend."""
+
+import os
+import re
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.quantize import quantize_weight
-from pallas_kernels import cpu_kernels, ref_paged_decode_attention, ref_ragged_prefill_attention
+from jaxserve.backends.cpu import kernels as cpu_kernels
+from jaxserve.model.quantize import quantize_weight
+from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_prefill_attention
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(),
-                                reason=f"kernel not built: {cpu_kernels.unavailable_reason()}")
+# Tests that run the kernels; the others (layouts, the build's compile checks, the backend's
+# choice without them) run where this machine cannot build or run them.
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason=f"kernel not built: {cpu_kernels.unavailable_reason()}")
+on_cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="resolves for a CPU")
 
 
 def _pool(rng, hkv, n, b, d):
@@ -30,6 +40,7 @@ def _tables(rng, lens, n, b, width):
     return jnp.asarray(tables)
 
 
+@needs_kernels
 @pytest.mark.parametrize("hq,hkv,d,b", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16),
                                         (6, 2, 40, 4)])
 def test_decode_matches_reference(hq, hkv, d, b):
@@ -48,6 +59,7 @@ def test_decode_matches_reference(hq, hkv, d, b):
     assert not np.asarray(got)[5].any()  # the padding row is zeros
 
 
+@needs_kernels
 def test_prefill_matches_reference_with_padding_tokens():
     """Chunks of several rows back to back (one continues a cached prefix), then padding."""
     rng = np.random.default_rng(1)
@@ -72,6 +84,7 @@ def test_prefill_matches_reference_with_padding_tokens():
     assert not np.asarray(got)[-5:].any()
 
 
+@needs_kernels
 @pytest.mark.parametrize("hq,hkv,lens", [(9, 3, [300]), (9, 3, [250, 3]), (4, 1, [400, 0]),
                                          (8, 2, [17, 130])])
 def test_few_rows_split_their_pages_and_match(hq, hkv, lens):
@@ -91,6 +104,7 @@ def test_few_rows_split_their_pages_and_match(hq, hkv, lens):
     assert np.isfinite(np.asarray(got)).all()
 
 
+@needs_kernels
 def test_large_batch_uses_threads_and_matches():
     """Enough units to split over the thread pool; results must not depend on the split."""
     rng = np.random.default_rng(2)
@@ -107,6 +121,7 @@ def test_large_batch_uses_threads_and_matches():
     np.testing.assert_allclose(np.asarray(f(q)), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
+@needs_kernels
 def test_extreme_scores_stay_finite():
     """Large logits: the softmax subtracts the row max, so nothing overflows."""
     rng = np.random.default_rng(3)
@@ -121,17 +136,198 @@ def test_extreme_scores_stay_finite():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
 
 
-def test_backend_resolution():
-    from jaxserve.model.attention import resolve_backend
+def _attend(q, k, v, tables, lens, sm_scale=0.125):
+    """Decode rows: row s's token at position lens[s] - 1 (padding where lens[s] is 0)."""
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    rows = jnp.where(seq_lens > 0, jnp.arange(len(lens)), len(lens)).astype(jnp.int32)
+    return jax.block_until_ready(cpu_kernels.paged_attention(
+        q, k, v, jnp.asarray(tables, jnp.int32), seq_lens, rows, jnp.maximum(seq_lens - 1, 0),
+        sm_scale=sm_scale))
 
-    assert resolve_backend("auto") == "cpu"  # on CPU with a float32 pool
-    assert resolve_backend("auto", "bfloat16") == "xla"  # the kernel reads float32 pages only
+
+@needs_kernels
+@pytest.mark.parametrize("bad", [-1, 64, 1 << 30])
+@pytest.mark.parametrize("jit", [False, True])
+def test_out_of_range_page_ids_are_an_error(bad, jit):
+    """A page id outside the pool (N = 64 pages) among the pages a row's keys occupy fails the
+    call with a message naming the row and the id, instead of reading outside the pool."""
+    rng = np.random.default_rng(6)
+    hq, hkv, d, b = 4, 2, 32, 8
+    k, v = _pool(rng, hkv, 64, b, d)
+    lens = [20, 9, 0]  # row 1's keys fill pages 0 and 1 of its table; row 2 is padding
+    tables = np.array(_tables(rng, lens, 64, b, 4))
+    tables[1, 1] = bad
+    q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.float32)
+    attend = jax.jit(_attend) if jit else _attend
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=rf"row 1 reads page id {bad} .*outside the pool's 64 pages"):
+        attend(q, k, v, tables, lens)
+
+
+@needs_kernels
+def test_page_ids_past_a_rows_keys_are_not_read():
+    """Table entries past a row's seq_len, and a padding row's, may hold anything: they are
+    neither checked nor read."""
+    rng = np.random.default_rng(7)
+    hq, hkv, d, b = 4, 2, 32, 8
+    k, v = _pool(rng, hkv, 64, b, d)
+    lens = [20, 9, 0]
+    tables = np.array(_tables(rng, lens, 64, b, 4))
+    q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.float32)
+    want = ref_paged_decode_attention(q, k, v, jnp.asarray(tables), jnp.asarray(lens, jnp.int32),
+                                      sm_scale=0.125)
+    tables[0, 3], tables[1, 2:], tables[2, :] = -5, 1 << 30, 64
+    got = _attend(q, k, v, tables, lens)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+    assert not np.asarray(got)[2].any()
+
+
+@needs_kernels
+def test_a_seq_len_past_the_page_table_is_an_error():
+    """Row 1 claims 33 keys where its table holds 4 pages of 8."""
+    rng = np.random.default_rng(8)
+    k, v = _pool(rng, 1, 16, 8, 16)
+    tables = np.array([[1, 2, 3, 4], [5, 6, 7, 8]], np.int32)
+    q = jnp.asarray(rng.standard_normal((2, 1, 16)), jnp.float32)
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"row 1 has seq_len 33, more than its page table holds "
+                             r"\(4 pages of 8 keys\)"):
+        _attend(q, k, v, tables, [32, 33])
+
+
+@needs_kernels
+@on_cpu
+def test_backend_resolution():
+    from jaxserve.backends import resolve
+
+    # On CPU with a float32 pool: the kernels where they have a vector path.
+    assert resolve("auto") == ("cpu" if cpu_kernels.has_vector_path() else "xla")
+    assert resolve("auto", "bfloat16") == "xla"  # the kernel reads float32 pages only
     with pytest.raises(ValueError, match="float32"):
-        resolve_backend("cpu", "bfloat16")
+        resolve("cpu", "bfloat16")
+
+
+@on_cpu
+def test_auto_is_xla_without_a_vector_path(monkeypatch):
+    """The portable build is far slower than XLA's dot: "auto" does not pick it (nor builds the
+    kernels to find out), while "cpu" may still be asked for."""
+    from jaxserve.backends import resolve
+
+    monkeypatch.setattr(cpu_kernels, "has_vector_path", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: pytest.fail("built the kernels"))
+    assert resolve("auto") == "xla"
+    assert resolve("auto", "bfloat16") == "xla"
+
+
+@needs_kernels
+@on_cpu
+def test_auto_is_cpu_with_a_vector_path(monkeypatch):
+    from jaxserve.backends import resolve
+
+    monkeypatch.setattr(cpu_kernels, "has_vector_path", lambda: True)
+    assert resolve("auto") == "cpu"
+    assert resolve("auto", "float32", "int8") == "cpu"
+
+
+@pytest.mark.parametrize("machine,flags,want", [
+    ("x86_64", {"avx512f"}, True),
+    ("x86_64", {"avx", "avx2", "fma", "sse4_2"}, True),
+    ("AMD64", {"avx2", "fma"}, True),  # Windows' name for it
+    ("x86_64", {"avx", "avx2"}, False),  # AVX2 without FMA: the matmul's portable branch
+    ("x86_64", {"avx", "fma"}, False),
+    ("x86_64", set(), False),  # no /proc/cpuinfo flags
+    ("aarch64", {"avx512f", "avx2", "fma"}, False),  # only x86-64 has these branches
+    ("arm64", set(), False),
+])
+def test_has_vector_path(monkeypatch, machine, flags, want):
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: machine)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(flags))
+    assert cpu_kernels.has_vector_path() is want
+
+
+# The instruction sets the sources have branches for: the flags that select each on any x86-64
+# machine (whether or not it can run the result), the macros each must define to take its
+# branch and those it must not.
+ISAS = {
+    "portable x86-64": (("-march=x86-64",), (),
+                        ("__AVX2__", "__FMA__", "__AVX512F__", "__AMX_TILE__")),
+    "AVX2+FMA": (("-march=haswell",), ("__AVX2__", "__FMA__"), ("__AVX512F__",)),
+    "AVX-512": (("-march=skylake-avx512",), ("__AVX512F__",), ("__AVX512BF16__", "__AMX_TILE__")),
+    "AMX-BF16": (("-march=sapphirerapids",),
+                 ("__AVX512F__", "__AMX_TILE__", "__AMX_BF16__", "__AVX512BF16__"), ()),
+}
+
+
+def _x86_compiler() -> str | None:
+    cxx = cpu_kernels.compiler()
+    try:
+        target = subprocess.run([cxx, "-dumpmachine"], capture_output=True, text=True,
+                                timeout=60, check=False).stdout if cxx else ""
+    except OSError:
+        return None
+    return cxx if target.startswith("x86_64") else None
+
+
+def _predefined(cxx: str, arch) -> dict[str, str]:
+    """The macros the compiler predefines with the flags `arch`: name -> value."""
+    out = subprocess.run([cxx, *arch, "-dM", "-E", "-x", "c++", os.devnull], capture_output=True,
+                         text=True, check=True).stdout
+    return {parts[1]: parts[2] if len(parts) > 2 else ""
+            for parts in (line.split(None, 2) for line in out.splitlines()) if len(parts) > 1}
+
+
+def _tested_macros(path) -> set[str]:
+    """The names the #if, #ifdef and #elif lines of a source test."""
+    names = set()
+    for line in path.read_text().replace("\\\n", " ").splitlines():
+        if m := re.match(r"\s*#\s*(?:if|ifdef|ifndef|elif)\b(.*)", line.split("//")[0]):
+            names |= set(re.findall(r"[A-Za-z_]\w*", m.group(1))) - {"defined"}
+    return names
+
+
+@pytest.mark.skipif(_x86_compiler() is None, reason="no C++ compiler for x86-64")
+def test_every_instruction_sets_branch_compiles():
+    """Each source compiles (compile only: no machine runs them all) with the kernels' flags for
+    each instruction set its #if branches choose between, wherever the tests run. A source's
+    branches see only the macros it and its header test, so instruction sets that agree on
+    those compile the same code: each choice is compiled once, and not at all where it is this
+    CPU's and the library built (the same command, -march=native)."""
+    cxx = _x86_compiler()
+    defined = {}
+    for isa, (arch, required, absent) in ISAS.items():
+        defined[isa] = _predefined(cxx, arch)
+        assert set(required) <= defined[isa].keys(), (isa, arch)
+        assert not set(absent) & defined[isa].keys(), (isa, arch)
+    native = _predefined(cxx, cpu_kernels.NATIVE) if cpu_kernels.available() else None
+    header_macros = set().union(*map(_tested_macros, cpu_kernels.HEADERS))
+    jobs = []
+    for src in cpu_kernels.SOURCES:
+        tested = _tested_macros(src) | header_macros
+        # The branches an instruction set takes: the values it gives the macros the source tests.
+        choices = {isa: frozenset((m, v) for m, v in defined[isa].items() if m in tested)
+                   for isa in ISAS}
+        built = {frozenset((m, v) for m, v in native.items() if m in tested)} if native else set()
+        for isa, choice in choices.items():
+            if choice not in built:
+                built.add(choice)
+                jobs.append((src, isa))
+
+    def compile_one(job):
+        src, isa = job
+        cmd = cpu_kernels.compile_command([src], os.devnull, ISAS[isa][0], shared=False)
+        return job, cmd, subprocess.run(cmd, capture_output=True, text=True, check=False)
+
+    jobs.sort(key=lambda job: -job[0].stat().st_size)  # the longest first, on every core
+    with ThreadPoolExecutor(os.cpu_count() or 2) as pool:
+        runs = list(pool.map(compile_one, jobs))
+    failed = [f"{src.name} for {isa} ({' '.join(cmd)}):\n{run.stderr[-3000:]}"
+              for (src, isa), cmd, run in runs if run.returncode != 0]
+    assert not failed, "\n\n".join(failed)
 
 
 # Row tiles of 8 and their remainders; K tails; N a multiple of 48, a partial last panel, and
 # fewer columns than one vector; (576, 6000): a thread's panels span several L2 blocks.
+@needs_kernels
 @pytest.mark.parametrize("m", [1, 3, 8, 11, 40])
 @pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (1536, 100), (64, 49)])
 def test_int8_matmul_matches_dequantized_product(m, k, n):
@@ -147,6 +343,7 @@ def test_int8_matmul_matches_dequantized_product(m, k, n):
 
 # 101 rows: on two cores past kSplitRowsPerThread (rows split over the threads, packed), with a
 # partial last tile.
+@needs_kernels
 @pytest.mark.parametrize("m", [1, 3, 5, 8, 13, 70, 101])
 @pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (64, 49), (576, 6000)])
 def test_f32_matmul_matches_numpy(m, k, n):
@@ -158,6 +355,7 @@ def test_f32_matmul_matches_numpy(m, k, n):
     np.testing.assert_allclose(np.asarray(got), x @ w.T, rtol=1e-4, atol=1e-4)
 
 
+@needs_kernels
 @pytest.mark.parametrize("rows,width", [(1, 5), (3, 16), (7, 33), (256, 49152), (2, 49157)])
 def test_argmax_matches_numpy_with_ties(rows, width):
     rng = np.random.default_rng(width)
@@ -180,6 +378,7 @@ def test_pack_panels_layout():
     assert not panels[1, :, 2:].any()  # zero past N
 
 
+@needs_kernels
 def test_matmul_shape_errors_are_reported():
     x = jnp.ones((2, 8), jnp.float32)
     panels = jnp.ones((2, 8, 48), jnp.float32)
@@ -187,6 +386,7 @@ def test_matmul_shape_errors_are_reported():
         jax.block_until_ready(cpu_kernels.matmul_f32(x, panels, 40))  # N must need both panels
 
 
+@needs_kernels
 @pytest.mark.parametrize("m", [1, 5, 17, 33, 70])
 @pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (64, 49), (1536, 576)])
 def test_bf16_matmul_matches_the_product_of_rounded_inputs(m, k, n):
@@ -211,11 +411,13 @@ def test_bf16_tiles_pair_rows_of_k_for_each_column():
     assert not as_float[2, :, 5:].any() and not as_float[:, 20:].any()  # zero past N and K
 
 
+@needs_kernels
 @pytest.mark.parametrize("kind", ["f32", "int8", "bf16"])
 def test_cpu_layout_runs_the_kernels_with_the_same_products(kind):
-    """per_layer_params packs every projection, the head and a tied embedding for the cpu
-    backend only; the packed model computes the same products (bf16: of bf16-rounded inputs)
-    and looks up the same rows."""
+    """The cpu backend's pack_params packs every projection, the head and a tied embedding; the
+    packed model computes the same products (bf16: of bf16-rounded inputs) and looks up the
+    same rows."""
+    from jaxserve.backends.cpu.packing import PanelWeight, pack_params
     from jaxserve.model import llama
 
     rng = np.random.default_rng(5)
@@ -228,19 +430,20 @@ def test_cpu_layout_runs_the_kernels_with_the_same_products(kind):
     params = {"embed": rng.standard_normal((vocab, h)).astype(np.float32),
               "final_norm": np.ones(h, np.float32), "layers": layers}
     if kind == "int8":
-        from jaxserve.quantize import quantize_int8
+        from jaxserve.model.quantize import quantize_int8
         params = quantize_int8(params)
     if kind == "bf16":
-        from jaxserve.quantize import round_bf16
+        from jaxserve.model.quantize import round_bf16
         if not cpu_kernels.amx_bf16_available():
             pytest.skip("no AMX-BF16 here")
         params = round_bf16(params)
-    plain, packed = llama.per_layer_params(params), llama.per_layer_params(params, "cpu")
+    plain = llama.per_layer_params(params)
+    packed = pack_params(plain)
     weights = lambda p: [p["layers"][0][k] for k in ("w_qkv", "wo", "w_gate_up", "w_down")]  # noqa: E731
     head = lambda p: p["lm_head"] if "lm_head" in p else p["embed"]  # noqa: E731
     target = f"jaxserve_matmul_{kind}"
     for wp, wx in zip(weights(packed) + [head(packed)], weights(plain) + [head(plain)]):
-        assert isinstance(wp, llama.PanelWeight) and not isinstance(wx, llama.PanelWeight)
+        assert isinstance(wp, PanelWeight) and not isinstance(wx, PanelWeight)
         k = (wx["q_t"] if isinstance(wx, dict) else wx).shape[1]
         x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
         assert target in jax.jit(lambda x: llama.matmul(x, wp)).lower(x).as_text()
@@ -266,6 +469,7 @@ def test_a_new_build_prunes_only_stale_builds(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [fresh.name, keep.name]
 
 
+@needs_kernels
 def test_cpu_peaks_script_measures_the_fma_peak():
     """scripts/cpu_peaks.py builds and runs its loops and prints a positive rate a core and for
     all cores (the README's peaks come from it)."""

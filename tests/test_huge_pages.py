@@ -1,15 +1,16 @@
-"""Huge-page backing of host arrays (jaxserve.huge_pages): block choice, unchanged contents, and
+"""Huge-page backing of host arrays (jaxserve.backends.cpu.huge_pages): block choice, unchanged contents, and
 no change to any output."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from jaxserve.backends.cpu.huge_pages import HUGE_PAGE, _huge_page_blocks, collapse_into_huge_pages
 from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine
-from jaxserve.huge_pages import HUGE_PAGE, _huge_page_blocks, collapse_into_huge_pages
-from jaxserve.sampling_params import SamplingParams
 
 H = HUGE_PAGE
 
@@ -46,6 +47,7 @@ def test_collapse_keeps_contents_and_counts_only_what_it_collapsed():
         assert huge_kb * 1024 >= H
 
 
+@pytest.mark.slow
 def test_huge_pages_change_no_output(default_loaded):
     prompts = ["The capital of France is", "def fib(n):"]
     params = SamplingParams(temperature=0, max_tokens=12)

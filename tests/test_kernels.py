@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (DecodeBlockSizes, PrefillBlockSizes, paged_decode_attention,
-                            ragged_prefill_attention, ref_paged_decode_attention,
-                            ref_ragged_prefill_attention, validate_decode_inputs,
-                            validate_prefill_inputs)
+from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_prefill_attention
+from pallas_kernels.tpu import (DecodeBlockSizes, PrefillBlockSizes, paged_decode_attention,
+                                 ragged_prefill_attention,
+                                 validate_decode_inputs, validate_prefill_inputs)
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
 F64_TOL = dict(atol=1e-5, rtol=1e-5)
@@ -292,12 +292,16 @@ def _extreme_case():
     return case
 
 
-# float32 scores of magnitude 1e4 carry ~1e4 * 2^-24 absolute rounding, so outputs match float64
-# to ~1e-3 (softmax conditioning, not instability); a naive exp(1e4) is inf in float32.
+# Kernel vs its pure-jnp reference on these inputs: both take the float32 scores of the same
+# inputs and a max-subtracted softmax, so they agree to the ordinary float32 TOL (observed
+# ~1.2e-7). Either vs float64: float32 scores of magnitude 1e4 carry ~1e4 * 2^-24 absolute
+# rounding, so outputs match float64 only to ~1e-3 (observed 6.4e-4; softmax conditioning, not
+# instability); a naive exp(1e4) is inf in float32.
 EXTREME_TOL = dict(atol=5e-3, rtol=5e-3)
 
 
-def test_extreme_logits_prefill_and_decode():
+@pytest.mark.parametrize("block_q,block_kv_pages,pages_per_block", [(8, 1, 1), (16, 2, 2)])
+def test_extreme_logits_prefill_and_decode(block_q, block_kv_pages, pages_per_block):
     case = _extreme_case()
     expected = dense_f64(case, 1.0)
     q, k = np.asarray(case["q"]), np.asarray(case["k_pages"])
@@ -305,17 +309,23 @@ def test_extreme_logits_prefill_and_decode():
     assert 9e3 < abs(score) < 1.1e4
     with np.errstate(over="ignore"):
         assert np.isinf(np.exp(np.float32(abs(score))))  # a naive softmax overflows
-    out = _prefill(case, sm_scale=1.0, block_sizes=PrefillBlockSizes(block_q=8, block_kv_pages=1))
+    out = _prefill(case, sm_scale=1.0, block_sizes=PrefillBlockSizes(block_q=block_q,
+                                                                     block_kv_pages=block_kv_pages))
+    ref = _prefill(case, ref_ragged_prefill_attention, sm_scale=1.0)
+    _assert_close(out, ref, TOL[jnp.float32])  # every row, the 3 padding rows (zeros) included
     _assert_close(out, expected, EXTREME_TOL)
-    _assert_close(_prefill(case, ref_ragged_prefill_attention, sm_scale=1.0), expected,
-                  EXTREME_TOL)
+    _assert_close(ref, expected, EXTREME_TOL)
     # The dominating key: the row's output is exactly that key's value.
     v = np.asarray(case["v_pages"])[0, int(case["page_tables"][1, 0]), 2]
     np.testing.assert_allclose(np.asarray(out)[16, 0], v, atol=1e-6)
     decode = dict(case, q=case["q"][jnp.array([11, 16])])
     del decode["query_start"]
-    out = _decode(decode, sm_scale=1.0, block_sizes=DecodeBlockSizes(pages_per_block=1))
+    out = _decode(decode, sm_scale=1.0,
+                  block_sizes=DecodeBlockSizes(pages_per_block=pages_per_block))
+    ref = _decode(decode, ref_paged_decode_attention, sm_scale=1.0)
+    _assert_close(out, ref, TOL[jnp.float32])
     _assert_close(out, dense_f64(decode, 1.0), EXTREME_TOL)
+    _assert_close(ref, dense_f64(decode, 1.0), EXTREME_TOL)
     np.testing.assert_allclose(np.asarray(out)[1, 0], v, atol=1e-6)
 
 

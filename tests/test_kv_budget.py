@@ -1,4 +1,4 @@
-"""Analytic KV accounting (jaxserve.kv_budget), its CLI and its plots. No JAX, no model."""
+"""Analytic KV accounting (jaxserve.tools.kv_budget), its CLI and its plots. No JAX, no model."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import pytest
 
-from jaxserve import kv_budget as kvb
+from jaxserve.tools import kv_budget as kvb
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = [37, 91, 128, 201, 511]
@@ -196,7 +196,7 @@ def test_cli_plots(tmp_path):
 
 
 def test_plots_helpers(tmp_path):
-    from jaxserve import plots
+    from jaxserve.tools import plots
 
     paths = plots.line_plot(str(tmp_path), "demo", [1, 2, 4], {"a": [1, 2, 3], "b": [3, 2, 1]},
                             title="t", xlabel="x", ylabel="y", logx=True)

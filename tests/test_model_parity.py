@@ -10,14 +10,14 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxserve.batch import Buckets, build_batch  # noqa: E402
+from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.core.sequence import Request, Sequence  # noqa: E402
+from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
 from jaxserve.model import llama  # noqa: E402
-from jaxserve.runner import ModelRunner  # noqa: E402
-from jaxserve.sampling_params import SamplingParams  # noqa: E402
-from jaxserve.sequence import Request, Sequence  # noqa: E402
-from jaxserve.step_plan import ScheduledChunk, StepPlan  # noqa: E402
+from jaxserve.runtime.batch import Buckets, build_batch  # noqa: E402
+from jaxserve.runtime.runner import ModelRunner  # noqa: E402
 from jaxserve.weights import config_from_hf, params_from_hf_state_dict  # noqa: E402
-from pallas_kernels import cpu_kernels  # noqa: E402
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from jaxserve.page_pool import OutOfPages, PagePool
+from jaxserve.core.page_pool import OutOfPages, PagePool
 
 
 def state(pool):
@@ -55,16 +55,16 @@ def test_refcount_returns_page_only_at_zero():
 def test_pages_freed_while_a_step_is_in_flight_wait_for_release():
     pool = PagePool(3)
     a, b = pool.allocate(2)
-    pool.defer_tag = 7
+    pool.defer_frees(7)
     pool.decref(a)
     assert pool.num_pending == 1 and pool.num_available == 0
     with pytest.raises(OutOfPages):
         pool.allocate(1)
-    pool.defer_tag = 8
+    pool.defer_frees(8)
     pool.decref(b)
     assert pool.release_pending(upto_tag=7) == 1  # only the page freed under step 7
     assert pool.allocate(1) == [a]
-    pool.defer_tag = None
+    pool.defer_frees(None)
     assert pool.release_pending() == 1
     pool.check()
 
@@ -140,7 +140,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(tag=st.one_of(st.none(), st.integers(0, 3)))
     def set_defer(self, tag):
-        self.pool.defer_tag = tag
+        self.pool.defer_frees(tag)
 
     @rule(upto=st.one_of(st.none(), st.integers(0, 3)))
     def release(self, upto):
@@ -178,7 +178,7 @@ def test_seeded_random_ops_conserve_pages():
         elif op < 0.9 and held:
             pool.decref(held.pop(rng.randrange(len(held))))
         elif op < 0.95:
-            pool.defer_tag = rng.choice([None, 1])
+            pool.defer_frees(rng.choice([None, 1]))
         else:
             pool.release_pending()
         pool.check()

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import pytest
 
+from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine
-from jaxserve.sampling_params import SamplingParams
-from pallas_kernels import cpu_kernels
+
+pytestmark = pytest.mark.slow  # every test runs the real default model
 
 
 def _generate(loaded, backend, prompts, params):

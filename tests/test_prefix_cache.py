@@ -4,11 +4,11 @@ import random
 
 from hypothesis import given, settings, strategies as st
 
-from jaxserve.kv_manager import KVManager
-from jaxserve.page_pool import OutOfPages, PagePool
-from jaxserve.prefix_cache import PrefixCache
-from jaxserve.sampling_params import SamplingParams
-from jaxserve.sequence import Request, Sequence
+from jaxserve.core.kv_manager import KVManager
+from jaxserve.core.page_pool import OutOfPages, PagePool
+from jaxserve.core.prefix_cache import PrefixCache
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sequence import Request, Sequence
 
 B = 4
 

@@ -10,8 +10,8 @@ from jaxserve.engine import LLMEngine
 import jax.numpy as jnp
 import pytest
 
-from jaxserve.quantize import quantize_int8, quantize_weight, round_bf16
-from jaxserve.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.model.quantize import quantize_int8, quantize_weight, round_bf16
 
 
 def test_quantize_weight_error_is_within_half_a_step():
@@ -71,11 +71,12 @@ def _greedy(loaded, prompts, **options):
     return [done[i] for i in ids], engine.runner.param_bytes
 
 
+@pytest.mark.slow
 def test_bf16_greedy_agrees_with_f32(default_loaded, f32_greedy):
     """Measured 2026-12-01: identical on all three prompts here; over sixteen chat prompts of
     up to 64 tokens (scripts/quantization_agreement.py) 11 identical, 81% of tokens before the
     first difference."""
-    from pallas_kernels import cpu_kernels
+    from jaxserve.backends.cpu import kernels as cpu_kernels
 
     if not cpu_kernels.amx_bf16_available():
         pytest.skip("no AMX-BF16 here")
@@ -87,12 +88,14 @@ def test_bf16_greedy_agrees_with_f32(default_loaded, f32_greedy):
     assert f32[0] == bf16[0]  # "The capital of France is Paris."
 
 
+@pytest.mark.slow
 def test_bf16_refuses_a_backend_without_amx(default_loaded):
     with pytest.raises(ValueError, match="AMX-BF16"):
         LLMEngine(EngineConfig.from_options(num_pages=16, max_num_seqs=2, quantization="bf16",
                                             attention_backend="xla"), default_loaded)
 
 
+@pytest.mark.slow
 def test_int8_greedy_agrees_with_f32(default_loaded, f32_greedy):
     """Measured: identical greedy tokens on all six prompts (24 tokens each) on 2026-11-29."""
     prompts, f32, f32_bytes = f32_greedy

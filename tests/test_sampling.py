@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxserve.sampling import GREEDY, RANDOM, SamplingMetadata, sample
-from pallas_kernels import cpu_kernels
+from jaxserve.backends.cpu import kernels as cpu_kernels
+from jaxserve.runtime.sampling import GREEDY, RANDOM, SamplingMetadata, sample
 
 BACKENDS = ["xla", pytest.param("cpu", marks=pytest.mark.skipif(
     not cpu_kernels.available(), reason="CPU kernels not built"))]

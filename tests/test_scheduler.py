@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from fake_model import (FakeRunner, V, make_request, reference_outputs, run_to_completion)
 from jaxserve.config import EngineConfig
-from jaxserve.scheduler import RequestRejected, Scheduler
-from jaxserve.sequence import SequenceStatus
+from jaxserve.core.scheduler import RequestRejected, Scheduler
+from jaxserve.core.sequence import SequenceStatus
 
 
 def make_sched(num_pages=64, max_model_len=256, eos=(), **cfg):
@@ -179,6 +179,7 @@ def test_random_scenarios_match_reference(seed):
     _random_scenario(seed, ahead=False)
 
 
+@settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_random_scenarios_planned_ahead_match_reference(seed):
     """As the engine's async scheduling: the next step planned and run before this one's
@@ -362,15 +363,17 @@ def test_abort_everywhere_frees_everything():
     assert sched.stats()["num_aborted_total"] == 4 and sched.stats()["referenced_pages"] == 0
 
 
-def test_finish_sequence_for_stop_strings_frees_pages():
+def test_stop_strings_given_to_update_finish_and_free_pages():
     sched = make_sched()
-    runner = FakeRunner(sched)
     r = make_request("r", list(range(9)), max_tokens=30)
     sched.add_request(r)
-    step(sched, runner)
-    sched.finish_sequence(r.sequences[0], SequenceStatus.FINISHED_STOPPED, "</s>")
+    plan = sched.schedule()
+    assert sched.accepted_rows(plan) == [(0, r.sequences[0])]
+    sched.update(plan, [5], {r.sequences[0].seq_id: "</s>"})
     assert r.is_finished and not sched.has_unfinished() and sched.stats()["referenced_pages"] == 0
     assert r.sequences[0].stop_reason == "</s>"
+    assert r.sequences[0].status is SequenceStatus.FINISHED_STOPPED
+    assert r.sequences[0].output_token_ids == [5]
 
 
 def test_watermark_holds_back_admission_but_not_when_idle():

@@ -7,6 +7,8 @@ import pytest
 
 from jaxserve.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
+pytestmark = pytest.mark.slow  # every test uses the default model's tokenizer or GGUF
+
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
     "I'm sure they'll say it's fine; we've DONE it, haven't we?",

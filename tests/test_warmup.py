@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine
-from jaxserve.sampling_params import SamplingParams
 from jaxserve.weights import LoadedModel
+
+# The model is tiny, but its tokenizer comes from the loaded default model (default_loaded).
+pytestmark = pytest.mark.slow
 
 
 def tiny_loaded(tokenizer) -> LoadedModel:
@@ -61,10 +64,10 @@ def test_full_warmup_covers_every_packed_shape(default_loaded):
     """Every (rows, tokens) a packed step can have: r chunks of n tokens in all, r <= n <= the
     budget. Rows and tokens pad to buckets of different spacing (3 rows in the 3-token bucket
     are 4 rows), so each pair is checked, not only the buckets' corners."""
-    from jaxserve.batch import build_batch
-    from jaxserve.runner import _signature
-    from jaxserve.sequence import Request, Sequence
-    from jaxserve.step_plan import ScheduledChunk, StepPlan
+    from jaxserve.core.sequence import Request, Sequence
+    from jaxserve.core.step_plan import ScheduledChunk, StepPlan
+    from jaxserve.runtime.batch import build_batch
+    from jaxserve.runtime.runner import _signature
 
     engine = LLMEngine(EngineConfig.from_options(num_pages=80, max_num_seqs=6,
                                                  max_num_batched_tokens=40, page_size=8,
@@ -141,7 +144,7 @@ def test_release_compiled_steps_frees_their_memory_mappings(default_loaded):
     import gc
     import sys
 
-    from jaxserve.runner import release_compiled_steps
+    from jaxserve.runtime.runner import release_compiled_steps
 
     if not sys.platform.startswith("linux"):
         pytest.skip("counts /proc/self/maps")

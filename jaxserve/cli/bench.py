@@ -69,7 +69,7 @@ class _Usage(Exception):
 
 
 def workload_from_flags():
-    from jaxserve.bench.workload import WorkloadSpec
+    from jaxserve.tools.bench.workload import WorkloadSpec
 
     base = WorkloadSpec.from_json(FLAGS.workload).to_dict() if FLAGS.workload else {}
     for flag, field in _WORKLOAD_FLAGS.items():
@@ -104,10 +104,10 @@ class Bench:
         self._cache: dict = {}
 
     def run(self, label: str, options: dict, workload):
-        from jaxserve.bench import build_report, run_engine
         from jaxserve.config import EngineConfig
         from jaxserve.engine import LLMEngine
-        from jaxserve.runner import release_compiled_steps
+        from jaxserve.runtime.runner import release_compiled_steps
+        from jaxserve.tools.bench import build_report, run_engine
 
         key = (json.dumps(options, sort_keys=True), json.dumps(workload.to_dict(), sort_keys=True))
         if key in self._cache:
@@ -172,7 +172,7 @@ class Bench:
         with --force_pallas, on a tiny workload: interpret mode). Elsewhere: XLA vs Pallas."""
         import jax
 
-        from pallas_kernels import cpu_kernels
+        from jaxserve.backends.cpu import kernels as cpu_kernels
 
         if jax.default_backend() == "cpu" and not FLAGS.force_pallas:
             if not cpu_kernels.available():
@@ -193,8 +193,8 @@ class Bench:
 
 
 def _write_ablation_plot(pairs, out_dir):
-    from jaxserve import plots
-    from jaxserve.bench.report import MIB
+    from jaxserve.tools import plots
+    from jaxserve.tools.bench.report import MIB
 
     fig, ax1 = plots.new_figure(width=8, height=4.5)
     names, rows = [], []
@@ -216,7 +216,7 @@ def _write_ablation_plot(pairs, out_dir):
 
 def main(argv):
     del argv
-    from jaxserve.bench import format_ablation, format_report
+    from jaxserve.tools.bench import format_ablation, format_report
 
     try:
         workload = workload_from_flags()
@@ -226,7 +226,7 @@ def main(argv):
         slo = (FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
         out: dict = {}
         if FLAGS.url:
-            from jaxserve.bench import build_report, run_http
+            from jaxserve.tools.bench import build_report, run_http
 
             res = run_http(FLAGS.url, workload, vocab_size=FLAGS.vocab_size,
                            model=FLAGS.served_model_name or FLAGS.model,
@@ -239,7 +239,7 @@ def main(argv):
         print(format_report(rep))
         out["report"] = rep
         if FLAGS.plot_dir:
-            from jaxserve.bench.report import write_plots
+            from jaxserve.tools.bench.report import write_plots
 
             paths = write_plots(rep, res, FLAGS.plot_dir)
             print(f"\nplots: {', '.join(p['png'] for p in paths.values())}")

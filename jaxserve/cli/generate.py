@@ -26,7 +26,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
-    from jaxserve.sampling_params import SamplingParams
+    from jaxserve.core.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,

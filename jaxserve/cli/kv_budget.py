@@ -17,7 +17,7 @@ import sys
 
 from absl import flags
 
-from jaxserve import kv_budget as kvb
+from jaxserve.tools import kv_budget as kvb
 
 FLAGS = flags.FLAGS
 
@@ -153,7 +153,7 @@ def _render(result: dict) -> str:
 
 def _plot(result: dict, arch: kvb.KVArchitecture, lengths, uniform_max, page_sizes,
           reserve) -> dict:
-    from jaxserve import plots  # matplotlib only when plotting
+    from jaxserve.tools import plots  # matplotlib only when plotting
 
     archs = kvb.load_architectures(FLAGS.architectures)
     shape = lambda a: (a.num_layers, a.num_kv_heads, a.head_dim, a.dtype_bytes)  # noqa: E731

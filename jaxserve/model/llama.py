@@ -1,27 +1,21 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) as pure functions of a params pytree.
 
 Loaders stack layers on a leading axis (weights/__init__.py); the runner hands `forward` one
-dict per layer (`per_layer_params`) and the layers run as an unrolled Python loop. A `lax.scan` over
-the stacked arrays would compile faster, but XLA's CPU backend copies each layer's weight slice
-out of the stack before its matmul: single-stream decode measured 23 vs 33 tokens/s, and a
-256-row step's projections 13% slower.
+dict per layer (`per_layer_params`) and the layers run as an unrolled Python loop: a `lax.scan`
+over the stacked arrays compiles faster, but XLA's CPU backend copies each layer's weight slice
+out of the stack before its matmul (docs/performance-history.md has the measurements).
 
 Params in the execution layout (weights stored [out, in], y = x @ W.T; F = (Hq + 2 Hkv) D):
   embed f[V, H]; final_norm f[H]; lm_head f[V, H] (absent when tied: the head is embed)
   layers: a list of L dicts: attn_norm f[H]; w_qkv f[F, H]; b_qkv f[F] (attention_bias only);
           wo f[H, Hq*D]; mlp_norm f[H]; w_gate_up f[2I, H]; w_down f[H, I]
-A weight may instead be an int8 dict {"q_t": i8[out, in], "scale": f[out]} (quantize.py), and
-with the "cpu" backend every projection and the head are `PanelWeight`s, packed for the C++
-matmul (pallas_kernels/cpu_matmul.cc); a tied float embedding is then looked up in the head's
-panels, so the table is stored once. Q, K, V and gate, up are fused into one matmul each: at one
-token, 7 matrix-vector products a layer become 4 larger ones (10% faster over 30 layers). For
-XLA's dot, [out, in] ran as fast or faster than [in, out] (30 layers at 256 rows: 180 vs 190 ms).
+A weight may instead be an int8 dict {"q_t": i8[out, in], "scale": f[out]} (quantize.py), or a
+backend's packed weight (jaxserve/backends/cpu/packing.py) that multiplies itself; a tied
+embedding packed with the head looks up its own rows. Q, K, V and gate, up are fused into one
+matmul each, so that one token's 7 matrix-vector products a layer are 4 larger ones.
 """
 
 from __future__ import annotations
-
-import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +23,8 @@ import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import attention
-from jaxserve.model.attention import AttentionMetadata, KVCache, KVPool
-from pallas_kernels import cpu_kernels
+from jaxserve.model.attention import AttentionMetadata
+from jaxserve.model.kv_cache import KVCache, KVPool, write_kv
 
 
 def rms_norm(x, weight, eps):
@@ -55,40 +49,25 @@ def apply_rope(x, cos, sin):
     return (xf * cos[:, None, :] + rotated.astype(jnp.float32) * sin[:, None, :]).astype(x.dtype)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels", "scale"],
-                   meta_fields=["n"])
-@dataclasses.dataclass(frozen=True)
-class PanelWeight:
-    """A weight [in, out=n] packed for the CPU matmul: panels [ceil(n / 48), in, 48], f32, or
-    int8 with a per-output-channel scale f32[n] (None otherwise); or the bits of bfloat16 tiles
-    u16[ceil(n / 16), in / 2, 16, 2] (cpu_kernels.pack_bf16_tiles) for the AMX matmul."""
-    panels: jax.Array
-    scale: jax.Array | None
-    n: int
-
-
 def matmul(x, w):
     """x @ w.T for a float weight w [out, in]; for an int8 weight {"q_t": [out, in],
-    "scale": [out]}, converted to x's dtype inside the matmul and scaled per output channel; or
-    x @ W through the C++ kernel for a PanelWeight."""
-    if isinstance(w, PanelWeight):
-        x = x.astype(jnp.float32)
-        if w.panels.dtype == jnp.uint16:
-            return cpu_kernels.matmul_bf16(x, w.panels, w.n)
-        if w.scale is None:
-            return cpu_kernels.matmul_f32(x, w.panels, w.n)
-        return cpu_kernels.matmul_int8(x, w.panels, w.scale.astype(jnp.float32), w.n)
+    "scale": [out]}, converted to x's dtype inside the matmul and scaled per output channel; any
+    other weight was packed at load for a backend's matmul (jaxserve/backends/) and multiplies
+    itself."""
     if isinstance(w, dict):
         return (x @ w["q_t"].astype(x.dtype).T) * w["scale"].astype(x.dtype)
-    return x @ w.T
+    if isinstance(w, (jax.Array, np.ndarray)):
+        return x @ w.T
+    return w.matmul(x)
 
 
 def embed(params, token_ids):
-    """token_ids i32[T] -> f[T, H]: rows of the embedding table (or of the tied head's panels)."""
+    """token_ids i32[T] -> f[T, H]: rows of the embedding table (or of a tied head packed for a
+    backend, which looks them up itself)."""
     table = params["embed"]
-    if isinstance(table, PanelWeight):
-        return table.panels[token_ids // cpu_kernels.PANEL, :, token_ids % cpu_kernels.PANEL]
-    return table[token_ids]
+    if isinstance(table, (jax.Array, np.ndarray)):
+        return table[token_ids]
+    return table.embed(token_ids)
 
 
 def _out_in(ws: list):
@@ -100,41 +79,27 @@ def _out_in(ws: list):
     return np.ascontiguousarray(np.concatenate(ws, axis=-1).T)
 
 
-def _panels(w) -> PanelWeight:
-    """An [out, in] weight (float, bfloat16 or int8 dict) -> a PanelWeight (host numpy
-    arrays)."""
-    if isinstance(w, dict):
-        return PanelWeight(cpu_kernels.pack_panels(np.asarray(w["q_t"])),
-                           np.asarray(w["scale"], np.float32), len(w["scale"]))
-    if w.dtype == jnp.bfloat16:
-        return PanelWeight(cpu_kernels.pack_bf16_tiles(w), None, w.shape[0])
-    w = np.asarray(w, np.float32)
-    return PanelWeight(cpu_kernels.pack_panels(w), None, w.shape[0])
-
-
-def per_layer_params(params: dict, backend: str = "xla") -> dict:
+def per_layer_params(params: dict) -> dict:
     """The loaders' layout (layers stacked {name: [L, ...]}, separate [in, out] projections,
-    numpy) -> the layout `forward` runs on `backend`: a list of L per-layer dicts of fused
-    [out, in] projections (PanelWeights for "cpu"), and an [out, in] lm_head."""
-    pack = _panels if backend == "cpu" else (lambda w: w)
+    numpy) -> the layout `forward` runs: a list of L per-layer dicts of fused [out, in]
+    projections, and an [out, in] lm_head. A backend may then pack the projections and the head
+    for its matmul (Backend.pack_params)."""
     stacked = params["layers"]
     num_layers = len(stacked["attn_norm"])
     layers = []
     for i in range(num_layers):
         lp = jax.tree_util.tree_map(lambda x: np.asarray(x[i]), stacked)
         fused = {"attn_norm": lp["attn_norm"],
-                 "w_qkv": pack(_out_in([lp["wq"], lp["wk"], lp["wv"]])),
-                 "wo": pack(_out_in([lp["wo"]])), "mlp_norm": lp["mlp_norm"],
-                 "w_gate_up": pack(_out_in([lp["w_gate"], lp["w_up"]])),
-                 "w_down": pack(_out_in([lp["w_down"]]))}
+                 "w_qkv": _out_in([lp["wq"], lp["wk"], lp["wv"]]),
+                 "wo": _out_in([lp["wo"]]), "mlp_norm": lp["mlp_norm"],
+                 "w_gate_up": _out_in([lp["w_gate"], lp["w_up"]]),
+                 "w_down": _out_in([lp["w_down"]])}
         if "bq" in lp:
             fused["b_qkv"] = np.concatenate([lp["bq"], lp["bk"], lp["bv"]], axis=-1)
         layers.append(fused)
     out = {**params, "layers": layers}
     if "lm_head" in params:
-        out["lm_head"] = pack(_out_in([params["lm_head"]]))
-    elif backend == "cpu":
-        out["embed"] = _panels(params["embed"])  # [V, H] is the tied head's [out, in]
+        out["lm_head"] = _out_in([params["lm_head"]])
     return out
 
 
@@ -151,7 +116,7 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
     q = apply_rope(q.reshape(t, cfg.num_heads, d), cos, sin)
     k = apply_rope(k.reshape(t, cfg.num_kv_heads, d), cos, sin)
     v = v.reshape(t, cfg.num_kv_heads, d)
-    cache = attention.write_kv(cache, k, v, md.slot_mapping)
+    cache = write_kv(cache, k, v, md.slot_mapping)
     o = attention.attend(backend, q, cache, md, sm_scale=d ** -0.5)
     x = x + matmul(o.reshape(t, hq), lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)

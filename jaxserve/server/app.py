@@ -22,9 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine import LLMEngine
-from jaxserve.metrics import CONTENT_TYPE, ServerMetrics
-from jaxserve.server.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
-from jaxserve.server.protocol import APIError, ProtocolContext, ResponseBuilder, parse_request
+from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
+from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
+from jaxserve.server.responses import ResponseBuilder
 
 log = logging.getLogger("jaxserve.server")
 

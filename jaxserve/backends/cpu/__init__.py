@@ -1,0 +1,21 @@
+"""The CPU backend: C++ XLA FFI kernels built with the machine's compiler (kernels.py), weights
+packed for its matmul at load (packing.py), and the weights' host memory in 2 MiB pages
+(huge_pages.py)."""
+
+from __future__ import annotations
+
+from jaxserve.backends import Backend
+from jaxserve.backends.cpu import kernels, packing
+
+
+def attention(q, k_pages, v_pages, md, *, sm_scale: float):
+    """Decode and prefill tokens alike in one custom call: each token attends its row's pages
+    causally, read in place (no gathered copy). Any layout works (a padding token's row is S);
+    the batch packs chunks back to back so that no slot is alignment padding."""
+    out = kernels.paged_attention(q, k_pages, v_pages, md.page_tables, md.seq_lens,
+                                  md.token_row, md.positions, sm_scale=sm_scale)
+    return out.astype(q.dtype)
+
+
+BACKEND = Backend(name="cpu", attention=attention, packed=True,
+                  pack_params=packing.pack_params, argmax=kernels.argmax)

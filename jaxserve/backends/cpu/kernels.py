@@ -1,0 +1,250 @@
+"""The CPU backend's C++ kernels, as XLA FFI custom calls:
+
+  paged_attention     (paged_attention.cc) XLA's CPU lowering of paged attention gathers
+                      every page into a new buffer before reading it; this reads pages in place
+                      through the page table, so each key and value is read once.
+  matmul_*            (matmul.cc) f32 and weight-only int8 matmuls against weights
+                      packed in 48-column panels (`pack_panels`): a register-tiled GEMM that
+                      streams each weight from memory once however many rows there are (a
+                      decode step's few rows are bound by that stream), and for int8
+                      converting weights a panel at a time where XLA converts a whole copy.
+  matmul_bf16         (matmul_bf16.cc) x rounded to bfloat16 times bfloat16 weights on AMX
+                      tiles, f32 accumulation, against weights packed in 16-column tiles
+                      (`pack_bf16_tiles`); `amx_bf16_available()` says whether this CPU and
+                      kernel allow it.
+  argmax              (argmax.cc) greedy sampling's max and index per row in one vectorised
+                      read of the logits, rows in parallel, where XLA's top_k(x, 1) takes many
+                      times as long.
+
+The sources are compiled with the machine's C++ compiler on first use (`compile_command`) into
+one library in $XDG_CACHE_HOME/jaxserve/kernels (or ~/.cache), keyed by the sources, the
+compiler flags, jaxlib's version and the CPU's features; `available()` says whether that worked,
+and `unavailable_reason()` why not. A new build removes the builds there unused for STALE_DAYS.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# The library's translation units, and the header each includes.
+SOURCES = tuple(Path(__file__).with_name(n)
+                for n in ("paged_attention.cc", "matmul.cc", "matmul_bf16.cc", "argmax.cc"))
+HEADERS = (Path(__file__).with_name("parallel.h"),)
+# FFI target name -> the handler symbol the sources export.
+_TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
+            "jaxserve_matmul_f32": "JaxserveMatmulF32",
+            "jaxserve_matmul_int8": "JaxserveMatmulInt8",
+            "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
+            "jaxserve_argmax": "JaxserveArgmax"}
+PANEL = 48  # output columns per weight panel (matmul.cc's kPanel)
+BF16_TILE, BF16_DEPTH = 16, 32  # output columns per bf16 weight tile, k per tile product
+# Associative math lets the compiler vectorise dot products and sums.
+_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
+          "-fno-signed-zeros", "-fassociative-math", "-ffp-contract=fast")
+# The instruction set the library is built for: this CPU's. The sources pick their AVX-512,
+# AVX2+FMA, AMX-BF16 or portable branches from the macros these flags define.
+NATIVE = ("-march=native",)
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (avx512f, amx_bf16, ...); empty elsewhere."""
+    line = _cpu_features()
+    return frozenset(line.split(":", 1)[1].split()) if line.startswith("flags") else frozenset()
+
+
+def has_vector_path() -> bool:
+    """Whether the kernels have a vector path for this CPU (x86-64 with AVX-512, or AVX2 with
+    FMA); elsewhere they compile to portable C++ that is several times slower than XLA's dot."""
+    flags = cpu_flags()
+    return platform.machine() in ("x86_64", "AMD64") and (
+        "avx512f" in flags or {"avx2", "fma"} <= flags)
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS),
+                 " ".join(_FLAGS + NATIVE).encode(),
+                 jax.__version__.encode(), _cpu_features().encode()):
+        key.update(part)
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "jaxserve" / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+STALE_DAYS = 7
+
+
+def _prune(keep: Path) -> None:
+    """Remove other builds in keep's directory not loaded for STALE_DAYS (each load touches its
+    file): every edit of the sources leaves a library behind."""
+    cutoff = time.time() - STALE_DAYS * 86400
+    for old in keep.parent.glob("cpu_kernels-*.so"):
+        try:
+            if old != keep and old.stat().st_mtime < cutoff:
+                old.unlink()
+        except OSError:
+            pass  # another process removed it first
+
+
+def compiler() -> str | None:
+    """The C++ compiler the kernels build with: $CXX, else g++ or c++ on PATH (None if none)."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def compile_command(srcs, output, arch=NATIVE, *, shared: bool = True) -> list[str]:
+    """The compiler command line that builds the sources `srcs` with the kernels' flags for the
+    instruction set that the flags `arch` name (NATIVE: this CPU's; ("-march=haswell",): AVX2
+    and FMA, wherever it runs): into the shared library `output`, or with shared=False only
+    compiles them (one source) into the object file `output` (/dev/null to check a build)."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++/c++ or $CXX) to build the CPU kernels")
+    return [cxx, *_FLAGS, *arch, f"-I{jax.ffi.include_dir()}", "-shared" if shared else "-c",
+            *map(str, srcs), "-o", str(output)]
+
+
+def _build(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(compile_command(SOURCES, tmp), capture_output=True, text=True,
+                              check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"building the CPU kernels failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent build of the same key is harmless
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+_library = None
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds (once per cache key) and registers the kernels; returns None or why it failed."""
+    import ctypes
+
+    global _library
+    try:
+        path = _library_path()
+        if not path.exists():
+            _build(path)
+            _prune(path)
+        library = ctypes.cdll.LoadLibrary(str(path))
+        os.utime(path)  # in use: not stale
+        for target, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                        platform="cpu")
+        _library = library
+    except (OSError, RuntimeError) as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    return _load() is None
+
+
+def unavailable_reason() -> str | None:
+    return _load()
+
+
+@functools.cache
+def amx_bf16_available() -> bool:
+    """The kernels built with AMX-BF16 and Linux granted this process the tile state."""
+    return _load() is None and bool(_library.JaxserveAmxBf16Available())
+
+
+def _call(target: str, result, *args, **attrs):
+    """`result`: a jax.ShapeDtypeStruct, or a tuple of them for several outputs."""
+    reason = _load()
+    if reason is not None:
+        raise RuntimeError(f"CPU kernels unavailable: {reason}")
+    return jax.ffi.ffi_call(target, result)(*args, **attrs)
+
+
+def _f32(*shape) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_scale: float):
+    """q f32[T, Hq, D]; k, v f32[Hkv, N, B, D]; page_tables i32[S, P]; seq_lens i32[S];
+    token_row i32[T] (S or more: a padding token, output zeros); positions i32[T]. Token t
+    attends positions j <= positions[t], j < seq_lens[token_row[t]] of its row. -> f32[T, Hq, D].
+    A row's seq_len over its table's P * B keys, or a page id outside [0, N) among the pages its
+    keys occupy, fails the call (a JaxRuntimeError naming the row) instead of reading outside
+    the pool."""
+    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
+    return _call("jaxserve_paged_attention", _f32(*q.shape), q.astype(jnp.float32),
+                 k.astype(jnp.float32), v.astype(jnp.float32), i32(page_tables), i32(seq_lens),
+                 i32(token_row), i32(positions), sm_scale=np.float32(sm_scale))
+
+
+def pack_panels(w_out_in: np.ndarray) -> np.ndarray:
+    """A weight [N, K] ([out, in], any dtype) -> [ceil(N / 48), K, 48]: panel p holds output
+    columns 48 p .. 48 p + 47, k-major, zero past N."""
+    n, k = w_out_in.shape
+    panels = -(-n // PANEL)
+    padded = np.zeros((panels * PANEL, k), w_out_in.dtype)
+    padded[:n] = w_out_in
+    return np.ascontiguousarray(padded.reshape(panels, PANEL, k).transpose(0, 2, 1))
+
+
+def pack_bf16_tiles(w_out_in: np.ndarray) -> np.ndarray:
+    """A weight [N, K] ([out, in]) -> its bfloat16 bits u16[ceil(N / 16), Kp / 2, 16, 2] (Kp:
+    K rounded up to 32), rounded to nearest even: element [t, i, c, j] is W[16 t + c, 2 i + j],
+    zero past N and K (the pair layout AMX's TDPBF16PS reads)."""
+    n, k = w_out_in.shape
+    tiles, kp = -(-n // BF16_TILE), -(-k // BF16_DEPTH) * BF16_DEPTH
+    padded = np.zeros((tiles * BF16_TILE, kp), jnp.bfloat16)
+    padded[:n, :k] = np.asarray(w_out_in, np.float32).astype(jnp.bfloat16)
+    bits = padded.view(np.uint16).reshape(tiles, BF16_TILE, kp // 2, 2)
+    return np.ascontiguousarray(bits.transpose(0, 2, 1, 3))
+
+
+def matmul_bf16(x, tiles, n: int):
+    """bf16(x f32[M, K]) @ W for W [K, n] packed by `pack_bf16_tiles`, accumulated in f32 ->
+    f32[M, n]. Needs amx_bf16_available()."""
+    return _call("jaxserve_matmul_bf16", _f32(x.shape[0], n), x, tiles)
+
+
+def matmul_f32(x, panels, n: int):
+    """x f32[M, K] @ W, for W [K, n] packed by `pack_panels` -> f32[M, n]."""
+    return _call("jaxserve_matmul_f32", _f32(x.shape[0], n), x, panels)
+
+
+def matmul_int8(x, panels, scale, n: int):
+    """(x f32[M, K] @ Q) * scale f32[n], for Q i8[K, n] packed by `pack_panels`, converting the
+    int8 weights inside the product -> f32[M, n]."""
+    return _call("jaxserve_matmul_int8", _f32(x.shape[0], n), x, panels, scale)
+
+
+def argmax(x):
+    """x f32[R, V] -> (ids i32[R], max f32[R]): each row's maximum and its lowest index, as
+    jax.lax.top_k(x, 1)."""
+    rows = x.shape[0]
+    return _call("jaxserve_argmax", (jax.ShapeDtypeStruct((rows,), jnp.int32), _f32(rows)),
+                 x.astype(jnp.float32))

@@ -1,0 +1,396 @@
+// The CPU backend's matmuls, as XLA FFI custom calls, against weights packed in column panels:
+//
+//   MatmulF32    y f32[M, N] = x f32[M, K] @ W                     w f32[P, K, 48]
+//   MatmulInt8   y f32[M, N] = (x f32[M, K] @ Q) * scale f32[N]     q i8[P, K, 48]
+//
+// Panel p holds output columns [48 p, 48 p + 48) of the [K, N] weight (zero past N), k-major,
+// so each k of a panel is three contiguous 16-lane vectors (AVX-512; six 8-lane ones on AVX2).
+// That is the layout of a GEMM microkernel: per k, the weight vectors and one broadcast x value
+// per row feed one FMA per vector and row, the accumulators stay in registers, and no horizontal
+// sums are needed. A panel is read from memory once (software prefetch keeps the stream ahead of
+// the FMAs) and stays in L2 while later row tiles reuse it; each thread takes one contiguous run
+// of panels, a block at a time, and prefetches its next block while the row tiles compute on the
+// current one. At a decode step's few rows a matmul is bound by streaming its weights, so reading
+// each once is what matters there; at many rows the register tiles keep the FMAs fed from L2.
+// The int8 kernel converts each weight once per row tile (in registers up to one row tile, else
+// into an f32 copy of the panel shared by all row tiles) where XLA converts the whole weight
+// first.
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kPanel = 48;  // output columns per panel: three 16-lane or six 8-lane vectors
+// Weights prefetched this many k ahead (3 KB of f32), except f32 at one row: there the FMAs wait
+// on nothing but the stream, and the hardware prefetcher alone kept it faster than with
+// software prefetches added. Int8 at one row is the other way round: it needs them.
+constexpr int64_t kPrefetchK = 16;
+// Weights a thread's row tiles share before moving on (one panel at SmolLM2's K = 576): each
+// weight comes from memory once however many row tiles there are, and the next block is
+// prefetched into L2 while they compute. Without blocks a weight larger than the caches (the
+// head) would be streamed once per row tile; without the prefetch the stream and the FMAs would
+// take turns.
+constexpr int64_t kBlockBytes = 128 << 10;
+// From this many rows a thread on, f32 matmuls split the rows over the threads, not the panels,
+// and broadcast from packed rows (PackRows). Every thread then streams all the weights, which
+// pays only where enough rows reuse each panel; below this the shared stream of a panel split
+// costs less (the threshold is measured: scripts/bench_matmul.py, docs/performance-history.md).
+// It is the packed rows that make the row split pay: split without packing, it gained nothing.
+constexpr int64_t kSplitRowsPerThread = 48;
+
+#if defined(__AVX512F__)
+// 16 lanes of float32 (GCC's generic vectors turned the int8 widening into scalar code).
+constexpr int kLanes = 16;
+using Vec = __m512;
+inline Vec Zero() { return _mm512_setzero_ps(); }
+inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec Load(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline Vec Broadcast(float v) { return _mm512_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline __mmask16 Lanes(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+// The first n (<= 16) lanes; masked-off lanes are neither read nor written.
+inline Vec LoadFirst(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(Lanes(n), p); }
+inline void StoreFirst(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, Lanes(n), v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+// 8 lanes of float32 in 16 registers (AMD Zen, Intel before AVX-512).
+constexpr int kLanes = 8;
+using Vec = __m256;
+inline Vec Zero() { return _mm256_setzero_ps(); }
+inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec Load(const int8_t* p) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+}
+inline Vec Broadcast(float v) { return _mm256_set1_ps(v); }
+inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline __m256i Lanes(int64_t n) {
+  const int32_t k = static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+// The first n (<= 8) lanes; masked-off lanes are neither read nor written.
+inline Vec LoadFirst(const float* p, int64_t n) { return _mm256_maskload_ps(p, Lanes(n)); }
+inline void StoreFirst(float* p, Vec v, int64_t n) { _mm256_maskstore_ps(p, Lanes(n), v); }
+#else
+// Portable 16 lanes (correct everywhere; fast only where the compiler vectorises it).
+constexpr int kLanes = 16;
+struct Vec {
+  float v[16];
+};
+inline Vec Zero() { return Vec{}; }
+template <typename T>
+inline Vec Load(const T* p) {
+  Vec r;
+  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(p[i]);
+  return r;
+}
+inline Vec Broadcast(float x) {
+  Vec r;
+  for (int i = 0; i < 16; ++i) r.v[i] = x;
+  return r;
+}
+inline Vec Fma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline Vec Mul(Vec a, Vec b) {
+  for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline Vec LoadFirst(const float* p, int64_t n) {
+  Vec r{};
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) r.v[i] = p[i];
+  return r;
+}
+inline void StoreFirst(float* p, Vec v, int64_t n) {
+  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) p[i] = v.v[i];
+}
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+template <typename W>
+inline void Prefetch(const W* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+inline void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
+#else
+template <typename W>
+inline void Prefetch(const W*) {}
+inline void PrefetchL2(const char*) {}
+#endif
+
+constexpr int kVecs = kPanel / kLanes;  // vectors per k of a panel
+// Register tiling. 16 lanes (32 registers): a row tile is 8 rows x one panel's 3 accumulators,
+// in one pass over k. 8 lanes (AVX2, 16 registers): a panel is six vectors and a pass holds at
+// most 12 accumulators: one row over two panels, two rows over one, up to four over half a
+// panel, six over a third (16 columns, one cache line a k). Two-row passes over whole panels
+// read 192 bytes from L2 per 12 FMAs, all that L2 delivers in their time, so more rows take
+// narrower passes that reuse each weight vector loaded over more rows. (The portable 16-lane
+// struct is not kept in registers at all: it is the correct fallback, not a fast one, hence the
+// 8-lane AVX2 path.)
+constexpr bool kNarrow = kLanes == 8;
+constexpr int kRegisters = kNarrow ? 16 : 32;
+constexpr int kRowTile = kNarrow ? 6 : 8;
+// Panels a tile reads at once: with 16 lanes up to four rows are bound by the weight stream, and
+// a core reads two weight streams faster than one.
+constexpr int64_t PanelsPerTile(int64_t rows) { return rows <= (kNarrow ? 1 : 4) ? 2 : 1; }
+// A tile's vectors (vecs = kVecs kP) accumulated in one pass over k.
+constexpr int PassVecs(int rows, int vecs) {
+  if (!kNarrow || rows <= 1) return vecs;
+  return rows <= 2 ? std::min(vecs, 6) : rows <= 4 ? 3 : 2;
+}
+template <int kM>
+constexpr int kPanelsPerTile = PanelsPerTile(kM);
+
+// y[0:kM, 0:cols] = (x[0:kM] @ W) * scale for kP consecutive panels of W (cols <= 48 kP valid
+// columns; scale may be null). x has row stride k_dim, or with kPackedX is one row tile packed
+// k-major (PackRows); y has row stride n_dim.
+//
+// The tile's kVecs kP column vectors are accumulated PassVecs at a time, each pass a walk over
+// k. Per k, a pass loads its weight vectors before the rows' broadcasts where both fit in the
+// registers beside the accumulators, and otherwise broadcasts the rows first and loads one
+// weight vector at a time.
+//
+// The tile also prefetches `pf_lines` cache lines from `pf` into L2, spread over its k loops:
+// the next block's weights, fetched while this block's row tiles compute on weights already in
+// L2.
+template <int kM, int kP, typename W, bool kPackedX>
+inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* scale, float* y,
+                 int64_t n_dim, int64_t cols, const char* pf = nullptr, int64_t pf_lines = 0) {
+  constexpr int kAll = kVecs * kP;
+  constexpr int kG = PassVecs(kM, kAll);
+  constexpr int kPanelVecs = std::min(kG, kVecs);  // a pass's vectors within one panel
+  static_assert(kAll % kG == 0 && (kG % kVecs == 0 || kVecs % kG == 0));
+  constexpr bool kWeightsFirst = kG + 1 + kM * kG <= kRegisters;
+  const int64_t steps = kAll / kG * k_dim;
+  int64_t issued = 0;
+  for (int g = 0; g < kAll; g += kG) {
+    // Vector g + j of the tile: columns kLanes (g + j) .., in panel (g + j) / kVecs.
+    const auto weights = [&](int j, int64_t k) {
+      const int v = g + j;
+      return panels + (v / kVecs) * k_dim * kPanel + k * kPanel + kLanes * (v % kVecs);
+    };
+    Vec acc[kM][kG];
+    for (int m = 0; m < kM; ++m) {
+      for (int j = 0; j < kG; ++j) acc[m][j] = Zero();
+    }
+    for (int64_t k = 0; k < k_dim; ++k) {
+      const int64_t step = g / kG * k_dim + k;
+      for (; issued * steps < (step + 1) * pf_lines; ++issued) PrefetchL2(pf + 64 * issued);
+      if constexpr (kM > 1 || sizeof(W) == 1) {  // see kPrefetchK
+        // The pass's weights of one k span up to three cache lines a panel (int8: the next k's
+        // line is the same or the one after); prefetching past the end is harmless.
+        for (int j = 0; j < kG; j += kPanelVecs) {
+          const char* ahead = reinterpret_cast<const char*>(weights(j, k + kPrefetchK));
+          const int64_t bytes = sizeof(W) == 1 ? 1 : kPanelVecs * kLanes * sizeof(W);
+          for (int64_t b = 0; b < bytes; b += 64) Prefetch(ahead + b);
+        }
+      }
+      const auto xk = [&](int m) { return kPackedX ? x[k * kRowTile + m] : x[m * k_dim + k]; };
+      if constexpr (kWeightsFirst) {
+        Vec wv[kG];
+        for (int j = 0; j < kG; ++j) wv[j] = Load(weights(j, k));
+        for (int m = 0; m < kM; ++m) {
+          const Vec xv = Broadcast(xk(m));
+          for (int j = 0; j < kG; ++j) acc[m][j] = Fma(xv, wv[j], acc[m][j]);
+        }
+      } else {
+        Vec xv[kM];
+        for (int m = 0; m < kM; ++m) xv[m] = Broadcast(xk(m));
+        for (int j = 0; j < kG; ++j) {
+          const Vec wv = Load(weights(j, k));
+          for (int m = 0; m < kM; ++m) acc[m][j] = Fma(xv[m], wv, acc[m][j]);
+        }
+      }
+    }
+    for (int j = 0; j < kG; ++j) {
+      const int64_t col = kLanes * (g + j), lanes = cols - col;
+      if (lanes <= 0) break;
+      const Vec s = scale != nullptr ? LoadFirst(scale + col, lanes) : Broadcast(1.0f);
+      for (int m = 0; m < kM; ++m) StoreFirst(y + m * n_dim + col, Mul(acc[m][j], s), lanes);
+    }
+  }
+}
+
+// Calls body.template operator()<kM>() for the compile-time row count m (1..kRowTile).
+template <int kM = 1, typename Body>
+void DispatchRows(int64_t m, Body body) {
+  if constexpr (kM <= kRowTile) {
+    if (m == kM) {
+      body.template operator()<kM>();
+    } else {
+      DispatchRows<kM + 1>(m, body);
+    }
+  }
+}
+
+// x [m, k_dim] into xp row tile by row tile, each k-major: xp[t][k][i] = x[kRowTile t + i][k],
+// zero past row m. A tile's k then broadcasts its rows' values from one run instead of kRowTile
+// rows a row apart.
+void PackRows(const float* x, int64_t m, int64_t k_dim, float* xp) {
+  for (int64_t t = 0; t * kRowTile < m; ++t) {
+    float* dst = xp + t * kRowTile * k_dim;
+    const int64_t rows = std::min<int64_t>(kRowTile, m - t * kRowTile);
+    for (int64_t i = 0; i < kRowTile; ++i) {
+      const float* src = x + (t * kRowTile + i) * k_dim;
+      for (int64_t k = 0; k < k_dim; ++k) dst[k * kRowTile + i] = i < rows ? src[k] : 0.0f;
+    }
+  }
+}
+
+// All m rows of x against num_panels consecutive panels (w points at the first; scale and y at
+// its first column, cols of which are valid): a block of panels that fits in L2 at a time, row
+// tile by row tile within it, so each panel is read from memory once however many rows there are.
+// With kPackedX, x is packed by PackRows (row tile r / 8 then starts at x + r * k_dim as well).
+template <typename W, bool kPackedX = false>
+void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
+               const float* scale, float* y, int64_t n_dim, int64_t cols) {
+  const int64_t panel_bytes = k_dim * kPanel * static_cast<int64_t>(sizeof(W));
+  const int64_t pair = PanelsPerTile(m);
+  const int64_t block = std::max<int64_t>(pair, kBlockBytes / panel_bytes / pair * pair);
+  const int64_t row_tiles = (m + kRowTile - 1) / kRowTile;
+  for (int64_t b = 0; b < num_panels; b += block) {
+    const int64_t b1 = std::min(num_panels, b + block);
+    // The block's tiles prefetch the next block between them (at 1-2 rows the hardware
+    // prefetcher keeps up with the stream, and extra prefetches only compete with it).
+    const int64_t next_panels = std::min(num_panels, b1 + block) - b1;
+    const int64_t next_lines = m > 2 ? next_panels * panel_bytes / 64 : 0;
+    const char* next = reinterpret_cast<const char*>(w + b1 * k_dim * kPanel);
+    int64_t job = 0;
+    const int64_t jobs = row_tiles * (b1 - b);
+    for (int64_t r = 0; r < m; r += kRowTile) {
+      DispatchRows(std::min<int64_t>(kRowTile, m - r), [&]<int kM>() {
+        int64_t p = b;
+        const auto tile = [&]<int kP>() {
+          const int64_t col = p * kPanel;
+          const int64_t first = job * next_lines / jobs, last = (job + kP) * next_lines / jobs;
+          Tile<kM, kP, W, kPackedX>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
+                                    scale != nullptr ? scale + col : nullptr,
+                                    y + r * n_dim + col, n_dim,
+                                    std::min(kP * kPanel, cols - col), next + 64 * first,
+                                    last - first);
+          p += kP;
+          job += kP;
+        };
+        while (p + kPanelsPerTile<kM> <= b1) tile.template operator()<kPanelsPerTile<kM>>();
+        while (p < b1) tile.template operator()<1>();
+      });
+    }
+  }
+}
+
+// y = (x @ w) * scale over the pool, a chunk of panels at a time. `work` is rows x weight
+// bytes: under 256 KB of it, handing work to another thread costs more than it saves.
+template <typename W>
+void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale, float* y,
+               int64_t m, int64_t k_dim, int64_t n_dim) {
+  const int64_t panels = (n_dim + kPanel - 1) / kPanel;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t work = m * k_dim * n_dim * static_cast<int64_t>(sizeof(W));
+  const int64_t num_chunks = work < (256 << 10) ? 1 : std::min(panels, threads);
+  // Whole tiles per chunk: panels in pairs where a tile reads two.
+  const int64_t pair = PanelsPerTile(m);
+  if (sizeof(W) == 4 && m >= kSplitRowsPerThread * threads && num_chunks > 1) {
+    // Many rows: each thread takes a run of row tiles over every panel and packs its rows
+    // first (PackRows). Every thread then streams all the weights, which only pays where
+    // there are rows enough to reuse each panel.
+    const int64_t tiles = (m + kRowTile - 1) / kRowTile;
+    const int64_t chunks = std::min(threads, tiles);
+    jaxserve::RunChunks(pool, chunks, [=](int64_t chunk) {
+      const int64_t r0 = chunk * tiles / chunks * kRowTile;
+      const int64_t r1 = std::min(m, (chunk + 1) * tiles / chunks * kRowTile);
+      thread_local std::vector<float> packed;
+      packed.resize((r1 - r0 + kRowTile - 1) / kRowTile * kRowTile * k_dim);
+      PackRows(x + r0 * k_dim, r1 - r0, k_dim, packed.data());
+      PanelRows<W, true>(packed.data(), r1 - r0, k_dim, w, panels, scale, y + r0 * n_dim,
+                         n_dim, n_dim);
+    });
+    return;
+  }
+  const int64_t per = ((panels + num_chunks - 1) / num_chunks + pair - 1) / pair * pair;
+  jaxserve::RunChunks(pool, num_chunks, [=](int64_t chunk) {
+    const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);
+    if (p0 >= p1) return;
+    if (sizeof(W) == 4 || m <= kRowTile) {
+      PanelRows<W>(x, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
+                   scale != nullptr ? scale + p0 * kPanel : nullptr, y + p0 * kPanel, n_dim,
+                   n_dim - p0 * kPanel);
+      return;
+    }
+    // Int8 past one row tile: convert each panel once into float32 for all the row tiles, in a
+    // buffer each thread keeps across calls.
+    thread_local std::vector<float> converted;
+    converted.resize(k_dim * kPanel);
+    for (int64_t p = p0; p < p1; ++p) {
+      const W* panel = w + p * k_dim * kPanel;
+      for (int64_t i = 0; i < k_dim * kPanel; ++i) converted[i] = static_cast<float>(panel[i]);
+      PanelRows<float>(x, m, k_dim, converted.data(), 1, scale + p * kPanel, y + p * kPanel,
+                       n_dim, n_dim - p * kPanel);
+    }
+  });
+}
+
+// Checks x [M, K], w [P, K, 48] and y [M, N] with 48 (P - 1) < N <= 48 P.
+ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
+                       ffi::Span<const int64_t> yd) {
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
+      xd[1] != wd[1] || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel) {
+    return ffi::Error::InvalidArgument("matmul: x [M, K] @ w [P, K, 48] -> y [M, N], 48 (P - 1) < N <= 48 P");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = CheckShapes(x.dimensions(), w.dimensions(), y->dimensions()); e.failure()) return e;
+  const auto xd = x.dimensions();
+  RunMatmul<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), xd[0], xd[1],
+                   y->dimensions()[1]);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
+                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+  if (auto e = CheckShapes(x.dimensions(), q.dimensions(), y->dimensions()); e.failure()) return e;
+  const auto xd = x.dimensions();
+  const int64_t n = y->dimensions()[1];
+  if (scale.element_count() != static_cast<size_t>(n)) {
+    return ffi::Error::InvalidArgument("matmul: scale [N] for y [M, N]");
+  }
+  RunMatmul<int8_t>(pool, x.typed_data(), q.typed_data(), scale.typed_data(), y->typed_data(),
+                    xd[0], xd[1], n);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, MatmulF32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, MatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

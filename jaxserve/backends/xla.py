@@ -1,0 +1,156 @@
+"""The plain-XLA backend: attention over the paged pool in jnp, for any device, and the fallback
+where no kernel fits. Decode rows attend as rows of one query; prefill tokens in blocks of
+QUERY_BLOCK, each block inside one row, so work is rows x own keys (a query never meets another
+row's keys); keys and values are gathered a block of pages at a time under an online softmax.
+
+Dimension letters: see jaxserve/model/attention.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve.backends import Backend
+
+_MASKED = -1e30  # finite, so fully masked padding rows give finite (discarded) outputs
+# The batch builder aligns each prefill chunk to blocks of this many tokens (AttentionMetadata's
+# query_block): a block's queries share one row's pages.
+QUERY_BLOCK = 16
+
+# Blocking of the jnp attention, tuned with scripts/bench_attention.py (its measurements are in
+# docs/performance-history.md): pages gathered per online-softmax step, and rows per chunk.
+DECODE_PAGES_PER_BLOCK = 4
+DECODE_ROWS_PER_CHUNK = 64
+PREFILL_PAGES_PER_BLOCK = 8
+PREFILL_ROWS_PER_CHUNK = 16
+
+
+def _online_update(carry, s, v):
+    """One online-softmax step over a key block, s f32[Hkv, R, Q, C] and v f32[Hkv, R, C, D]:
+    m' = max(m, max_j s_j); l' = exp(m - m') l + sum_j exp(s_j - m'); the value accumulator is
+    rescaled by exp(m - m'). Products are written as multiply-and-sum, not einsum: XLA's CPU
+    backend lowers them to fused reductions, where the per-row [Q, C] x [C, D] matmuls (Q is a
+    few query heads for a decode row) run as many tiny dots."""
+    m, l, acc = carry
+    m_new = jnp.maximum(m, s.max(-1))
+    scale = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[..., None])
+    pv = jnp.sum(p[..., None] * v[:, :, None], axis=3)
+    return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
+
+
+def _over_page_blocks(page_tables, seq_lens, pages_per_block: int, page_size: int,
+                      stats_shape: tuple, head_dim: int, block_fn):
+    """Runs block_fn(first_slot, pages i32[R, ppb], carry) -> carry over blocks of page-table
+    columns, only as far as the longest row (a dynamic trip count: the table's width costs
+    nothing, and each visited page is read once). Returns the normalised accumulator."""
+    width = page_tables.shape[1]
+    ppb = min(pages_per_block, width)
+    tables = jnp.pad(page_tables, ((0, 0), (0, -width % ppb)))  # page 0, masked by position
+    block_slots = ppb * page_size
+    num_blocks = (jnp.max(seq_lens) + block_slots - 1) // block_slots
+
+    def body(j, carry):
+        pages = jax.lax.dynamic_slice_in_dim(tables, j * ppb, ppb, axis=1)
+        return block_fn(j * block_slots, pages, carry)
+
+    init = (jnp.full(stats_shape, _MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
+            jnp.zeros(stats_shape + (head_dim,), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    return acc / jnp.maximum(l, 1e-30)[..., None]
+
+
+def _gather_block(k_pages, v_pages, pages):
+    """Keys and values of `pages` (i32[R, ppb]) -> f32[Hkv, R, ppb*B, D] each. Gathers whole
+    [B, D] page rows of the cache viewed as [Hkv*N, B*D] (a free reshape), in the output's
+    order: XLA's CPU gather is paid per index, so whole rows in place beat indexing the 4-d
+    cache and transposing (scripts/bench_attention.py)."""
+    r, ppb = pages.shape
+    hkv, n, b, d = k_pages.shape
+    rows = jnp.arange(hkv)[:, None, None] * n + pages[None]  # [Hkv, R, ppb]
+
+    def take(x):
+        block = x.reshape(hkv * n, b * d)[rows]  # [Hkv, R, ppb, B*D]
+        return block.reshape(hkv, r, ppb * b, d).astype(jnp.float32)
+
+    return take(k_pages), take(v_pages)
+
+
+def _rows_attention(q, k_pages, v_pages, page_tables, seq_lens, q_pos, *,
+                    pages_per_block: int, rows_per_chunk: int, sm_scale: float):
+    """Each row's queries attend that row's pages causally. q f[R, Qb, Hq, D]: Qb query tokens
+    per row (1 for decode; a block of one prefill chunk otherwise); page_tables i32[R, P];
+    seq_lens i32[R] (0: padding row); q_pos i32[R, Qb]. Work is rows x own keys only: a query
+    never meets another row's keys. Returns f[R * Qb, Hq, D].
+
+    Rows go in chunks of rows_per_chunk: XLA materialises each gathered key/value block, and a
+    chunk's blocks stay in cache where all rows' blocks at once would round-trip through
+    memory."""
+    r, qb, hq, d = q.shape
+    if r <= rows_per_chunk:
+        return _rows_attention_block(q, k_pages, v_pages, page_tables, seq_lens, q_pos,
+                                     pages_per_block=pages_per_block, sm_scale=sm_scale)
+    c = rows_per_chunk
+    n = -(-r // c)
+    pad = n * c - r  # padding rows: seq_len 0, so their chunk's page loop runs no blocks
+    q, page_tables, seq_lens, q_pos = (jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+                                       for x in (q, page_tables, seq_lens, q_pos))
+
+    def chunk(i, out):
+        rows = lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=0)  # noqa: E731
+        o = _rows_attention_block(rows(q), k_pages, v_pages, rows(page_tables), rows(seq_lens),
+                                  rows(q_pos), pages_per_block=pages_per_block, sm_scale=sm_scale)
+        return jax.lax.dynamic_update_slice_in_dim(out, o, i * c * qb, axis=0)
+
+    out = jax.lax.fori_loop(0, n, chunk, jnp.zeros((n * c * qb, hq, d), q.dtype))
+    return out[:r * qb]
+
+
+def _rows_attention_block(q, k_pages, v_pages, page_tables, seq_lens, q_pos, *,
+                          pages_per_block: int, sm_scale: float):
+    """_rows_attention for one chunk of rows, all at once."""
+    r, qb, hq, d = q.shape
+    hkv, _, page_size, _ = k_pages.shape
+    g = hq // hkv
+    qg = q.reshape(r, qb, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, r, qb * g, d)
+    qg = qg.astype(jnp.float32) * sm_scale
+    pos = jnp.repeat(q_pos, g, axis=1)[None, :, :, None]  # [1, R, Qb*G, 1]
+
+    def block(first, pages, carry):
+        k, v = _gather_block(k_pages, v_pages, pages)  # [Hkv, R, ppb*B, D]
+        s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [Hkv, R, Q, C]
+        key_pos = first + jnp.arange(k.shape[2])
+        s = jnp.where(key_pos[None, None, None, :] <= pos, s, _MASKED)
+        return _online_update(carry, s, v)
+
+    out = _over_page_blocks(page_tables, seq_lens, pages_per_block, page_size,
+                            (hkv, r, qb * g), d, block)  # [Hkv, R, Qb*G, D]
+    out = out.reshape(hkv, r, qb, g, d).transpose(1, 2, 0, 3, 4)
+    return out.reshape(r * qb, hq, d).astype(q.dtype)
+
+
+def attention(q, k_pages, v_pages, md, *, sm_scale: float):
+    """Decode rows attend as rows of one query; prefill tokens as blocks of md.query_block
+    tokens, each block inside one row (the batch builder aligns every chunk to the block)."""
+    sd, t = md.num_decode, q.shape[0]
+    parts = []
+    if sd:
+        parts.append(_rows_attention(q[:sd, None], k_pages, v_pages, md.page_tables[:sd],
+                                     md.seq_lens[:sd], md.positions[:sd, None],
+                                     pages_per_block=DECODE_PAGES_PER_BLOCK,
+                                     rows_per_chunk=DECODE_ROWS_PER_CHUNK, sm_scale=sm_scale))
+    if t > sd:
+        qb, sp = md.query_block, md.page_tables.shape[0] - sd
+        first_rows = md.token_row[sd::qb] - sd  # row of each query block; sp for padding
+        real = first_rows < sp
+        rows = jnp.where(real, first_rows, 0) + sd
+        parts.append(_rows_attention(
+            q[sd:].reshape(-1, qb, *q.shape[1:]), k_pages, v_pages, md.page_tables[rows],
+            jnp.where(real, md.seq_lens[rows], 0), md.positions[sd:].reshape(-1, qb),
+            pages_per_block=PREFILL_PAGES_PER_BLOCK, rows_per_chunk=PREFILL_ROWS_PER_CHUNK,
+            sm_scale=sm_scale))
+    return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
+BACKEND = Backend(name="xla", attention=attention, query_block=QUERY_BLOCK)

@@ -1,0 +1,193 @@
+"""KVManager: the page tables of sequences, on top of a PagePool and an optional PrefixCache.
+
+It attaches prefix-cache hits at admission, allocates pages before a chunk writes, copies shared
+pages before they are written (copy-on-write), forks sequences, registers pages in the prefix cache
+once they are full of computed tokens, and drops a sequence's references when it finishes, is
+aborted or is preempted. Plain Python, no JAX.
+
+Full-prompt hits: a prefix hit never covers the whole token list; the last token must be computed to
+have logits to sample. The hit is truncated to the page boundary at or below num_tokens - 1, so a
+fully cached prompt whose length is a multiple of page_size recomputes its last page into a fresh
+page (at most page_size tokens) instead of writing into a shared cached page; no copy is needed.
+"""
+
+from __future__ import annotations
+
+import math
+
+from jaxserve.core.page_pool import PagePool
+from jaxserve.core.prefix_cache import PrefixCache
+from jaxserve.core.sequence import Sequence
+
+
+class KVManager:
+    def __init__(self, pool: PagePool, page_size: int, cache: PrefixCache | None = None):
+        self.pool = pool
+        self.page_size = page_size
+        self.cache = cache
+        self._keys: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full computed pages
+        self._salt: dict[int, str | None] = {}
+
+    # ---- sizing ---------------------------------------------------------------------------------
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def _shared_pages_in(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Indices of existing pages of seq overlapping slots [start, end) with refcount > 1."""
+        b = self.page_size
+        last = min(len(seq.page_ids), self.pages_for(end))
+        return [i for i in range(start // b, last) if self.pool.refcount(seq.page_ids[i]) > 1]
+
+    def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New pages to write seq.token_ids[num_computed : num_computed + num_tokens]: growth plus
+        copy-on-write copies of shared pages in that range."""
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        grow = max(0, self.pages_for(end) - len(seq.page_ids))
+        return grow + len(self._shared_pages_in(seq, start, end))
+
+    # ---- admission ------------------------------------------------------------------------------
+    def find_prefix(self, seq: Sequence, salt: str | None) -> tuple[list[int], list[bytes]]:
+        """Cached pages for the head of seq.token_ids, never covering its last token. Requests that
+        score their prompt (prompt_logprobs) compute every prompt token, so they take no hits."""
+        if self.cache is None or seq.sampling_params.prompt_logprobs is not None:
+            return [], []
+        max_pages = (seq.num_tokens - 1) // self.page_size
+        return self.cache.lookup(seq.token_ids, salt, max_pages=max_pages)
+
+    def admit(self, seq: Sequence, salt: str | None, hit: tuple[list[int], list[bytes]] = ([], [])):
+        """Start a page table for a sequence with no pages, attaching prefix-hit pages (refcount++)."""
+        if seq.page_ids or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id} already holds pages")
+        pages, keys = hit
+        for page in pages:
+            self.pool.incref(page)
+        seq.page_ids = list(pages)
+        seq.num_computed_tokens = len(pages) * self.page_size
+        seq.num_cached_tokens = seq.num_computed_tokens
+        self._keys[seq.seq_id] = list(keys)
+        self._salt[seq.seq_id] = salt
+
+    # ---- writing ----------------------------------------------------------------------------------
+    def prepare_write(self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]) -> None:
+        """Make seq's pages writable for its next num_tokens tokens: allocate the growth and replace
+        every shared page in range by a private copy, recording (src, dst) in `copies`.
+        All or nothing: raises OutOfPages and changes nothing if the pages cannot be had."""
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        shared = self._shared_pages_in(seq, start, end)
+        grow = max(0, self.pages_for(end) - len(seq.page_ids))
+        fresh = self.pool.allocate(grow + len(shared))
+        for i, dst in zip(shared, fresh):
+            src = seq.page_ids[i]
+            copies.append((src, dst))
+            seq.page_ids[i] = dst
+            self.pool.decref(src)
+        seq.page_ids.extend(fresh[len(shared):])
+
+    def prepare_slots(self, slots: list[tuple[Sequence, int]]) -> bool:
+        """Make slot `position` of each (seq, position) writable, where seq's pages already cover
+        every slot before it: a fresh page at a page boundary. All or nothing: False, changing
+        nothing, when a slot's page is shared (it would need a copy) or the pool lacks pages."""
+        if any(self._shared_pages_in(seq, position, position + 1) for seq, position in slots):
+            return False
+        grow = [seq for seq, position in slots if self.pages_for(position + 1) > len(seq.page_ids)]
+        if len(grow) > self.pool.num_available:
+            return False
+        for seq, page in zip(grow, self.pool.allocate(len(grow))):
+            seq.page_ids.append(page)
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child shares every page of parent (refcount++); writes later copy-on-write."""
+        if child.page_ids:
+            raise ValueError(f"fork target {child.seq_id} already holds pages")
+        for page in parent.page_ids:
+            self.pool.incref(page)
+        child.page_ids = list(parent.page_ids)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self._keys[child.seq_id] = list(self._keys.get(parent.seq_id, []))
+        self._salt[child.seq_id] = self._salt.get(parent.seq_id)
+
+    def register_full_pages(self, seq: Sequence) -> int:
+        """Key seq's pages that are full of computed tokens and offer them to the prefix cache.
+        Returns how many pages were newly inserted."""
+        if self.cache is None:
+            return 0
+        keys = self._keys.setdefault(seq.seq_id, [])
+        num_full = seq.num_computed_tokens // self.page_size
+        if num_full <= len(keys):
+            return 0
+        salt = self._salt.get(seq.seq_id)
+        parent = keys[-1] if keys else None
+        new_keys = self.cache.chain_keys(seq.token_ids, salt, num_full, parent, first_page=len(keys))
+        inserted = 0
+        for i, key in enumerate(new_keys, start=len(keys)):
+            inserted += self.cache.insert(key, seq.page_ids[i])
+        keys.extend(new_keys)
+        return inserted
+
+    # ---- release ----------------------------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        """Drop all of seq's references (tail first, so its tail pages are evicted first). The caller
+        resets num_computed_tokens when the sequence will be recomputed (preemption)."""
+        for page in reversed(seq.page_ids):
+            self.pool.decref(page)
+        seq.page_ids = []
+        self._keys.pop(seq.seq_id, None)
+        self._salt.pop(seq.seq_id, None)
+
+    # ---- steps in flight --------------------------------------------------------------------------
+    def step_launched(self, step: int) -> None:
+        """A plan tagged `step` goes to the device: pages freed from now on wait for it."""
+        self.pool.defer_frees(step)
+
+    def steps_applied(self, outstanding: list[int]) -> None:
+        """A step's results were applied; `outstanding` are the steps still in flight. Pages freed
+        before the oldest of them are free again; later frees wait for the newest."""
+        if outstanding:
+            self.pool.release_pending(min(outstanding) - 1)
+            self.pool.defer_frees(max(outstanding))
+        else:
+            self.pool.release_pending()
+            self.pool.defer_frees(None)
+
+    # ---- introspection ----------------------------------------------------------------------------
+    def usage(self, live_seqs: list[Sequence]) -> dict:
+        """The pool right now, in slots: useful (computed tokens, shared pages counted once), tail
+        fragmentation (allocated to live sequences but empty), cached-unreferenced and free
+        pages, plus host page-table bytes (4 bytes per entry)."""
+        filled: dict[int, int] = {}
+        table_entries = 0
+        b = self.page_size
+        for seq in live_seqs:
+            table_entries += len(seq.page_ids)
+            for j, page in enumerate(seq.page_ids):
+                filled[page] = max(filled.get(page, 0),
+                                   min(b, max(0, seq.num_computed_tokens - j * b)))
+        useful = sum(filled.values())
+        referenced = self.pool.num_referenced
+        return {"page_size": b, "referenced_pages": referenced, "useful_slots": useful,
+                "fragmented_slots": referenced * b - useful,
+                "cached_pages": self.pool.num_evictable,
+                "free_pages": self.pool.num_free + self.pool.num_pending,
+                "page_table_bytes": 4 * table_entries}
+
+    # ---- checking ---------------------------------------------------------------------------------
+    def check(self, live_seqs: list[Sequence]) -> None:
+        """Conservation, plus: refcounts equal the number of page-table entries of live sequences,
+        so a page appears in two tables only when its refcount says it is shared."""
+        self.pool.check()
+        if self.cache is not None:
+            self.cache.check()
+        counts: dict[int, int] = {}
+        for seq in live_seqs:
+            assert len(seq.page_ids) >= self.pages_for(seq.num_computed_tokens), \
+                f"seq {seq.seq_id} computed {seq.num_computed_tokens} tokens in {len(seq.page_ids)} pages"
+            assert len(set(seq.page_ids)) == len(seq.page_ids), f"seq {seq.seq_id} repeats a page"
+            for page in seq.page_ids:
+                counts[page] = counts.get(page, 0) + 1
+        assert 0 not in counts, "page 0 is in a page table"
+        for page in range(1, self.pool.num_pages):
+            assert self.pool.refcount(page) == counts.get(page, 0), (
+                f"page {page}: refcount {self.pool.refcount(page)} but {counts.get(page, 0)} table entries")

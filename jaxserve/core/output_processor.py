@@ -1,0 +1,136 @@
+"""Turns sampled tokens into what users see: incremental detokenization, stop strings (the stop
+string itself is not returned, and one split across tokens is still caught), logprobs and prompt
+logprobs, token times, and RequestOutput snapshots. Host-only.
+
+It reads a step's rows before the scheduler applies them, and answers with the stop strings they
+hit; the engine passes those to Scheduler.update, which finishes the sequences."""
+
+from __future__ import annotations
+
+from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxserve.core.sequence import Request, Sequence
+from jaxserve.core.step_plan import StepPlan
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class SequenceText:
+    """Decoded text of one sequence, with stop-string detection."""
+
+    def __init__(self, tokenizer: Tokenizer, seq: Sequence):
+        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens])
+        self.stops = seq.sampling_params.stop
+        self.text = ""
+        self.num_tokens = 0  # output tokens consumed so far
+        self.stopped_at: str | None = None
+
+    def add(self, token: int) -> str | None:
+        """Feed one generated token; returns the stop string it completes, if any."""
+        self.num_tokens += 1
+        if self.stopped_at is not None:
+            return None
+        before = len(self.text)
+        self.text += self.detok.add(token)
+        for stop in self.stops:
+            # A stop may straddle the previous text and this token's delta.
+            at = self.text.find(stop, max(0, before - len(stop) + 1))
+            if at != -1:
+                self.text, self.stopped_at = self.text[:at], stop
+                return stop
+        return None
+
+    def visible(self, finished: bool) -> str:
+        """Text safe to show: while running, hold back a tail that could begin a stop string."""
+        if finished or not self.stops:
+            return self.text
+        hold = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(stop[:k]):
+                    hold = k
+                    break
+        return self.text[:len(self.text) - hold]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, SequenceText] = {}
+        self._token_times: dict[str, list[float]] = {}
+
+    def process(self, rows: list[tuple[int, Sequence]], out, now: float) -> dict[int, str]:
+        """A step's sample rows that the scheduler will apply ((row, sequence) pairs from
+        Scheduler.accepted_rows), with the step's output `out` (token_ids, logprobs, top_ids,
+        top_logprobs per row): records logprobs and token times and detokenizes each token.
+        Returns {seq_id: stop string} for the sequences a stop string finishes."""
+        stops = {}
+        for row, seq in rows:
+            token = int(out.token_ids[row])
+            k = seq.sampling_params.logprobs
+            if k is not None:
+                entry = {int(t): float(lp) for t, lp in zip(out.top_ids[row][:k],
+                                                              out.top_logprobs[row])}
+                entry[token] = float(out.logprobs[row])
+                seq.output_logprobs.append(entry)
+            if seq.fork_index == 0:
+                self._token_times.setdefault(seq.request.request_id, []).append(now)
+            st = self._texts.get(seq.seq_id)
+            if st is None:
+                st = self._texts[seq.seq_id] = SequenceText(self.tokenizer, seq)
+            stop = st.add(token)
+            if stop is not None:
+                stops[seq.seq_id] = stop
+        return stops
+
+    @staticmethod
+    def record_prompt_logprobs(plan: StepPlan, offsets: list[int], out) -> None:
+        """request.prompt_logprobs[i] = {prompt token i: logprob, top-k...} (None for i = 0),
+        from a step's per-token prompt logprobs (offsets: each chunk's first flat token)."""
+        for chunk, first in zip(plan.chunks, offsets):
+            seq = chunk.seq
+            k = seq.sampling_params.prompt_logprobs
+            if k is None or seq.fork_index:
+                continue
+            request = seq.request
+            if request.prompt_logprobs is None:
+                request.prompt_logprobs = [None]
+            for p in range(chunk.start, chunk.start + chunk.num_tokens):
+                target = p + 1
+                if target >= seq.num_prompt_tokens or target < len(request.prompt_logprobs):
+                    continue  # past the prompt, or already recorded (recompute after preemption)
+                i = first + p - chunk.start
+                entry = {int(t): float(lp) for t, lp in
+                         zip(out.prompt_top_ids[i][:k], out.prompt_top_logprobs[i][:k])}
+                entry[seq.token_ids[target]] = float(out.prompt_logprobs[i])
+                request.prompt_logprobs.append(entry)
+
+    def snapshot(self, request: Request, prompt: str | None) -> RequestOutput:
+        outputs = []
+        for seq in request.sequences:
+            st = self._texts.get(seq.seq_id)
+            finished = seq.is_finished
+            token_ids = list(seq.output_token_ids)
+            lps = None
+            if seq.sampling_params.logprobs is not None:
+                lps = list(seq.output_logprobs[:len(token_ids)])
+            outputs.append(CompletionOutput(
+                index=seq.fork_index, text=st.visible(finished) if st else "",
+                token_ids=token_ids, finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason, logprobs=lps,
+                cumulative_logprob=sum(d[t] for d, t in zip(lps, token_ids)) if lps else None))
+        outputs.sort(key=lambda o: o.index)
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time, finished_time=request.finished_time,
+            token_times=list(self._token_times.get(request.request_id, [])))
+        seq0 = request.sequences[0] if request.sequences else None
+        return RequestOutput(
+            request_id=request.request_id, prompt=prompt,
+            prompt_token_ids=list(request.prompt_token_ids), outputs=outputs,
+            finished=request.is_finished, metrics=metrics,
+            num_cached_tokens=seq0.num_cached_tokens if seq0 else 0,
+            prompt_logprobs=request.prompt_logprobs)
+
+    def release(self, request: Request) -> None:
+        for seq in request.sequences:
+            self._texts.pop(seq.seq_id, None)
+        self._token_times.pop(request.request_id, None)

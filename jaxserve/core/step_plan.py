@@ -1,0 +1,52 @@
+"""StepPlan: what the scheduler decided for one step. A plain dataclass, the only thing that crosses
+from the scheduler to the batch builder."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.core.sequence import Sequence
+
+
+@dataclasses.dataclass
+class ScheduledChunk:
+    """Compute tokens seq.token_ids[start : start + num_tokens] this step (their KV is written to
+    the sequence's pages). When the chunk reaches the end of the sequence (start + num_tokens ==
+    seq.num_tokens) the logits of its last token are sampled once per entry of `sample_seqs`:
+    normally just [seq]; at the end of the prompt of a request with n > 1 it is [seq] plus the
+    n - 1 forks that share its pages."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    sample_seqs: list[Sequence] = dataclasses.field(default_factory=list)
+    # >= 0: a decode scheduled while the previous step is still running: its input token is not
+    # on the host yet but is the token that step samples at this row (the device feeds it in).
+    feed_row: int = -1
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
+
+@dataclasses.dataclass
+class StepPlan:
+    """One iteration. Decode chunks (one token each) come first, then prefill chunks. `copies` are
+    copy-on-write page copies (src, dst) applied on device before the step writes any KV."""
+
+    chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)
+    copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    preempted: list[Sequence] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def sample_rows(self) -> list[tuple[ScheduledChunk, Sequence]]:
+        """(chunk, sequence) per sampled token, in the order the runner returns them."""
+        return [(c, s) for c in self.chunks for s in c.sample_seqs]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks

@@ -1,0 +1,256 @@
+"""AsyncEngine: one background thread owns the LLMEngine and drives step(); asyncio handlers talk to
+it through a command queue and receive RequestOutputs on per-group asyncio queues.
+
+LLMEngine is not thread-safe, so every engine call (add_request, abort, step, stats, kv_usage)
+runs on the loop thread. A handler submits a group of prompts sharing one SamplingParams
+(`await add(...)`, which raises at once if the engine refuses them), iterates the group's outputs,
+and aborts what is unfinished when it stops listening (client disconnect): the abort is applied
+before the next step, so the request's pages are freed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import queue
+import threading
+from typing import Any, Callable, Protocol
+
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is at its configured limit (EngineConfig.max_waiting)."""
+
+
+class EngineDead(Exception):
+    """The engine loop has stopped."""
+
+
+class Observer(Protocol):
+    def on_finished(self, output: RequestOutput) -> None: ...
+
+    def on_aborted(self, prompt_tokens: int, generation_tokens: int) -> None: ...
+
+
+class RequestGroup:
+    """The engine requests of one API call; async-iterates (prompt index, RequestOutput)."""
+
+    def __init__(self, engine: "AsyncEngine", group_id: str, size: int):
+        self.engine = engine
+        self.id = group_id
+        self.size = size
+        self.request_ids = [f"{group_id}-{i}" for i in range(size)]
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.unfinished = set(self.request_ids)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self.unfinished and self.queue.empty():
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.unfinished.clear()
+            raise item
+        index, out = item
+        if out.finished:
+            self.unfinished.discard(out.request_id)
+        return index, out
+
+    def abort(self) -> None:
+        """Abort every unfinished request of the group (safe to call more than once)."""
+        if self.unfinished:
+            self.engine._submit(("abort", list(self.unfinished)))
+            self.unfinished.clear()
+
+    def _deliver(self, item) -> None:  # called on the asyncio loop
+        self.queue.put_nowait(item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.max_waiting = engine.config.max_waiting
+        self.observers: list[Observer] = []
+        self.idle_wait_s = idle_wait_s
+        self.last_error: BaseException | None = None
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, tuple[RequestGroup, int]] = {}  # loop thread only
+        self._progress: dict[str, tuple[int, int]] = {}  # request id -> (prompt, output tokens)
+        self._ids = itertools.count()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # ---- lifecycle
+    def start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="jaxserve-engine",
+                                                daemon=True)
+                self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- the asyncio side
+    async def add(self, prompts: list[dict], params: SamplingParams) -> RequestGroup:
+        """Queue the prompts as one group. Raises ValueError (RequestRejected) if the engine can
+        never run one of them, EngineOverloaded if the waiting queue is full; nothing is queued
+        then."""
+        self.start()
+        group = RequestGroup(self, f"g{next(self._ids)}", len(prompts))
+        await self._call(("add", group, prompts, params))
+        return group
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the loop thread (stats, kv_usage...) and return its result."""
+        self.start()
+        return await self._call(("call", fn))
+
+    async def _call(self, command: tuple) -> Any:
+        if not self.alive or self._stop.is_set():
+            raise EngineDead(f"the engine loop is not running ({self.last_error!r})")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(command + (future,))
+        return await asyncio.wrap_future(future)
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.put(command)
+
+    # ---- the loop thread
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            try:
+                command = (self._commands.get_nowait() if engine.has_unfinished()
+                           else self._commands.get(timeout=self.idle_wait_s))
+            except queue.Empty:
+                command = None
+            while command is not None:
+                self._execute(command)
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = None
+            if self._stop.is_set() or not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # a bug: fail every live request rather than hang them
+                self.last_error = e
+                self._fail_all(e)
+                continue
+            self._dispatch(outputs)
+        self._fail_all(EngineDead("the engine is shutting down"), refuse_queued=True)
+
+    def _execute(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "wake":
+            return
+        if kind == "abort":
+            for rid in command[1]:
+                self._abort(rid)
+            return
+        future: concurrent.futures.Future = command[-1]
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            if kind == "call":
+                future.set_result(command[1](self.engine))
+            elif kind == "add":
+                self._add(command[1], command[2], command[3])
+                future.set_result(None)
+        except BaseException as e:  # handed to the awaiting handler
+            future.set_exception(e)
+
+    def _add(self, group: RequestGroup, prompts: list[dict], params: SamplingParams) -> None:
+        if self.max_waiting is not None:
+            waiting = len(self.engine.scheduler.waiting)
+            if waiting + len(prompts) > self.max_waiting:
+                raise EngineOverloaded(
+                    f"the server is overloaded: {waiting} requests are waiting and the limit is "
+                    f"{self.max_waiting}; retry later")
+        added = []
+        try:
+            for i, (rid, prompt) in enumerate(zip(group.request_ids, prompts)):
+                self.engine.add_request(prompt, params, request_id=rid)
+                added.append(rid)
+                self._live[rid] = (group, i)
+                self._progress[rid] = (len(prompt["prompt_token_ids"]), 0)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+                self._live.pop(rid, None)
+                self._progress.pop(rid, None)
+            raise
+
+    def _abort(self, rid: str) -> None:
+        if self._live.pop(rid, None) is None:
+            return  # already finished
+        aborted = self.engine.abort(rid)
+        prompt_tokens, output_tokens = self._progress.pop(rid, (0, 0))
+        if aborted:
+            for obs in self.observers:
+                obs.on_aborted(prompt_tokens, output_tokens)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        per_group: dict[RequestGroup, list] = {}
+        for out in outputs:
+            entry = self._live.get(out.request_id)
+            if entry is None:
+                continue
+            group, index = entry
+            per_group.setdefault(group, []).append((index, out))
+            if out.finished:
+                self._live.pop(out.request_id, None)
+                self._progress.pop(out.request_id, None)
+                for obs in self.observers:
+                    obs.on_finished(out)
+            else:
+                self._progress[out.request_id] = (
+                    len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))
+        for group, items in per_group.items():
+            self._post(group, items)
+
+    def _post(self, group: RequestGroup, items: list) -> None:
+        def deliver():
+            for item in items:
+                group._deliver(item)
+
+        try:
+            group.loop.call_soon_threadsafe(deliver)
+        except RuntimeError:  # the handler's event loop is closed
+            pass
+
+    def _fail_all(self, error: BaseException, refuse_queued: bool = False) -> None:
+        groups = {g for g, _ in self._live.values()}
+        for rid in list(self._live):
+            try:
+                self.engine.abort(rid)
+            except Exception:
+                pass
+        self._live.clear()
+        self._progress.clear()
+        for group in groups:
+            self._post(group, [error])
+        while refuse_queued:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] in ("add", "call") and command[-1].set_running_or_notify_cancel():
+                command[-1].set_exception(EngineDead(repr(error)))

@@ -1,0 +1,212 @@
+"""LLMEngine: add_request / abort / step. Each step: the scheduler plans, the batch builder pads,
+the runner executes one jitted call, the output processor reads the tokens and the scheduler
+applies them."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+
+import numpy as np
+
+from jaxserve import backends
+from jaxserve.config import EngineConfig
+from jaxserve.core.limits import RequestRejected
+from jaxserve.core.output_processor import OutputProcessor
+from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.scheduler import Scheduler
+from jaxserve.core.sequence import Request
+from jaxserve.core.step_plan import StepPlan
+from jaxserve.runtime.batch import build_batch, page_copies
+from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.runner import ModelRunner
+from jaxserve.tokenizer import tokenize_prompt
+from jaxserve.weights import LoadedModel, load_model
+
+Prompt = str | list[int] | dict
+
+
+@dataclasses.dataclass
+class _Launched:
+    """A step on the device: its plan, output arrays, real sample rows and chunk offsets."""
+
+    plan: StepPlan
+    out: dict
+    num_rows: int
+    offsets: list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        loaded = loaded or load_model(config.model)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        self.num_pages = config.resolve_num_pages(loaded.config, self.max_model_len)
+        eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.scheduler = Scheduler(
+            config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
+            model_fingerprint=f"{loaded.fingerprint}:{config.dtype}:{config.quantization}")
+        self.backend = backends.resolve(config.attention_backend, config.dtype,
+                                        config.quantization)
+        backend = backends.get(self.backend)
+        self.buckets = Buckets.for_engine(
+            config.max_num_seqs, config.max_num_batched_tokens,
+            math.ceil(self.max_model_len / config.page_size),
+            query_block=backend.query_block, packed=backend.packed)
+        self.runner = ModelRunner(loaded.config, loaded.params, num_pages=self.num_pages,
+                                  page_size=config.page_size, dtype=config.dtype,
+                                  backend=self.backend, quantization=config.quantization,
+                                  max_sample_rows=2 * self.buckets.seqs[-1],  # decode + prefill
+                                  huge_pages=config.huge_pages)
+        self._in_flight: _Launched | None = None  # the step on the device, not yet fetched
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._requests: dict[str, tuple[Request, str | None]] = {}
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng(config.seed)
+        self.num_steps = 0
+        # Wall time of step() split into host work (schedule, build, dispatch, outputs) and waiting
+        # for the device; host_overlapped_seconds is the host work done while a step ran.
+        self.host_seconds = 0.0
+        self.host_overlapped_seconds = 0.0
+        self.device_seconds = 0.0
+
+    # ----------------------------------------------------------------- requests
+    def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        return tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                    request_id: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """Queue a request. Raises ValueError (RequestRejected) at once if it can never run.
+        cache_salt (default: the engine's) isolates prefix-cache sharing per tenant."""
+        text, ids = self.tokenize(prompt)
+        params = dataclasses.replace(params or SamplingParams())
+        if params.seed is None:  # unseeded: a fresh seed per request, fixed for its lifetime
+            params.seed = int(self._rng.integers(0, 2**31 - 1))
+        request = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=ids,
+                          sampling_params=params, priority=params.priority,
+                          cache_salt=cache_salt if cache_salt is not None else self.config.cache_salt)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+        self._requests[request.request_id] = (request, text)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        entry = self._requests.pop(request_id, None)
+        aborted = self.scheduler.abort(request_id)
+        if entry is not None:
+            self.outputs.release(entry[0])
+        if not self.scheduler.has_unfinished():
+            self._settle()
+        return aborted
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns a snapshot of every request that progressed.
+
+        With async_scheduling the next step is planned and launched before this one's tokens are
+        read back (Scheduler.schedule_next: when nothing waits and every running sequence
+        decodes), so the host's planning, batch building and dispatch overlap the device."""
+        t0 = time.perf_counter()
+        if self._in_flight is None:
+            plan = self.scheduler.schedule()
+            if plan.is_empty:
+                self.scheduler.update(plan, [])
+                return []
+            self._in_flight = self._launch(plan)
+        t_launched = time.perf_counter()
+        current = self._in_flight
+        self._in_flight = None
+        if self.config.async_scheduling:
+            plan = self.scheduler.schedule_next(current.plan)
+            if plan is not None:
+                self._in_flight = self._launch(plan, after=current.out)
+        t1 = time.perf_counter()
+        out = self.runner.fetch(current.out, current.num_rows)
+        t2 = time.perf_counter()
+        results = self._apply(current, out)
+        ahead = self._in_flight is not None
+        if ahead and not self.scheduler.has_unfinished():
+            self._settle()  # everything it computes was finished meanwhile: drop it now
+        t3 = time.perf_counter()
+        # Host work while a step ran on the device overlapped it: planning the next step while
+        # `current` ran, and applying `current` while the next one runs.
+        self.host_seconds += (t1 - t0) + (t3 - t2)
+        self.host_overlapped_seconds += (t1 - t_launched) + ((t3 - t2) if ahead else 0.0)
+        self.device_seconds += t2 - t1
+        return results
+
+    def _launch(self, plan: StepPlan, after=None) -> "_Launched":
+        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        copies = page_copies(plan.copies, self.buckets) if plan.copies else None
+        return _Launched(plan, self.runner.dispatch(batch, copies, after), num_rows, offsets)
+
+    def _apply(self, launched: "_Launched", out) -> list[RequestOutput]:
+        """The output processor reads the step's rows first (logprobs, text, stop strings), then
+        the scheduler applies them with the stop strings found."""
+        plan = launched.plan
+        if out.prompt_logprobs is not None:
+            self.outputs.record_prompt_logprobs(plan, launched.offsets, out)
+        now = time.monotonic()
+        stops = self.outputs.process(self.scheduler.accepted_rows(plan), out, now)
+        changed = self.scheduler.update(plan, [int(t) for t in out.token_ids], stops)
+        self.num_steps += 1
+        return self._snapshots(changed, now)
+
+    def _settle(self) -> None:
+        """Read back and apply the step in flight, if any (its sequences are all finished or
+        aborted, so its tokens are dropped): afterwards no plan is outstanding."""
+        if self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            self._apply(launched, self.runner.fetch(launched.out, launched.num_rows))
+
+    def _snapshots(self, changed: list[Request], now: float) -> list[RequestOutput]:
+        results = []
+        for request in changed:
+            if request.is_finished and request.finished_time is None:
+                request.finished_time = now
+            entry = self._requests.get(request.request_id)
+            results.append(self.outputs.snapshot(request, entry[1] if entry else None))
+            if request.is_finished:
+                self._requests.pop(request.request_id, None)
+                self.outputs.release(request)
+        return results
+
+    # ----------------------------------------------------------------- compilation
+    def warmup(self, full: bool = False) -> dict:
+        """Compile step shapes before traffic arrives (Buckets.step_shapes: by default every
+        decode-only and prefill-only bucket; full=True every combination the scheduler can
+        produce) and the copy-on-write copies. No request state changes. Returns counts and
+        seconds."""
+        t0, before = time.perf_counter(), self.runner.compilations
+        shapes = self.runner.warmup(self.buckets, full)
+        return {"shapes": shapes, "compilations": self.runner.compilations - before,
+                "seconds": time.perf_counter() - t0}
+
+    # ----------------------------------------------------------------- introspection
+    def kv_usage(self) -> dict:
+        """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
+        return {**self.scheduler.kv_usage(),
+                "bytes_per_slot": self.model_config.kv_bytes_per_token(self.config.dtype_bytes)}
+
+    def stats(self) -> dict:
+        stats = dict(self.scheduler.stats())
+        stats.update(compilations=self.runner.compilations, steps=self.num_steps,
+                     host_seconds=self.host_seconds, device_seconds=self.device_seconds,
+                     host_overlapped_seconds=self.host_overlapped_seconds,
+                     kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
+                     huge_page_bytes=self.runner.huge_page_bytes)
+        return stats
+
+
+__all__ = ["LLMEngine", "RequestRejected"]

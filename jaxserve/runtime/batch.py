@@ -1,0 +1,177 @@
+"""StepPlan -> StepBatch: fixed-shape numpy arrays padded to a small set of buckets.
+
+This is the only place host plans become arrays; the runner moves them to the device. Layout of
+the T flat tokens: Sd decode rows (one token each, padded to a bucket), then the prefill chunks,
+each starting at a multiple of `query_block` (1 packs them back to back), padded to a token
+bucket. Padded tokens write to scratch page 0. With `Buckets.packed` (an attention backend that
+treats every row alike, "cpu"), decode rows are not split out (Sd = 0): every chunk is packed
+back to back and only the total is padded, so a step of 141 decode rows and 883 prompt tokens is
+1024 tokens, not 256 + 1024.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sequence import Request, Sequence
+from jaxserve.core.step_plan import ScheduledChunk, StepPlan
+from jaxserve.model.attention import AttentionMetadata
+from jaxserve.pytree import pytree_dataclass, static_field
+from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata
+
+
+@pytree_dataclass
+class StepBatch:
+    token_ids: jax.Array  # i32[T]
+    feed_rows: jax.Array  # i32[T] >= 0: the token is the previous step's sample at this row
+    attn: AttentionMetadata
+    logits_indices: jax.Array  # i32[R] flat token whose logits each sample row reads
+    sampling: SamplingMetadata
+    prompt_targets: jax.Array  # i32[T] next prompt token after each token (for prompt logprobs)
+    prompt_logprobs: int = static_field()  # -1: none; k >= 0: return prompt logprobs and top k
+
+
+def build_batch(plan: StepPlan, buckets: Buckets,
+                page_size: int) -> tuple[StepBatch, int, list[int]]:
+    """Returns the padded batch, the number of real sample rows (the first rows of R), and the
+    flat index of each chunk's first token (in plan.chunks order)."""
+    decode = [] if buckets.packed else [c for c in plan.chunks if c.is_decode]
+    prefill = plan.chunks[len(decode):]
+    assert all(not c.is_decode for c in prefill) or buckets.packed, \
+        "decode chunks must come first in the plan"
+    sd = Buckets.fit(buckets.seqs, len(decode))
+    sp = Buckets.fit(buckets.seqs, len(prefill))
+    qb = buckets.query_block
+    tp = Buckets.fit(buckets.tokens, sum(-(-c.num_tokens // qb) * qb for c in prefill))
+    num_rows = sd + sp
+    width = buckets.pages
+    t = sd + tp
+    token_ids = np.zeros(t, np.int32)
+    feed_rows = np.full(t, -1, np.int32)
+    positions = np.zeros(t, np.int32)
+    slots = np.arange(t, dtype=np.int32) % page_size  # padding -> scratch page 0
+    token_row = np.full(t, num_rows, np.int32)
+    page_tables = np.zeros((num_rows, width), np.int32)
+    seq_lens = np.zeros(num_rows, np.int32)
+    query_start = np.zeros(num_rows + 1, np.int32)
+    prompt_targets = np.zeros(t, np.int32)
+    prompt_k = -1
+    rows = []  # (flat index of the token whose logits are sampled, sequence)
+    offsets = []
+
+    def place(row: int, chunk, first: int):
+        seq, n, start = chunk.seq, chunk.num_tokens, chunk.start
+        end = start + n
+        offsets.append(first)
+        pages = seq.page_ids[:math.ceil(end / page_size)]
+        page_tables[row, :len(pages)] = pages
+        seq_lens[row] = end
+        pos = np.arange(start, end, dtype=np.int32)
+        if chunk.feed_row >= 0:  # a decode of the token the step in flight samples
+            feed_rows[first] = chunk.feed_row
+        else:
+            token_ids[first:first + n] = seq.token_ids[start:end]
+        positions[first:first + n] = pos
+        slots[first:first + n] = np.asarray(pages, np.int32)[pos // page_size] * page_size \
+            + pos % page_size
+        token_row[first:first + n] = row
+        nonlocal prompt_k
+        wanted = seq.sampling_params.prompt_logprobs
+        if wanted is not None and start < seq.num_prompt_tokens:
+            prompt_k = max(prompt_k, wanted)
+            targets = seq.token_ids[start + 1:min(end + 1, seq.num_prompt_tokens)]
+            prompt_targets[first:first + len(targets)] = targets
+        rows.extend((first + n - 1, s) for s in chunk.sample_seqs)
+
+    for i, chunk in enumerate(decode):
+        place(i, chunk, i)
+        query_start[i + 1] = i + 1
+    query_start[len(decode) + 1:sd + 1] = len(decode)
+    first = sd
+    for j, chunk in enumerate(prefill):
+        place(sd + j, chunk, first)
+        first += -(-chunk.num_tokens // qb) * qb
+        query_start[sd + j + 1] = first
+    query_start[sd + len(prefill) + 1:] = first
+
+    # Decode rows sample once each; sizing R from (Sd, prefill rows) adds no compile dimension.
+    r = sd + Buckets.fit(buckets.seqs, max(sp, len(rows) - len(decode)))
+    logits_indices = np.zeros(r, np.int32)
+    temperature = np.zeros(r, np.float32)
+    top_k = np.zeros(r, np.int32)
+    top_p = np.ones(r, np.float32)
+    min_p = np.zeros(r, np.float32)
+    seeds = np.zeros(r, np.uint32)
+    forks = np.zeros(r, np.int32)
+    sample_pos = np.zeros(r, np.int32)
+    max_logprobs = -1  # -1: no row wants logprobs
+    for i, (index, seq) in enumerate(rows):
+        sp_ = seq.sampling_params
+        logits_indices[i] = index
+        temperature[i], top_k[i], top_p[i], min_p[i] = sp_.temperature, sp_.top_k, sp_.top_p, sp_.min_p
+        seeds[i] = (sp_.seed or 0) & 0xFFFFFFFF
+        forks[i] = seq.fork_index
+        sample_pos[i] = positions[index] + 1  # forks sampled at a prompt's end share it
+        if sp_.logprobs is not None:
+            max_logprobs = max(max_logprobs, sp_.logprobs)
+    if not rows or np.all(temperature[:len(rows)] == 0):
+        mode = GREEDY
+    elif np.any(top_k[:len(rows)] > 0) or np.any(top_p[:len(rows)] < 1) or np.any(min_p[:len(rows)] > 0):
+        mode = FILTERED
+    else:
+        mode = RANDOM
+    batch = StepBatch(
+        token_ids=token_ids,
+        feed_rows=feed_rows,
+        attn=AttentionMetadata(positions=positions, slot_mapping=slots, page_tables=page_tables,
+                               seq_lens=seq_lens, query_start=query_start, token_row=token_row,
+                               num_decode=sd, query_block=qb),
+        logits_indices=logits_indices,
+        sampling=SamplingMetadata(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+            forks=forks, positions=sample_pos, mode=mode,
+            num_top_logprobs=-1 if max_logprobs < 0 else Buckets.fit(buckets.logprobs,
+                                                                     max_logprobs)),
+        prompt_targets=prompt_targets,
+        prompt_logprobs=-1 if prompt_k < 0 else Buckets.fit((0,) + buckets.logprobs, prompt_k))
+    return batch, len(rows), offsets
+
+
+def page_copies(copies: list[tuple[int, int]], buckets: Buckets) -> tuple[np.ndarray, np.ndarray]:
+    """Copy-on-write (src, dst) pairs -> i32 src, dst arrays padded to a copies bucket with
+    page 0 -> page 0 (a no-op on the scratch page)."""
+    n = Buckets.fit(buckets.copies, len(copies))
+    src, dst = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    for i, (a, b) in enumerate(copies):
+        src[i], dst[i] = a, b
+    return src, dst
+
+
+def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int) -> StepPlan:
+    """A plan of the step shape (Sd, prefill tokens, prefill rows) from Buckets.step_shapes, of
+    greedy dummy sequences that read and write only the scratch page 0."""
+    sd, tp, sp = shape
+    qb = buckets.query_block
+    max_chunk = buckets.pages * page_size
+    max_units = -(-max_chunk // qb)
+    dummy = Request("warmup", [0], SamplingParams(temperature=0))
+
+    def seq(num_tokens: int) -> Sequence:
+        return Sequence(-1, dummy, [0] * num_tokens, 1, page_ids=[0] * buckets.pages)
+
+    plan = StepPlan()
+    for _ in range(sd):
+        s = seq(2)
+        plan.chunks.append(ScheduledChunk(s, 1, 1, [s]))
+    units = min(tp // qb, sp * max_units)  # past the previous bucket, within this one
+    r = min(sp, units)  # rows (each at least one block) that pad to sp
+    for i in range(r):
+        n = min((units // r + (i < units % r)) * qb, max_chunk)  # pads to those blocks
+        s = seq(n)
+        plan.chunks.append(ScheduledChunk(s, 0, n, [s]))
+    return plan

@@ -1,0 +1,101 @@
+"""Buckets: the few sizes each padded dimension of a step may take, so that compilations are
+bounded and can all happen at warm-up (`step_shapes` lists the shapes the scheduler can
+produce)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+
+
+def _powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+def _powers_of_two_and_halves(lo: int, hi: int) -> tuple[int, ...]:
+    """Powers of two from lo and the sizes halfway (3 * 2^k) between them, then hi: at most a
+    third of a bucket is padding, not half."""
+    sizes = {b for b in _powers_of_two(lo, hi) if b < hi}
+    sizes |= {b * 3 // 2 for b in sizes if b % 2 == 0 and b * 3 // 2 < hi}
+    return tuple(sorted(sizes)) + (hi,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    """Allowed sizes per padded dimension; a step takes the smallest that fits."""
+
+    seqs: tuple[int, ...]  # decode rows, prefill rows, sample rows
+    tokens: tuple[int, ...]  # prefill tokens
+    pages: int  # page-table width: the most pages one sequence can hold (attention loops only
+    #             as far as the longest sequence in the step, so the width is not a bucket)
+    query_block: int = 1  # prefill chunks start at multiples of this (see AttentionMetadata)
+    copies: tuple[int, ...] = (4, 32)  # copy-on-write pages per step (at most one per sequence)
+    logprobs: tuple[int, ...] = (1, 5, 20)
+    packed: bool = False  # decode rows packed with the prefill chunks (see the module docstring)
+
+    @classmethod
+    def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
+                   query_block: int = 1, packed: bool = False) -> "Buckets":
+        # Packed, decode-only steps are token buckets too: from 1, so one stream pads nothing.
+        # Every padded token of a packed step runs through the matmuls, so its buckets are
+        # finer (its compiles are cheap).
+        lo = 1 if packed else 16
+        spaced = _powers_of_two_and_halves if packed else _powers_of_two
+        tokens = spaced(lo, max(lo, max_num_batched_tokens))
+        if query_block > 1:  # room for the alignment padding of every prefill row
+            top = tokens[-1] + (query_block - 1) * min(max_num_seqs, tokens[-1])
+            tokens += (-(-top // query_block) * query_block,)
+        copies = tuple(sorted({4, 32, max(4, max_num_seqs)}))
+        assert not (packed and query_block > 1), "packed chunks start anywhere"
+        return cls(seqs=_powers_of_two(1, max_num_seqs), tokens=tokens,
+                   pages=max_pages_per_seq, query_block=query_block, copies=copies, packed=packed)
+
+    @staticmethod
+    def fit(sizes: tuple[int, ...], n: int) -> int:
+        if n == 0:
+            return 0
+        i = bisect.bisect_left(sizes, n)
+        if i == len(sizes):
+            raise ValueError(f"{n} exceeds the largest bucket {sizes[-1]}")
+        return sizes[i]
+
+    def rows_bucket(self, rows: int) -> int:
+        """The rows bucket `rows` rows pad to (the largest bucket when none holds them)."""
+        return Buckets.fit(self.seqs, min(rows, self.seqs[-1]))
+
+    def step_shapes(self, page_size: int, full: bool = False) -> list[tuple[int, int, int]]:
+        """(decode rows Sd, prefill tokens, prefill rows) of the steps to compile at warm-up. By
+        default every decode-only bucket and every prefill-only token bucket with one row;
+        full=True adds every combination of decode rows, prefill tokens and prefill rows the
+        scheduler can produce."""
+        seqs = (0,) + self.seqs
+        tokens = (0,) + self.tokens
+        qb = self.query_block
+        max_units = -(-self.pages * page_size // qb)  # query blocks one row's chunk can span
+        shapes = set()
+        packed = self.packed  # decode rows are one-token chunks: Sd is always 0
+        for sd, (prev, tp) in itertools.product((0,) if packed else seqs,
+                                                zip((0,) + tokens, tokens)):
+            if sd + tp == 0:
+                continue
+            if tp == 0:
+                rows = [0]
+            else:
+                # Rows that can land in this token bucket: each fills whole query blocks, and
+                # none is longer than its page table holds (max_model_len), so sp rows reach
+                # past the previous bucket only if sp * max_units blocks do.
+                # Rows pad to their own buckets, so r <= units rows can take a rows bucket above
+                # units (3 rows in the 3-token bucket are 4 rows).
+                top = self.rows_bucket(tp // qb)
+                fits = [s for s in seqs if 0 < s <= top and s * max_units * qb > prev]
+                rows = fits if full else fits[:1]
+            shapes.update((sd, tp, sp) for sp in rows if full or sd == 0 or tp == 0)
+        if packed and not full:  # decode-only steps: as many one-token rows as tokens
+            shapes.update((0, Buckets.fit(self.tokens, r), self.rows_bucket(r))
+                          for r in range(1, min(self.seqs[-1], self.tokens[-1]) + 1))
+        return sorted(shapes)

@@ -1,0 +1,196 @@
+"""ModelRunner: owns every device array (params, KV pool) and the one jitted step.
+
+step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
+pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
+before they were read back (async scheduling). Shapes come from the batch buckets; each new
+shape signature is one compilation, counted in `compilations`. The jitted step is shared by
+every runner of the same model config and backend in the process, so a second engine (a
+benchmark's ablation variant, a test) reuses what the first compiled; `compilations` still
+counts the shapes this runner met.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxserve import backends
+from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
+from jaxserve.config import ModelConfig
+from jaxserve.model import llama
+from jaxserve.model.kv_cache import KVCache, KVPool
+from jaxserve.model.quantize import quantize
+from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
+from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.sampling import sample
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass
+class StepOutput:
+    """Host copies of what one step sampled, first `num_rows` rows only."""
+
+    token_ids: np.ndarray  # i32[rows]
+    logprobs: np.ndarray  # f32[rows] logprob of each sampled token
+    top_ids: np.ndarray  # i32[rows, K]
+    top_logprobs: np.ndarray  # f32[rows, K]
+    # With batch.prompt_logprobs >= 0, per flat token: logprob of the next prompt token, top k.
+    prompt_logprobs: np.ndarray | None = None  # f32[T]
+    prompt_top_ids: np.ndarray | None = None  # i32[T, k]
+    prompt_top_logprobs: np.ndarray | None = None  # f32[T, k]
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def _copy_pages(pool: KVPool, src, dst) -> KVPool:
+    """Copy-on-write: page src[i] -> dst[i] in every layer and head. Its own small jitted call
+    (copies are rare: forks, prefix hits ending mid-page), so the step's shapes do not multiply
+    by the copies buckets."""
+    def copy(x):
+        return x.at[:, dst].set(x[:, src], mode="promise_in_bounds")
+
+    return KVPool(tuple(KVCache(copy(c.k), copy(c.v)) for c in pool.layers))
+
+
+def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str):
+    # Tokens sampled by the previous step (still in flight when this one was planned) come in
+    # as `feed`, the previous step's padded sample ids, and go out the same way.
+    token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
+                          batch.token_ids)
+    pool, hidden = llama.forward(params, pool, token_ids, batch.attn, cfg=cfg, backend=backend)
+    logits = llama.logits(params, hidden[batch.logits_indices])
+    out = {"sampled": sample(logits, batch.sampling, backend)}
+    ids = out["sampled"][0]
+    out["feed"] = jnp.zeros_like(feed).at[:ids.shape[0]].set(ids)
+    if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
+        logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
+        target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
+        top_lp, top_ids = jax.lax.top_k(logprobs, max(batch.prompt_logprobs, 1))
+        k = batch.prompt_logprobs
+        out["prompt"] = (target, top_ids[:, :k], top_lp[:, :k])
+    return pool, out
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_step(cfg: ModelConfig, backend: str):
+    return jax.jit(functools.partial(_step, cfg=cfg, backend=backend), donate_argnames=("pool",))
+
+
+def release_compiled_steps() -> None:
+    """Drop every compiled step in this process, JAX's in-memory caches included. A compiled
+    step of the unrolled model holds hundreds of memory mappings, and a process may hold
+    vm.max_map_count (65530): a benchmark that builds engine after engine with different buckets
+    would die in LLVM ("Cannot allocate memory"). Later compiles of the same shapes load from
+    the on-disk compilation cache."""
+    _jitted_step.cache_clear()
+    jax.clear_caches()
+
+
+def _use_compilation_cache() -> None:
+    """Keep compiled steps on disk across processes (JAX's persistent compilation cache), in
+    $XDG_CACHE_HOME/jaxserve/xla unless JAX_COMPILATION_CACHE_DIR already names a directory:
+    the unrolled model compiles slowly and loads from the cache much faster."""
+    if jax.config.jax_compilation_cache_dir is None:
+        root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jaxserve", "xla"))
+    # JAX caches only compiles over 1 s by default; the cpu backend's steps compile in under
+    # a second each, so none would be kept.
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def _signature(batch: StepBatch) -> tuple:
+    leaves, treedef = jax.tree_util.tree_flatten(batch)
+    return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
+
+
+def prepare_params(params: dict, quantization: str, backend: str) -> dict:
+    """The loaders' params -> what the step runs: quantized, in the model's execution layout,
+    then packed for the backend's matmul (host numpy arrays still)."""
+    params = llama.per_layer_params(quantize(params, quantization))
+    pack = backends.get(backend).pack_params
+    return pack(params) if pack is not None else params
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
+                 dtype: str = "float32", backend: str = "xla", quantization: str = "none",
+                 max_sample_rows: int = 512, huge_pages: bool = False):
+        _use_compilation_cache()
+        self.cfg = cfg
+        self.dtype = DTYPES[dtype]
+        self.params = jax.tree_util.tree_map(self._to_device,
+                                             prepare_params(params, quantization, backend))
+        self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size,
+                                 cfg.head_dim, self.dtype)
+        self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
+        self._step = _jitted_step(cfg, backend)
+        self._no_feed = jnp.zeros(max_sample_rows, jnp.int32)  # the feed of a step planned alone
+        self._signatures: set = set()
+        # Only the weights: they are streamed whole every step. The pool's pages are read in
+        # scattered small runs, which 2 MiB pages do not speed up, and collapsing a large pool
+        # would add seconds to every start.
+        self.huge_page_bytes = collapse_into_huge_pages(
+            jax.tree_util.tree_leaves(self.params)) if huge_pages else 0
+
+    def _to_device(self, x):
+        x = np.asarray(x)
+        return jnp.asarray(x, self.dtype if np.issubdtype(x.dtype, np.floating) else x.dtype)
+
+    @property
+    def compilations(self) -> int:
+        return len(self._signatures)
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return self.pool.nbytes
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+
+    def dispatch(self, batch: StepBatch, copies=None, after=None):
+        """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
+        if any; returns device arrays (JAX dispatch is async). `after` is the output of the
+        previous step when this one feeds on its samples (batch.feed_rows)."""
+        if copies is not None:
+            self.copy_pages(*copies)
+        self._signatures.add(_signature(batch))
+        feed = self._no_feed if after is None else after["feed"]
+        self.pool, out = self._step(self.params, pool=self.pool, batch=batch, feed=feed)
+        return out
+
+    def copy_pages(self, src, dst) -> None:
+        self._signatures.add(("copies", len(src)))
+        self.pool = _copy_pages(self.pool, src, dst)
+
+    @staticmethod
+    def fetch(out, num_rows: int) -> StepOutput:
+        """Block on a dispatched step and copy its first num_rows rows to the host."""
+        out = jax.device_get({k: v for k, v in out.items() if k != "feed"})
+        ids, lp, top_ids, top_lp = out["sampled"]
+        result = StepOutput(ids[:num_rows], lp[:num_rows], top_ids[:num_rows], top_lp[:num_rows])
+        if "prompt" in out:
+            result.prompt_logprobs, result.prompt_top_ids, result.prompt_top_logprobs = out["prompt"]
+        return result
+
+    def execute(self, batch: StepBatch, num_rows: int, copies=None) -> StepOutput:
+        return self.fetch(self.dispatch(batch, copies), num_rows)
+
+    def warmup(self, buckets: Buckets, full: bool = False) -> int:
+        """Compile the step shapes of Buckets.step_shapes and every copies bucket, on dummy
+        plans that use only the scratch page 0 (no request state changes). Returns how many
+        shapes were run."""
+        shapes = buckets.step_shapes(self.page_size, full)
+        for shape in shapes:
+            batch, rows, _ = build_batch(warmup_plan(shape, buckets, self.page_size), buckets,
+                                         self.page_size)
+            self.execute(batch, rows)
+        for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
+            self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))
+        return len(shapes) + len(buckets.copies)

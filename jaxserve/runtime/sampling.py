@@ -1,0 +1,89 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-row seeds.
+
+Each row's randomness comes only from (seed, fork index, position), so a seeded request samples
+the same tokens whatever else shares its batch. Only sampled ids and logprobs leave the device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxserve import backends
+from jaxserve.pytree import pytree_dataclass, static_field
+
+GREEDY, RANDOM, FILTERED = "greedy", "random", "filtered"  # static sampling modes
+
+
+@pytree_dataclass
+class SamplingMetadata:
+    temperature: jax.Array  # f32[R]; 0 = greedy
+    top_k: jax.Array  # i32[R]; 0 = off
+    top_p: jax.Array  # f32[R]; 1 = off
+    min_p: jax.Array  # f32[R]; 0 = off
+    seeds: jax.Array  # u32[R]
+    forks: jax.Array  # i32[R] fork index of the row's sequence
+    positions: jax.Array  # i32[R] position of the token being sampled
+    mode: str = static_field()  # GREEDY: all rows greedy; RANDOM: no filters; FILTERED
+    # Top logprobs to return per row; 0: only the sampled token's; -1: no logprobs at all (no
+    # row asked for them, so the logsumexp over the vocabulary is skipped).
+    num_top_logprobs: int = static_field()
+
+
+def _filter(logits, md: SamplingMetadata):
+    """Mask logits outside top-k, top-p (nucleus) and min-p; one descending sort per row."""
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    rank = jnp.arange(logits.shape[-1])[None, :]
+    keep = (md.top_k[:, None] <= 0) | (rank < md.top_k[:, None])
+    # Nucleus: keep a token while the mass before it is below top_p (the top token always stays).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < md.top_p[:, None]
+    keep &= probs >= md.min_p[:, None] * probs[:, :1]
+    masked_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
+    inverse = jnp.argsort(order, axis=-1)
+    return jnp.take_along_axis(masked_sorted, inverse, axis=-1)
+
+
+def _top(logits, num_top: int, backend: str):
+    """The num_top >= 1 largest logits and their ids per row (lowest index among ties)."""
+    argmax = backends.get(backend).argmax
+    if num_top == 1 and argmax is not None:
+        ids, top = argmax(logits)
+        return top[:, None], ids[:, None]
+    top_logits, top_ids = jax.lax.top_k(logits, num_top)
+    return top_logits, top_ids.astype(jnp.int32)
+
+
+def sample(logits, md: SamplingMetadata, backend: str = "xla"):
+    """logits f32[R, V] -> (token ids i32[R], chosen logprob f32[R], top ids i32[R, K],
+    top logprobs f32[R, K]). Logprobs are of the model's distribution before filtering; all zeros
+    when md.num_top_logprobs < 0.
+
+    A logprob is logit - logsumexp(logits): the [R, V] log-softmax is never materialised, and the
+    greedy choice is the top logit (lowest index among ties, as argmax): the backend's argmax where
+    it has one (XLA's CPU top_k is slow over a vocabulary), else top_k, which XLA runs faster
+    than argmax. One top_k serves both the greedy choice and the top logprobs."""
+    num_top = max(md.num_top_logprobs, 0)
+    top_logits, top_ids = _top(logits, max(num_top, 1), backend)
+    greedy_ids = top_ids[:, 0]
+    if md.mode == GREEDY:
+        ids, chosen_logit = greedy_ids, top_logits[:, 0]
+    else:
+        scaled = logits / jnp.maximum(md.temperature, 1e-6)[:, None]
+        if md.mode == FILTERED:
+            scaled = _filter(scaled, md)
+
+        def row_key(seed, fork, pos):
+            key = jax.random.key(seed)
+            return jax.random.fold_in(jax.random.fold_in(key, fork), pos)
+
+        keys = jax.vmap(row_key)(md.seeds, md.forks, md.positions)
+        sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled)
+        ids = jnp.where(md.temperature == 0.0, greedy_ids, sampled.astype(jnp.int32))
+        chosen_logit = jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0]
+    if md.num_top_logprobs < 0:
+        return ids, jnp.zeros_like(chosen_logit), top_ids[:, :0], top_logits[:, :0]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return ids, chosen_logit - lse, top_ids[:, :num_top], top_logits[:, :num_top] - lse[:, None]

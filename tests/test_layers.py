@@ -1,0 +1,64 @@
+"""The package's layers as the code imports them: the host core runs without JAX, and the model
+imports no backend."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_core_imports_without_jax():
+    """Every jaxserve.core module imports in a process where `import jax` (and numpy's device
+    cousins) fail."""
+    modules = sorted(p.stem for p in (ROOT / "jaxserve" / "core").glob("*.py")
+                     if p.stem != "__init__")
+    assert {"scheduler", "kv_manager", "page_pool", "output_processor"} <= set(modules)
+    code = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("jax", "jaxlib", "flax", "orbax"):
+            raise ImportError(f"{{name}} is blocked in this test")
+sys.meta_path.insert(0, Block())
+import importlib
+for m in {modules!r}:
+    importlib.import_module("jaxserve.core." + m)
+assert not any(n.split(".")[0] in ("jax", "jaxlib") for n in sys.modules), "jax was imported"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_model_imports_no_backend_and_core_no_runtime():
+    for path in (ROOT / "jaxserve" / "model").glob("*.py"):
+        specific = {m for m in _imports(path) if m.startswith("jaxserve.backends.")}
+        assert not specific, f"{path.name} imports {specific}"
+    for path in (ROOT / "jaxserve" / "core").glob("*.py"):
+        upward = {m for m in _imports(path)
+                  if m.startswith(("jaxserve.runtime", "jaxserve.engine", "jaxserve.model",
+                                   "jaxserve.backends", "jaxserve.server"))}
+        assert not upward, f"core/{path.name} imports {upward}"
+
+
+def test_no_source_file_over_450_lines():
+    sources = [p for pattern in ("jaxserve/**/*.py", "pallas_kernels/**/*.py",
+                                 "jaxserve/**/*.cc", "jaxserve/**/*.h")
+               for p in ROOT.glob(pattern)]
+    assert len(sources) > 40
+    long = {str(p.relative_to(ROOT)): n for p in sources
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, long
