@@ -174,6 +174,12 @@ def run_batch(engine: LLMEngine, input_path: str, output_path: str, *,
                 line.finals[line.request_ids.index(out.request_id)] = out
                 if all(f is not None for f in line.finals):
                     live -= 1
+                    failed = [f.error for f in line.finals if f.error is not None]
+                    if failed:  # the engine failed this request alone
+                        emit(line.index, _api_error(line.custom_id, APIError(
+                            f"the request failed: {failed[0]}", status=500,
+                            type="internal_error", code="request_failed")))
+                        continue
                     body = ResponseBuilder(line.parsed, ctx).response(line.finals)
                     emit(line.index, _result(line.custom_id, response={
                         "status_code": 200, "request_id": body["id"], "body": body}))

@@ -18,6 +18,13 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m", **engine_options: Any):
         self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options))
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> "LLM":
+        """The offline API over an engine built elsewhere (e.g. from a LoadedModel)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        return llm
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
@@ -44,7 +51,7 @@ class LLM:
             for (text, token_ids), p in zip(tokenized, params):
                 prompt = {"prompt_token_ids": token_ids, "prompt": text}
                 added.append(self.engine.add_request(prompt, p).request_id)
-        except ValueError:
+        except BaseException:
             for rid in added:
                 self.engine.abort(rid)
             raise
@@ -69,17 +76,21 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(request_ids), desc="requests", unit="req")
-        while pending:
-            if not self.engine.has_unfinished():
-                raise RuntimeError(f"engine stopped with {len(pending)} request(s) unfinished")
-            for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    final[out.request_id] = out
-                    pending.discard(out.request_id)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while pending:
+                if not self.engine.has_unfinished():
+                    raise RuntimeError(f"engine stopped with {len(pending)} request(s) unfinished")
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        finally:  # an exception (or Ctrl-C) leaves no request of this call behind
+            for rid in pending:
+                self.engine.abort(rid)
+            if bar is not None:
+                bar.close()
         return [final[rid] for rid in request_ids]
 
     def stats(self) -> dict:

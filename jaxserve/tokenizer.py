@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import numbers
 import os
 from typing import Any, Iterable, Sequence
 
@@ -65,6 +66,14 @@ def _token_content(tok: Any) -> str | None:
     if isinstance(tok, dict):
         return tok.get("content")
     return tok
+
+
+def check_unicode(text: str, what: str) -> None:
+    """ValueError if `text` cannot be encoded as UTF-8 (a lone surrogate such as "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {e.reason} at index {e.start}") from None
 
 
 class ChatTemplateError(ValueError):
@@ -224,6 +233,7 @@ class Tokenizer:
     # --- text <-> ids -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        check_unicode(text, "the text")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -326,14 +336,18 @@ def tokenize_prompt(tokenizer: Tokenizer, prompt, vocab_size: int) -> tuple[str 
     vocabulary."""
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of integer token ids")
+            ids = [int(t) for t in ids]
             if any(t < 0 or t >= vocab_size for t in ids):
                 raise ValueError(f"prompt_token_ids must be in [0, {vocab_size})")
             return prompt.get("prompt"), ids
         prompt = prompt.get("prompt")
     if isinstance(prompt, str):
         return prompt, tokenizer.encode(prompt)
-    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, (list, tuple)):
         return tokenize_prompt(tokenizer, {"prompt_token_ids": prompt}, vocab_size)
     raise TypeError(f"a prompt is a string, a list of token ids or a dict with 'prompt' or "
                     f"'prompt_token_ids'; got {type(prompt).__name__}")

@@ -32,10 +32,10 @@ def test_chat_answers_paris(default_model_path):
 
 
 @pytest.mark.parametrize("flag,message", [
-    ("--temperature=-1", "temperature must be >= 0"),
-    ("--top_p=0", "top_p must be in (0, 1]"),
-    ("--top_p=1.5", "top_p must be in (0, 1]"),
-    ("--max_tokens=0", "max_tokens must be an integer >= 1"),
+    ("--temperature=-1", "temperature must be a finite number in [0, 10000]"),
+    ("--top_p=0", "top_p must be a finite number in (0, 1]"),
+    ("--top_p=1.5", "top_p must be a finite number in (0, 1]"),
+    ("--max_tokens=0", "max_tokens must be an integer in [1, 2147483647]"),
     ("--model=no-such-model", "no-such-model"),
     ("--model=/nonexistent/model.gguf", "/nonexistent/model.gguf"),
     ("--page_size=0", "page_size must be >= 1"),

@@ -10,11 +10,8 @@ limits shares the same engine loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
-import socket
-import threading
 import time
 
 import numpy as np
@@ -26,30 +23,12 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
+from serving import serve_app  # noqa: E402
+
 MODEL = "smollm2-135m"
 API_KEY = "test-key-123"
 # Absolute tolerance: float32 engine vs float32 transformers on the same dequantised weights.
 LOGPROB_TOL = 2e-3
-
-
-@contextlib.contextmanager
-def _serve(app):
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +46,7 @@ def server(engine):
 
     aengine = AsyncEngine(engine)
     app = build_app(aengine, ServerConfig())
-    with _serve(app) as url:
+    with serve_app(app) as url:
         yield type("Server", (), {"url": url, "app": app, "aengine": aengine})
     aengine.shutdown()
 
@@ -84,7 +63,7 @@ def locked_server(server):
 
     app = build_app(server.aengine, ServerConfig(api_key=API_KEY, max_body_bytes=2000,
                                                  max_tokens_limit=8))
-    with _serve(app) as url:
+    with serve_app(app) as url:
         yield url
 
 

@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 
+import uvicorn
 from absl import flags
 
 from jaxserve.cli import engine_flags  # noqa: F401  (defines the engine flags)
 
 flags.DEFINE_string("host", "127.0.0.1", "Address to bind (loopback unless told otherwise).")
 flags.DEFINE_integer("port", 8000, "TCP port.")
-flags.DEFINE_string("api_key", None, "Require 'Authorization: Bearer <key>' on /v1 and /debug "
-                    "(default: env JAXSERVE_API_KEY).")
+flags.DEFINE_multi_string("api_key", None,
+                          "Require 'Authorization: Bearer <key>' on /v1, /debug and the docs; "
+                          "repeat for several keys, each its own tenant (default: env "
+                          "JAXSERVE_API_KEY).")
+flags.DEFINE_string("api_key_file", None,
+                    "A file of 'key tenant' lines: each tenant's prefix-cache salt is derived "
+                    "from its name, so tenants share no cached pages.")
+flags.DEFINE_float("shutdown_timeout", 30.0,
+                   "On SIGINT/SIGTERM: stop accepting, let live requests finish for this many "
+                   "seconds, then fail the rest with errors and exit 0. A second signal exits "
+                   "at once.")
 flags.DEFINE_integer("max_body_bytes", 4 * 1024 * 1024, "Largest request body accepted.")
 flags.DEFINE_integer("max_tokens_limit", None,
                      "Largest max_tokens accepted (default: the context).")
@@ -26,27 +38,66 @@ flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", 
 FLAGS = flags.FLAGS
 
 
+class DrainingServer(uvicorn.Server):
+    """The first SIGINT/SIGTERM drains (no new requests; live ones get shutdown_timeout seconds,
+    then OpenAI-shaped errors); a second fails what is left and exits at once."""
+
+    def __init__(self, config, aengine, shutdown_timeout: float):
+        super().__init__(config)
+        self.aengine, self.shutdown_timeout = aengine, shutdown_timeout
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        """SIGINT and SIGTERM go to handle_exit while serving; unlike uvicorn's own, the signal
+        is not raised again afterwards: a drained shutdown exits 0."""
+        original = {sig: signal.signal(sig, self.handle_exit)
+                    for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame):
+        if not self.should_exit:
+            print(f"jaxserve serve: shutting down, waiting up to {self.shutdown_timeout:g} s for "
+                  "live requests (a second signal exits at once)", file=sys.stderr)
+            self.aengine.drain(self.shutdown_timeout)
+            self.should_exit = True
+        else:  # every live request answered now; uvicorn then closes its idle connections
+            self.aengine.abort_all("the server is shutting down")
+
+
 def main(argv):
     del argv
-    import uvicorn
 
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
+    from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server import ServerConfig, build_app
+    from jaxserve.server.app import read_api_keys
 
     try:
+        keys = [(k, f"key{i}") for i, k in enumerate(FLAGS.api_key or [])]
+        if FLAGS.api_key_file:
+            keys += read_api_keys(FLAGS.api_key_file)
+        env_key = os.environ.get("JAXSERVE_API_KEY")
         server_config = ServerConfig(
-            api_key=FLAGS.api_key or os.environ.get("JAXSERVE_API_KEY") or None,
+            api_key=env_key if env_key and not keys else None, api_keys=tuple(keys),
             max_body_bytes=FLAGS.max_body_bytes, max_tokens_limit=FLAGS.max_tokens_limit,
             served_model_names=tuple(FLAGS.served_model_name) if FLAGS.served_model_name else None)
         engine = LLMEngine(EngineConfig.from_options(**engine_flags.engine_options()))
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2
     if FLAGS.compile_warmup != "none":
         report = engine.warmup(full=FLAGS.compile_warmup == "full")
         print(f"jaxserve serve: compiled {report['compilations']} step shapes in "
               f"{report['seconds']:.1f} s", file=sys.stderr)
-    app = build_app(engine, server_config)
-    uvicorn.run(app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level)
+    aengine = AsyncEngine(engine)
+    app = build_app(aengine, server_config)
+    config = uvicorn.Config(app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level,
+                            timeout_graceful_shutdown=FLAGS.shutdown_timeout + 5)
+    DrainingServer(config, aengine, FLAGS.shutdown_timeout).run()
+    aengine.shutdown()
     return 0

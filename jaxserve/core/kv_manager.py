@@ -26,6 +26,7 @@ class KVManager:
         self.page_size = page_size
         self.cache = cache
         self._keys: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full computed pages
+        self.peak_referenced_pages = 0
         self._salt: dict[int, str | None] = {}
 
     # ---- sizing ---------------------------------------------------------------------------------
@@ -151,8 +152,23 @@ class KVManager:
         else:
             self.pool.release_pending()
             self.pool.defer_frees(None)
+        self.peak_referenced_pages = max(self.peak_referenced_pages, self.pool.num_referenced)
 
     # ---- introspection ----------------------------------------------------------------------------
+    def page_stats(self) -> dict:
+        pool = self.pool
+        return dict(
+            total_pages=pool.num_usable,  # usable pages: the scratch page 0 is excluded
+            scratch_pages=1,
+            page_size=self.page_size,
+            free_pages=pool.num_free + pool.num_pending,
+            pending_free_pages=pool.num_pending,
+            cached_pages=pool.num_evictable,
+            cached_pages_findable=self.cache.num_cached if self.cache else 0,
+            referenced_pages=pool.num_referenced,
+            evictions=pool.num_evictions,
+            peak_referenced_pages=self.peak_referenced_pages)
+
     def usage(self, live_seqs: list[Sequence]) -> dict:
         """The pool right now, in slots: useful (computed tokens, shared pages counted once), tail
         fragmentation (allocated to live sequences but empty), cached-unreferenced and free

@@ -57,29 +57,39 @@ class OutputProcessor:
         self._texts: dict[int, SequenceText] = {}
         self._token_times: dict[str, list[float]] = {}
 
-    def process(self, rows: list[tuple[int, Sequence]], out, now: float) -> dict[int, str]:
+    def process(self, rows: list[tuple[int, Sequence]], out,
+                now: float) -> tuple[dict[int, str], dict[str, str]]:
         """A step's sample rows that the scheduler will apply ((row, sequence) pairs from
         Scheduler.accepted_rows), with the step's output `out` (token_ids, logprobs, top_ids,
         top_logprobs per row): records logprobs and token times and detokenizes each token.
-        Returns {seq_id: stop string} for the sequences a stop string finishes."""
-        stops = {}
+        Returns ({seq_id: stop string} for the sequences a stop string finishes, {request_id:
+        error} for the requests whose row could not be processed: they fail alone)."""
+        stops, errors = {}, {}
         for row, seq in rows:
-            token = int(out.token_ids[row])
-            k = seq.sampling_params.logprobs
-            if k is not None:
-                entry = {int(t): float(lp) for t, lp in zip(out.top_ids[row][:k],
-                                                              out.top_logprobs[row])}
-                entry[token] = float(out.logprobs[row])
-                seq.output_logprobs.append(entry)
-            if seq.fork_index == 0:
-                self._token_times.setdefault(seq.request.request_id, []).append(now)
-            st = self._texts.get(seq.seq_id)
-            if st is None:
-                st = self._texts[seq.seq_id] = SequenceText(self.tokenizer, seq)
-            stop = st.add(token)
+            try:
+                stop = self._process_row(seq, row, out, now)
+            except Exception as e:  # noqa: BLE001 - a bad row fails its request, not the step
+                errors[seq.request.request_id] = f"processing its output failed: {e!r}"
+                continue
             if stop is not None:
                 stops[seq.seq_id] = stop
-        return stops
+        return stops, errors
+
+    def _process_row(self, seq: Sequence, row: int, out, now: float) -> str | None:
+        """Logprobs, token time and text of one row's token; the stop string it completes."""
+        token = int(out.token_ids[row])
+        k = seq.sampling_params.logprobs
+        if k is not None:
+            entry = {int(t): float(lp) for t, lp in zip(out.top_ids[row][:k],
+                                                          out.top_logprobs[row])}
+            entry[token] = float(out.logprobs[row])
+            seq.output_logprobs.append(entry)
+        if seq.fork_index == 0:
+            self._token_times.setdefault(seq.request.request_id, []).append(now)
+        st = self._texts.get(seq.seq_id)
+        if st is None:
+            st = self._texts[seq.seq_id] = SequenceText(self.tokenizer, seq)
+        return st.add(token)
 
     @staticmethod
     def record_prompt_logprobs(plan: StepPlan, offsets: list[int], out) -> None:
@@ -128,7 +138,7 @@ class OutputProcessor:
             prompt_token_ids=list(request.prompt_token_ids), outputs=outputs,
             finished=request.is_finished, metrics=metrics,
             num_cached_tokens=seq0.num_cached_tokens if seq0 else 0,
-            prompt_logprobs=request.prompt_logprobs)
+            prompt_logprobs=request.prompt_logprobs, error=request.error)
 
     def release(self, request: Request) -> None:
         for seq in request.sequences:

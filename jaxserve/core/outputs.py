@@ -10,7 +10,7 @@ class CompletionOutput:
     index: int  # which of the request's n samples
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"; None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     # Per generated token: {token_id: logprob} holding the chosen token and the top-k.
     logprobs: list[dict[int, float]] | None = None
@@ -57,3 +57,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Prompt logprobs (echo scoring): None for the first token, then {token_id: logprob} per token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    error: str | None = None  # set when this request failed on its own (finish_reason "error")

@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+
+from jaxserve.tokenizer import check_unicode
+
+INT32_MAX = 2**31 - 1
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 1e4  # beyond it every distribution is uniform to float32
+
 
 
 @dataclasses.dataclass
@@ -31,26 +40,41 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        def check(ok: bool, msg: str):
-            if not ok:
-                raise ValueError(msg)
+        """ValueError unless every field is of its type and in range: integers that reach int32
+        arrays fit them, floats are finite (NaN and infinities are refused)."""
+        def integer(name, lo, hi=INT32_MAX, optional=False):
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
+                    or not lo <= value <= hi:
+                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
 
-        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n}")
-        check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0,
-              f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k}")
-        check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-              f"max_tokens must be an integer >= 1, got {self.max_tokens}")
-        check(self.logprobs is None or 0 <= self.logprobs <= 20,
-              f"logprobs must be in [0, 20], got {self.logprobs}")
-        check(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
-              f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-              "stop_token_ids must be non-negative integers")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed}")
+        def real(name, lo, hi, lo_open=False):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+                    or not math.isfinite(value) or not (lo < value if lo_open else lo <= value) \
+                    or value > hi:
+                interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+                raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
+
+        integer("n", 1)
+        real("temperature", 0.0, MAX_TEMPERATURE)
+        real("top_p", 0.0, 1.0, lo_open=True)
+        integer("top_k", 0)
+        real("min_p", 0.0, 1.0)
+        integer("max_tokens", 1, optional=True)
+        integer("logprobs", 0, MAX_LOGPROBS, optional=True)
+        integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
+        integer("seed", -2**63, 2**64 - 1, optional=True)  # any 64-bit seed; hashed to 32 bits
+        integer("priority", -INT32_MAX, INT32_MAX)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+        for s in self.stop:
+            check_unicode(s, "a stop string")
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                   and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:

@@ -69,10 +69,10 @@ class Scheduler:
         self._outstanding: dict[int, tuple[int, StepPlan]] = {}  # id(plan) -> (step, plan)
         self._in_flight: Counter[int] = Counter()  # seq id -> its chunks in outstanding plans
         self._finished_unreported: list[Request] = []
-        self.peak_referenced_pages = 0
         self.counters = dict(num_preempted_total=0, num_aborted_total=0, num_finished_total=0,
-                             num_rejected_total=0, prefix_cache_queries=0, prefix_cache_hits=0,
-                             num_steps=0, num_cow_copies=0, num_scheduled_ahead=0)
+                             num_rejected_total=0, num_failed_total=0, prefix_cache_queries=0,
+                             prefix_cache_hits=0, num_steps=0, num_cow_copies=0,
+                             num_scheduled_ahead=0)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -94,16 +94,29 @@ class Scheduler:
         self._num_arrivals += 1
         self.waiting.append(seq)
 
-    def abort(self, request_id: str) -> bool:
-        """Abort a live request wherever it is; frees everything. False if unknown or finished."""
+    def abort(self, request_id: str, error: str | None = None) -> bool:
+        """Abort a live request wherever it is, or with `error` fail it; frees everything. False
+        if unknown or finished."""
         request = self._requests.get(request_id)
         if request is None:
             return False
+        request.error = error
+        status = SequenceStatus.FINISHED_ABORTED if error is None else SequenceStatus.FINISHED_ERROR
         for seq in request.sequences:
             if not seq.is_finished:
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        self.counters["num_aborted_total"] += 1
+                self._finish(seq, status)
+        self.counters["num_aborted_total" if error is None else "num_failed_total"] += 1
         return True
+
+    def drop_kv(self, error: str) -> list[Request]:
+        """The device pool's contents are lost (a failed step had it donated): every running
+        request fails with `error`, and the prefix cache forgets every page. Returns them."""
+        failed = list({s.request.request_id: s.request for s in self.running}.values())
+        for request in failed:
+            self.abort(request.request_id, error)
+        if self.cache is not None:
+            self.cache.clear()
+        return failed
 
     def has_unfinished(self) -> bool:
         return bool(self._requests) or bool(self._finished_unreported)
@@ -327,7 +340,6 @@ class Scheduler:
             touched.setdefault(request.request_id, request)
         self._finished_unreported = []
         self.kv.steps_applied([step for step, _ in self._outstanding.values()])
-        self.peak_referenced_pages = max(self.peak_referenced_pages, self.pool.num_referenced)
         return list(touched.values())
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -429,22 +441,9 @@ class Scheduler:
         return self.kv.usage(self.live_sequences())
 
     def stats(self) -> dict:
-        pool = self.pool
         queries = self.counters["prefix_cache_queries"]
         return dict(
-            total_pages=pool.num_usable,  # usable pages: the scratch page 0 is excluded
-            scratch_pages=1,
-            page_size=self.page_size,
-            free_pages=pool.num_free + pool.num_pending,
-            pending_free_pages=pool.num_pending,
-            cached_pages=pool.num_evictable,
-            cached_pages_findable=self.cache.num_cached if self.cache else 0,
-            referenced_pages=pool.num_referenced,
-            running=len(self.running),
-            waiting=len(self.waiting),
+            **self.kv.page_stats(), running=len(self.running), waiting=len(self.waiting),
             preemptions=self.counters["num_preempted_total"],
             prefix_cache_hit_rate=self.counters["prefix_cache_hits"] / queries if queries else 0.0,
-            evictions=pool.num_evictions,
-            peak_referenced_pages=self.peak_referenced_pages,
-            **self.counters,
-        )
+            **self.counters)

@@ -16,11 +16,12 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"  # EOS, stop token or stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context length
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request alone failed (Request.error says why)
 
     @property
     def finished(self) -> bool:
         return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
-                        SequenceStatus.FINISHED_ABORTED)
+                        SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_ERROR)
 
     @property
     def finish_reason(self) -> str | None:
@@ -79,6 +80,7 @@ class Request:
     cache_salt: str | None = None
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
     prompt_logprobs: list | None = None
+    error: str | None = None  # why the request failed (its sequences are FINISHED_ERROR)
     # Timestamps (time.monotonic) for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

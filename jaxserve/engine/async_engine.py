@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 from typing import Any, Callable, Protocol
@@ -20,6 +21,9 @@ from typing import Any, Callable, Protocol
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
+
+
+log = logging.getLogger("jaxserve.engine")
 
 
 class EngineOverloaded(Exception):
@@ -85,6 +89,7 @@ class AsyncEngine:
         self._progress: dict[str, tuple[int, int]] = {}  # request id -> (prompt, output tokens)
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self.draining = False  # shutting down: no new requests; live ones finish or time out
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -102,18 +107,33 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def drain(self, timeout: float) -> None:
+        """Refuse new requests from now on; fail what is still live after `timeout` seconds
+        (with EngineDead: an OpenAI-shaped error for each client)."""
+        self.draining = True
+        timer = threading.Timer(timeout, self.abort_all,
+                                args=(f"the server shut down after waiting {timeout:g} s",))
+        timer.daemon = True
+        timer.start()
+
+    def abort_all(self, reason: str) -> None:
+        """Fail every live request at once with EngineDead(reason)."""
+        self.draining = True
+        self._submit(("fail_all", reason))
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     # ---- the asyncio side
-    async def add(self, prompts: list[dict], params: SamplingParams) -> RequestGroup:
+    async def add(self, prompts: list[dict], params: SamplingParams,
+                  cache_salt: str | None = None) -> RequestGroup:
         """Queue the prompts as one group. Raises ValueError (RequestRejected) if the engine can
         never run one of them, EngineOverloaded if the waiting queue is full; nothing is queued
         then."""
         self.start()
         group = RequestGroup(self, f"g{next(self._ids)}", len(prompts))
-        await self._call(("add", group, prompts, params))
+        await self._call(("add", group, prompts, params, cache_salt))
         return group
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -124,6 +144,8 @@ class AsyncEngine:
     async def _call(self, command: tuple) -> Any:
         if not self.alive or self._stop.is_set():
             raise EngineDead(f"the engine loop is not running ({self.last_error!r})")
+        if self.draining and command[0] == "add":
+            raise EngineDead("the server is shutting down")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(command + (future,))
         return await asyncio.wrap_future(future)
@@ -133,29 +155,38 @@ class AsyncEngine:
 
     # ---- the loop thread
     def _run(self) -> None:
+        reason = "the engine is shutting down"
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._iterate()
+                except Exception as e:  # a bug: fail every live request rather than hang them
+                    log.exception("engine loop error; failing the live requests")
+                    self.last_error = e
+                    self._fail_all(e)
+        except BaseException as e:
+            self.last_error = e
+            reason = f"the engine loop stopped: {e!r}"
+            raise
+        finally:
+            self._fail_all(EngineDead(reason), refuse_queued=True)
+
+    def _iterate(self) -> None:
+        """Apply the queued commands, then run one engine step if anything is unfinished."""
         engine = self.engine
-        while not self._stop.is_set():
+        try:
+            command = (self._commands.get_nowait() if engine.has_unfinished()
+                       else self._commands.get(timeout=self.idle_wait_s))
+        except queue.Empty:
+            command = None
+        while command is not None:
+            self._execute(command)
             try:
-                command = (self._commands.get_nowait() if engine.has_unfinished()
-                           else self._commands.get(timeout=self.idle_wait_s))
+                command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
-            while command is not None:
-                self._execute(command)
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    command = None
-            if self._stop.is_set() or not engine.has_unfinished():
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as e:  # a bug: fail every live request rather than hang them
-                self.last_error = e
-                self._fail_all(e)
-                continue
-            self._dispatch(outputs)
-        self._fail_all(EngineDead("the engine is shutting down"), refuse_queued=True)
+        if not self._stop.is_set() and engine.has_unfinished():
+            self._dispatch(engine.step())
 
     def _execute(self, command: tuple) -> None:
         kind = command[0]
@@ -165,6 +196,9 @@ class AsyncEngine:
             for rid in command[1]:
                 self._abort(rid)
             return
+        if kind == "fail_all":
+            self._fail_all(EngineDead(command[1]))
+            return
         future: concurrent.futures.Future = command[-1]
         if not future.set_running_or_notify_cancel():
             return
@@ -172,12 +206,13 @@ class AsyncEngine:
             if kind == "call":
                 future.set_result(command[1](self.engine))
             elif kind == "add":
-                self._add(command[1], command[2], command[3])
+                self._add(*command[1:5])
                 future.set_result(None)
         except BaseException as e:  # handed to the awaiting handler
             future.set_exception(e)
 
-    def _add(self, group: RequestGroup, prompts: list[dict], params: SamplingParams) -> None:
+    def _add(self, group: RequestGroup, prompts: list[dict], params: SamplingParams,
+             cache_salt: str | None) -> None:
         if self.max_waiting is not None:
             waiting = len(self.engine.scheduler.waiting)
             if waiting + len(prompts) > self.max_waiting:
@@ -187,7 +222,7 @@ class AsyncEngine:
         added = []
         try:
             for i, (rid, prompt) in enumerate(zip(group.request_ids, prompts)):
-                self.engine.add_request(prompt, params, request_id=rid)
+                self.engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt)
                 added.append(rid)
                 self._live[rid] = (group, i)
                 self._progress[rid] = (len(prompt["prompt_token_ids"]), 0)
@@ -233,7 +268,7 @@ class AsyncEngine:
 
         try:
             group.loop.call_soon_threadsafe(deliver)
-        except RuntimeError:  # the handler's event loop is closed
+        except Exception:  # noqa: BLE001 - the handler's event loop is closed
             pass
 
     def _fail_all(self, error: BaseException, refuse_queued: bool = False) -> None:
@@ -241,8 +276,8 @@ class AsyncEngine:
         for rid in list(self._live):
             try:
                 self.engine.abort(rid)
-            except Exception:
-                pass
+            except Exception:  # noqa: BLE001
+                log.exception("aborting %s", rid)
         self._live.clear()
         self._progress.clear()
         for group in groups:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import time
 
@@ -15,7 +16,7 @@ from jaxserve import backends
 from jaxserve.config import EngineConfig
 from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
-from jaxserve.core.outputs import RequestOutput
+from jaxserve.core.outputs import RequestMetrics, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
@@ -27,6 +28,15 @@ from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
+log = logging.getLogger("jaxserve.engine")
+
+
+class DeviceStepFailed(RuntimeError):
+    """A jitted step (or its read-back) raised: the KV pool it was donated is gone."""
+
+    def __init__(self, plan: StepPlan, cause: BaseException):
+        super().__init__(f"the device step failed: {cause!r}")
+        self.plan = plan
 
 
 @dataclasses.dataclass
@@ -65,6 +75,8 @@ class LLMEngine:
                                   max_sample_rows=2 * self.buckets.seqs[-1],  # decode + prefill
                                   huge_pages=config.huge_pages)
         self._in_flight: _Launched | None = None  # the step on the device, not yet fetched
+        self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
+        self._failed: list[Request] = []  # failed on their own since the last step() returned
         self.outputs = OutputProcessor(self.tokenizer)
         self._requests: dict[str, tuple[Request, str | None]] = {}
         self._ids = itertools.count()
@@ -104,7 +116,10 @@ class LLMEngine:
         if entry is not None:
             self.outputs.release(entry[0])
         if not self.scheduler.has_unfinished():
-            self._settle()
+            try:
+                self._settle()
+            except DeviceStepFailed as e:
+                self._recover(e)
         return aborted
 
     def has_unfinished(self) -> bool:
@@ -112,11 +127,25 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns a snapshot of every request that progressed.
+        """Run one iteration; returns a snapshot of every request that progressed or failed.
 
         With async_scheduling the next step is planned and launched before this one's tokens are
         read back (Scheduler.schedule_next: when nothing waits and every running sequence
-        decodes), so the host's planning, batch building and dispatch overlap the device."""
+        decodes), so the host's planning, batch building and dispatch overlap the device.
+
+        A request whose own row cannot be built or processed fails alone (finish_reason
+        "error", RequestOutput.error). A failing device step fails the requests whose KV it
+        held, and the engine goes on with a fresh pool (`_recover`)."""
+        try:
+            results = self._step()
+        except DeviceStepFailed as e:
+            results = self._recover(e)
+        if self._failed:
+            results += self._snapshots(self._failed, time.monotonic())
+            self._failed = []
+        return results
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self._in_flight is None:
             plan = self.scheduler.schedule()
@@ -132,7 +161,7 @@ class LLMEngine:
             if plan is not None:
                 self._in_flight = self._launch(plan, after=current.out)
         t1 = time.perf_counter()
-        out = self.runner.fetch(current.out, current.num_rows)
+        out = self._fetch(current)
         t2 = time.perf_counter()
         results = self._apply(current, out)
         ahead = self._in_flight is not None
@@ -147,18 +176,72 @@ class LLMEngine:
         return results
 
     def _launch(self, plan: StepPlan, after=None) -> "_Launched":
-        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        self._unapplied.append(plan)
+        try:
+            batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
+            self._fail_unbuildable(plan, e)
+            batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
         copies = page_copies(plan.copies, self.buckets) if plan.copies else None
-        return _Launched(plan, self.runner.dispatch(batch, copies, after), num_rows, offsets)
+        try:
+            out = self.runner.dispatch(batch, copies, after)
+        except Exception as e:  # noqa: BLE001
+            raise DeviceStepFailed(plan, e) from e
+        return _Launched(plan, out, num_rows, offsets)
+
+    def _fetch(self, launched: "_Launched"):
+        try:
+            return self.runner.fetch(launched.out, launched.num_rows)
+        except Exception as e:  # noqa: BLE001
+            raise DeviceStepFailed(launched.plan, e) from e
+
+    def _fail(self, request_id: str, error: str) -> None:
+        entry = self._requests.get(request_id)
+        if self.scheduler.abort(request_id, error) and entry is not None:
+            log.warning("request %s failed: %s", request_id, error)
+            self._failed.append(entry[0])
+
+    def _fail_unbuildable(self, plan: StepPlan, error: Exception) -> None:
+        """build_batch raised: fail the requests whose chunks fail alone (their rows are then
+        padding, build_batch skips finished sequences); re-raise if none does (not a row's
+        fault)."""
+        culprits = []
+        for chunk in plan.chunks:
+            try:
+                build_batch(StepPlan(chunks=[chunk]), self.buckets, self.config.page_size)
+            except Exception as e:  # noqa: BLE001
+                culprits.append((chunk.seq.request.request_id, e))
+        if not culprits:
+            raise error
+        for request_id, e in culprits:
+            self._fail(request_id, f"building its batch row failed: {e!r}")
+
+    def _recover(self, failure: DeviceStepFailed) -> list[RequestOutput]:
+        """After a failed device step: every request whose KV was in the pool fails with the
+        cause, plans in flight are applied with their tokens dropped, and the runner gets a
+        fresh pool (the prefix cache is emptied with it)."""
+        cause = str(failure)
+        log.error("%s; failing the running requests and starting a fresh KV pool "
+                  "(the prefix cache is emptied)", cause)
+        failed = self.scheduler.drop_kv(cause)
+        self._failed += [r for r in failed if r.request_id in self._requests]
+        for plan in self._unapplied:
+            self.scheduler.update(plan, [0] * len(plan.sample_rows))
+        self._unapplied, self._in_flight = [], None
+        self.runner.reset_pool()
+        return []
 
     def _apply(self, launched: "_Launched", out) -> list[RequestOutput]:
         """The output processor reads the step's rows first (logprobs, text, stop strings), then
         the scheduler applies them with the stop strings found."""
         plan = launched.plan
+        self._unapplied.remove(plan)
         if out.prompt_logprobs is not None:
             self.outputs.record_prompt_logprobs(plan, launched.offsets, out)
         now = time.monotonic()
-        stops = self.outputs.process(self.scheduler.accepted_rows(plan), out, now)
+        stops, errors = self.outputs.process(self.scheduler.accepted_rows(plan), out, now)
+        for request_id, error in errors.items():
+            self._fail(request_id, error)
         changed = self.scheduler.update(plan, [int(t) for t in out.token_ids], stops)
         self.num_steps += 1
         return self._snapshots(changed, now)
@@ -168,7 +251,7 @@ class LLMEngine:
         aborted, so its tokens are dropped): afterwards no plan is outstanding."""
         if self._in_flight is not None:
             launched, self._in_flight = self._in_flight, None
-            self._apply(launched, self.runner.fetch(launched.out, launched.num_rows))
+            self._apply(launched, self._fetch(launched))
 
     def _snapshots(self, changed: list[Request], now: float) -> list[RequestOutput]:
         results = []
@@ -176,7 +259,13 @@ class LLMEngine:
             if request.is_finished and request.finished_time is None:
                 request.finished_time = now
             entry = self._requests.get(request.request_id)
-            results.append(self.outputs.snapshot(request, entry[1] if entry else None))
+            try:
+                results.append(self.outputs.snapshot(request, entry[1] if entry else None))
+            except Exception as e:  # noqa: BLE001 - fails this request alone
+                self.scheduler.abort(request.request_id, f"building its output failed: {e!r}")
+                results.append(RequestOutput(
+                    request.request_id, None, list(request.prompt_token_ids), [], finished=True,
+                    metrics=RequestMetrics(request.arrival_time), error=request.error))
             if request.is_finished:
                 self._requests.pop(request.request_id, None)
                 self.outputs.release(request)

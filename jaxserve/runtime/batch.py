@@ -68,6 +68,9 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         seq, n, start = chunk.seq, chunk.num_tokens, chunk.start
         end = start + n
         offsets.append(first)
+        if seq.is_finished:  # failed after planning (LLMEngine._launch): a padding row
+            rows.extend((first + n - 1, None) for _ in chunk.sample_seqs)
+            return
         pages = seq.page_ids[:math.ceil(end / page_size)]
         page_tables[row, :len(pages)] = pages
         seq_lens[row] = end
@@ -111,8 +114,10 @@ def build_batch(plan: StepPlan, buckets: Buckets,
     sample_pos = np.zeros(r, np.int32)
     max_logprobs = -1  # -1: no row wants logprobs
     for i, (index, seq) in enumerate(rows):
-        sp_ = seq.sampling_params
         logits_indices[i] = index
+        if seq is None:
+            continue  # a padding row's sample: greedy, dropped
+        sp_ = seq.sampling_params
         temperature[i], top_k[i], top_p[i], min_p[i] = sp_.temperature, sp_.top_k, sp_.top_p, sp_.min_p
         seeds[i] = (sp_.seed or 0) & 0xFFFFFFFF
         forks[i] = seq.fork_index

@@ -126,9 +126,8 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.params = jax.tree_util.tree_map(self._to_device,
                                              prepare_params(params, quantization, backend))
-        self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size,
-                                 cfg.head_dim, self.dtype)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
+        self.reset_pool()
         self._step = _jitted_step(cfg, backend)
         self._no_feed = jnp.zeros(max_sample_rows, jnp.int32)  # the feed of a step planned alone
         self._signatures: set = set()
@@ -137,6 +136,13 @@ class ModelRunner:
         # would add seconds to every start.
         self.huge_page_bytes = collapse_into_huge_pages(
             jax.tree_util.tree_leaves(self.params)) if huge_pages else 0
+
+    def reset_pool(self) -> None:
+        """A zeroed KV pool (at start, and after a failed step consumed the donated one)."""
+        self.pool = None  # the old pool's buffers go before the new ones are allocated
+        cfg = self.cfg
+        self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, self.num_pages,
+                                 self.page_size, cfg.head_dim, self.dtype)
 
     def _to_device(self, x):
         x = np.asarray(x)

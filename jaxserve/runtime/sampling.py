@@ -37,10 +37,13 @@ def _filter(logits, md: SamplingMetadata):
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     rank = jnp.arange(logits.shape[-1])[None, :]
     keep = (md.top_k[:, None] <= 0) | (rank < md.top_k[:, None])
-    # Nucleus: keep a token while the mass before it is below top_p (the top token always stays).
+    # Nucleus: keep a token while the mass before it is below top_p.
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= mass_before < md.top_p[:, None]
     keep &= probs >= md.min_p[:, None] * probs[:, :1]
+    # The top token always stays: a top_p that float32 flushes to 0 (1e-40), or rounding in
+    # the cumulative sum, must not mask every token.
+    keep |= rank == 0
     masked_sorted = jnp.where(keep, sorted_logits, -jnp.inf)
     inverse = jnp.argsort(order, axis=-1)
     return jnp.take_along_axis(masked_sorted, inverse, axis=-1)

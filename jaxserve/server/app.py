@@ -32,7 +32,10 @@ log = logging.getLogger("jaxserve.server")
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    api_key: str | None = None
+    api_key: str | None = None  # one key, tenant "default"
+    # (key, tenant) pairs: each tenant's requests share prefix-cache pages only among themselves
+    # (their cache salt is derived from the tenant name), so no tenant can time another's prompts.
+    api_keys: tuple[tuple[str, str], ...] = ()
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_limit: int | None = None  # refuse larger max_tokens (None: the context bounds it)
     served_model_names: tuple[str, ...] | None = None  # default: the engine's model name
@@ -42,24 +45,55 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty")
+        for key, tenant in self.keys:
+            if not key or not tenant:
+                raise ValueError("API keys and tenant names must not be empty")
+
+    @property
+    def keys(self) -> tuple[tuple[str, str], ...]:
+        single = () if self.api_key is None else ((self.api_key, "default"),)
+        return single + tuple(self.api_keys)
+
+
+def read_api_keys(path: str) -> tuple[tuple[str, str], ...]:
+    """A file of `key tenant` lines (blank lines and # comments skipped)."""
+    pairs = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            parts = line.split()
+            if len(parts) != 2:
+                raise ValueError(f"{path}:{n}: expected 'key tenant', got {len(parts)} fields")
+            pairs.append((parts[0], parts[1]))
+    return tuple(pairs)
 
 
 class _AuthMiddleware:
-    """Pure ASGI (streams and disconnects pass through untouched)."""
+    """Pure ASGI (streams and disconnects pass through untouched). Puts the key's tenant in
+    scope["state"]["tenant"]."""
 
-    PROTECTED = ("/v1", "/debug")
+    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json")
 
-    def __init__(self, app, api_key: str):
+    def __init__(self, app, keys: tuple[tuple[str, str], ...]):
         self.app = app
-        self.key = api_key.encode()
+        self.keys = [(key.encode(), tenant) for key, tenant in keys]
+
+    def _tenant(self, token: bytes) -> str | None:
+        tenant = None
+        for key, name in self.keys:  # every key compared, in constant time
+            if hmac.compare_digest(token, key):
+                tenant = name
+        return tenant
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.key):
+            tenant = self._tenant(token.strip()) if scheme.lower() == b"bearer" else None
+            scope.setdefault("state", {})["tenant"] = tenant
+            if tenant is None:
                 err = APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                status=401, code="invalid_api_key")
                 response = JSONResponse(err.body(), status_code=401,
@@ -96,6 +130,23 @@ async def _until_disconnect(request: Request) -> None:
         pass
 
 
+class RequestFailed(Exception):
+    """The engine failed this request alone (RequestOutput.error)."""
+
+
+def _failure(e: Exception) -> APIError:
+    """The API error for a request that the engine could not finish."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineDead):
+        return APIError(str(e), status=503, type="server_error", code="engine_unavailable")
+    if isinstance(e, RequestFailed):
+        return APIError(f"the request failed: {e}", status=500, type="internal_error",
+                        code="request_failed")
+    return APIError(f"the engine failed: {e!r}", status=500, type="internal_error",
+                    code="engine_error")
+
+
 def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     """The app around one engine. Pass an AsyncEngine to share one engine loop between apps."""
     config = config or ServerConfig()
@@ -119,8 +170,15 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = Non
     app.state.engine = aengine
     app.state.metrics = metrics
     app.state.ctx = ctx
-    if config.api_key:
-        app.add_middleware(_AuthMiddleware, api_key=config.api_key)
+    if config.keys:
+        app.add_middleware(_AuthMiddleware, keys=config.keys)
+    base_salt = aengine.engine.config.cache_salt or ""
+
+    def cache_salt(request: Request) -> str | None:
+        """The tenant's prefix-cache salt, derived server-side from its name (None: no keys,
+        one tenant: the engine's salt)."""
+        tenant = getattr(request.state, "tenant", None)
+        return None if tenant is None else f"{base_salt}\x00tenant:{tenant}"
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
@@ -158,9 +216,9 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = Non
             raise APIError(f"malformed JSON in the request body: {e}",
                            code="invalid_json") from None
 
-    async def submit(parsed) -> RequestGroup:
+    async def submit(parsed, salt: str | None) -> RequestGroup:
         try:
-            return await aengine.add(parsed.prompts, parsed.params)
+            return await aengine.add(parsed.prompts, parsed.params, cache_salt=salt)
         except EngineOverloaded as e:
             raise APIError(str(e), status=503, type="server_overloaded",
                            code="overloaded") from None
@@ -170,16 +228,19 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = Non
             raise APIError(str(e), code="invalid_value") from None
 
     async def events(group: RequestGroup, builder: ResponseBuilder):
+        """SSE chunks; any failure, the engine's or this request's own, ends the stream with an
+        error event and then [DONE]."""
         try:
             try:
                 async for index, out in group:
+                    if out.error is not None:
+                        raise RequestFailed(out.error)
                     for chunk in builder.chunks(index, out):
                         yield f"data: {json.dumps(chunk)}\n\n"
                 if builder.p.include_usage:
                     yield f"data: {json.dumps(builder.usage_chunk())}\n\n"
-            except (EngineDead, RuntimeError) as e:
-                err = APIError(f"the engine failed: {e}", status=500, type="internal_error")
-                yield f"data: {json.dumps(err.body())}\n\n"
+            except Exception as e:  # noqa: BLE001 - answered in the stream
+                yield f"data: {json.dumps(_failure(e).body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             group.abort()
@@ -187,13 +248,15 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = Non
     async def collect(group: RequestGroup, builder: ResponseBuilder) -> dict:
         final = [None] * group.size
         async for index, out in group:
+            if out.error is not None:
+                raise RequestFailed(out.error)
             if out.finished:
                 final[index] = out
         return builder.response(final)
 
     async def serve(kind: str, request: Request):
         parsed = parse_request(kind, await read_json(request), ctx)
-        group = await submit(parsed)
+        group = await submit(parsed, cache_salt(request))
         builder = ResponseBuilder(parsed, ctx)
         if parsed.stream:
             return _EventStream(events(group, builder))
@@ -210,8 +273,8 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = Non
             return Response(status_code=499)  # the client went away
         try:
             return JSONResponse(work.result())
-        except EngineDead as e:
-            raise APIError(f"the engine failed: {e}", status=500, type="internal_error") from None
+        except Exception as e:  # noqa: BLE001 - an OpenAI-shaped error, never a bare 500
+            raise _failure(e) from None
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -233,6 +296,8 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = Non
         if not aengine.alive:
             return JSONResponse({"status": "dead", "error": repr(aengine.last_error)},
                                 status_code=503)
+        if aengine.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

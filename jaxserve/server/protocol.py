@@ -9,9 +9,10 @@ does. Responses are built in responses.py. Host-only, no engine calls.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import INT32_MAX, SamplingParams
 
 MAX_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -64,6 +65,8 @@ class ParsedRequest:
 
 # ------------------------------------------------------------------------------- field readers
 def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False, lo_open=False):
+    """A numeric field: of its type, finite (JSON's NaN and Infinity literals are refused), in
+    range; integers within int32 unless `hi` says otherwise."""
     value = body.get(name, default)
     if value is None:
         return default
@@ -72,6 +75,11 @@ def _number(body: dict, name: str, default, *, lo=None, hi=None, integer=False, 
         kind = "an integer" if integer else "a number"
         raise APIError(f"'{name}' must be {kind}, got {value!r}", param=name,
                        code="invalid_type")
+    if not math.isfinite(value):
+        raise APIError(f"'{name}' must be a finite number, got {value!r}", param=name,
+                       code="invalid_value")
+    if integer and hi is None:
+        hi = INT32_MAX
     if (lo is not None and (value <= lo if lo_open else value < lo)) or \
             (hi is not None and value > hi):
         lo_s = "" if lo is None else (f"> {lo}" if lo_open else f">= {lo}")
@@ -205,7 +213,15 @@ def _chat_prompt(body: dict, ctx: ProtocolContext) -> dict:
 
 # ------------------------------------------------------------------------------- parse
 def parse_request(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
-    """Validate one /v1/completions ("completion") or /v1/chat/completions ("chat") body."""
+    """Validate one /v1/completions ("completion") or /v1/chat/completions ("chat") body. Any
+    problem is an APIError (400 unless it says otherwise), never another exception."""
+    try:
+        return _parse(kind, body, ctx)
+    except (ValueError, TypeError) as e:  # text that is not Unicode, a value SamplingParams refuses
+        raise APIError(str(e), code="invalid_value") from None
+
+
+def _parse(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object", code="invalid_type")
     model = body.get("model")
@@ -265,7 +281,7 @@ def parse_request(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
         raise APIError("'best_of' other than n is not supported", param="best_of",
                        code="unsupported_parameter")
     top_k = _number(body, "top_k", 0, lo=-1, integer=True)
-    seed = _number(body, "seed", None, integer=True)
+    seed = _number(body, "seed", None, lo=-2**63, hi=2**64 - 1, integer=True)
     if seed is not None:
         seed %= 2**31 - 1
     params = SamplingParams(

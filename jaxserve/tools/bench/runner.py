@@ -181,7 +181,10 @@ def run_engine(engine, workload: WorkloadSpec, *, requests: list[BenchRequest] |
             rec.finished = (m.finished_time or time.monotonic()) - t0
             rec.token_times = [t - t0 for t in m.token_times]
             rec.cached_tokens = out.num_cached_tokens
-            rec.status = "cancelled" if comp.finish_reason == "abort" else "completed"
+            if out.error is not None:
+                rec.status, rec.error = "failed", out.error
+            else:
+                rec.status = "cancelled" if comp.finish_reason == "abort" else "completed"
             out_tokens += rec.output_tokens
             done += 1
             if bar is not None:
@@ -252,6 +255,8 @@ async def _one_http(client, url: str, model: str, r: BenchRequest, workload: Wor
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
+                if "error" in chunk:  # the server failed this request mid-stream
+                    raise RuntimeError(chunk["error"].get("message"))
                 now = time.monotonic() - t0
                 if chunk.get("usage"):
                     usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)

@@ -1,0 +1,177 @@
+"""No request can hurt another through the offline API: bad input is refused before anything is
+queued, a request whose own row fails (batch building, output processing) fails alone, a failed
+device step fails the requests whose KV it held and the engine goes on with a fresh pool; after
+every case the engine holds no page and a normal greedy generation gives the same tokens.
+Uses the tiny random model (tests/tiny_model.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from tiny_model import tiny_loaded
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["the cat sat on", "hello world", "0123456789" * 3, "a"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = LLMEngine(EngineConfig.from_options(num_pages=64, page_size=8, max_num_seqs=2,
+                                                 max_num_batched_tokens=64,
+                                                 attention_backend="xla"), tiny_loaded())
+    return LLM.from_engine(engine)
+
+
+@pytest.fixture(scope="module")
+def reference(llm):
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+
+
+def assert_clean_and_working(llm, reference):
+    stats = llm.stats()
+    assert not llm.engine.has_unfinished()
+    assert stats["referenced_pages"] == 0 and stats["running"] == stats["waiting"] == 0
+    llm.engine.scheduler.check_invariants()
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
+
+
+BAD_PARAMS = [dict(top_k=2**31), dict(top_k=2**63), dict(temperature=math.nan),
+              dict(top_p=math.nan), dict(min_p=math.nan), dict(temperature=math.inf),
+              dict(max_tokens=2**31), dict(n=0), dict(n=True), dict(logprobs=21),
+              dict(seed=2**64), dict(stop=["a\ud800"]), dict(stop_token_ids=[-1]),
+              dict(priority=2**40), dict(top_p=0.0), dict(min_p=1.5)]
+
+
+@pytest.mark.parametrize("bad", BAD_PARAMS, ids=[str(b) for b in BAD_PARAMS])
+def test_bad_sampling_params_are_refused_and_nothing_sticks(llm, reference, bad):
+    with pytest.raises(ValueError):
+        llm.generate(PROMPTS[:2], SamplingParams(**bad))
+    assert_clean_and_working(llm, reference)
+
+
+BAD_PROMPTS = [{"prompt_token_ids": [1.7, 2.2]}, {"prompt_token_ids": [True, 2]},
+               {"prompt_token_ids": [5, 10**6]}, {"prompt_token_ids": [-1]}, [1.5, 2],
+               "a\ud800b", {"prompt": "x\udfff"}, {"prompt_token_ids": "12"}]
+
+
+@pytest.mark.parametrize("bad", BAD_PROMPTS, ids=[repr(b) for b in BAD_PROMPTS])
+def test_bad_prompts_are_refused_and_nothing_sticks(llm, reference, bad):
+    with pytest.raises((ValueError, TypeError)):
+        llm.generate([PROMPTS[0], bad], GREEDY)
+    assert_clean_and_working(llm, reference)
+
+
+def test_invalid_unicode_in_chat_is_refused(llm, reference):
+    with pytest.raises(ValueError, match="not valid Unicode"):
+        llm.chat([{"role": "user", "content": "hi \ud800"}], GREEDY)
+    assert_clean_and_working(llm, reference)
+
+
+def test_a_top_p_that_masks_everything_keeps_the_top_token(llm, reference):
+    """top_p = 1e-40 is flushed to 0 in float32: without the guard every token was masked and
+    token 0 came out forever. The top token always stays, so this samples greedily."""
+    tiny = SamplingParams(temperature=1.0, top_p=1e-40, max_tokens=12, ignore_eos=True, seed=3)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, tiny)]
+    assert got == reference
+    low = SamplingParams(temperature=1.0, min_p=1.0, max_tokens=12, ignore_eos=True, seed=3)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, low)] == reference
+
+
+def test_a_row_that_cannot_be_built_fails_alone(llm, reference):
+    """A value that passed validation but breaks the batch builder (forced here past the
+    validation) fails its request alone; the others finish with their usual tokens."""
+    engine = llm.engine
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    requests[1].sampling_params.top_k = 2**40  # overflows the int32 top_k array
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    bad = finals[requests[1].request_id]
+    assert bad.error and "building its batch row failed" in bad.error
+    assert bad.outputs[0].finish_reason == "error"
+    for i in (0, 2, 3):
+        assert finals[requests[i].request_id].outputs[0].token_ids == reference[i]
+        assert finals[requests[i].request_id].error is None
+    assert engine.stats()["num_failed_total"] >= 1
+    assert_clean_and_working(llm, reference)
+
+
+def test_a_row_whose_output_cannot_be_processed_fails_alone(llm, reference, monkeypatch):
+    engine = llm.engine
+    real = engine.outputs._process_row
+
+    def broken(seq, row, out, now):
+        if seq.request.request_id == victim:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(seq, row, out, now)
+
+    monkeypatch.setattr(engine.outputs, "_process_row", broken)
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    victim = requests[2].request_id
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "processing its output failed" in finals[victim].error
+    for i in (0, 1, 3):
+        assert finals[requests[i].request_id].outputs[0].token_ids == reference[i]
+    monkeypatch.undo()
+    assert_clean_and_working(llm, reference)
+
+
+@pytest.mark.parametrize("where", ["dispatch", "fetch"])
+def test_a_failed_device_step_fails_its_requests_and_the_engine_recovers(
+        llm, reference, monkeypatch, where):
+    """The step had the pool donated, so the running requests fail with the cause; the engine
+    starts a fresh pool, empties the prefix cache, and serves the next requests exactly."""
+    engine = llm.engine
+    real = getattr(engine.runner, where)
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.runner, where, flaky)
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    finals = {}
+    for _ in range(200):
+        if not engine.has_unfinished():
+            break
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert not engine.has_unfinished()
+    failed = [r for r in requests if finals[r.request_id].error]
+    assert failed and all("injected device failure" in finals[r.request_id].error
+                          for r in failed)
+    for i, r in enumerate(requests):  # the others (not yet admitted) finished normally
+        if finals[r.request_id].error is None:
+            assert finals[r.request_id].outputs[0].token_ids == reference[i]
+    monkeypatch.undo()
+    assert_clean_and_working(llm, reference)
+
+
+def test_an_interrupted_generate_leaves_nothing_behind(llm, reference, monkeypatch):
+    """KeyboardInterrupt (or any exception) inside generate() aborts that call's requests."""
+    engine = llm.engine
+    real = engine.step
+    calls = {"n": 0}
+
+    def interrupted():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real()
+
+    monkeypatch.setattr(engine, "step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY)
+    monkeypatch.undo()
+    assert_clean_and_working(llm, reference)

@@ -1,0 +1,239 @@
+"""The server as a hostile or careless client finds it, on the tiny random model: every client
+error is a 4xx in OpenAI's shape (NaN and Infinity literals, int32 overflows, invalid Unicode),
+one request's failure never reaches its neighbours, the engine loop survives errors outside
+engine.step(), docs need the key, and tenants do not share prefix-cache pages. A hypothesis
+fuzz of request bodies checks: no 5xx, neighbours' outputs unchanged, no page left referenced."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.server import AsyncEngine, ServerConfig, build_app
+from serving import serve_app
+from tiny_model import tiny_loaded
+
+httpx = pytest.importorskip("httpx")
+
+MODEL = "tiny"
+KEYS = (("key-a", "alice"), ("key-b", "bob"))
+NORMAL = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0,
+          "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def aengine():
+    engine = LLMEngine(EngineConfig.from_options(num_pages=128, page_size=8, max_num_seqs=8,
+                                                 max_num_batched_tokens=64,
+                                                 attention_backend="xla"), tiny_loaded())
+    engine.warmup()
+    aengine = AsyncEngine(engine)
+    yield aengine
+    aengine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(aengine):
+    with serve_app(build_app(aengine, ServerConfig(served_model_names=(MODEL,)))) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def locked_url(aengine):
+    app = build_app(aengine, ServerConfig(api_keys=KEYS, served_model_names=(MODEL,)))
+    with serve_app(app) as url:
+        yield url
+
+
+def post(url, body=None, raw=None, path="/v1/completions", headers=None, client=httpx):
+    payload = {"content": raw} if raw is not None else {"json": body}
+    return client.post(url + path, **payload, headers=headers or {}, timeout=60)
+
+
+def wait_idle(url, timeout=30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(url + "/debug/stats").json()
+        if stats["running"] == stats["waiting"] == stats["referenced_pages"] == 0:
+            return stats
+        assert time.monotonic() < deadline, f"engine not idle: {stats}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(url):
+    r = post(url, NORMAL)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_an_overflowing_top_k_fails_alone(url, reference):
+    """top_k = 2^31 among four normal requests: a 400 for it, the usual text for the others."""
+    bad = {**NORMAL, "top_k": 2**31}
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        futures = [pool.submit(post, url, body) for body in [NORMAL, NORMAL, bad, NORMAL, NORMAL]]
+        results = [f.result() for f in futures]
+    assert results[2].status_code == 400 and results[2].json()["error"]["param"] == "top_k"
+    for r in results[:2] + results[3:]:
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference
+    wait_idle(url)
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p"])
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity"])
+def test_nan_and_infinity_are_400(url, field, literal):
+    raw = json.dumps({**NORMAL, field: 0.5})[:-1] + f', "{field}": {literal}}}'
+    r = post(url, raw=raw.encode())
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and "finite" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field,value", [("n", 2**31), ("seed", 2**64), ("max_tokens", 2**31),
+                                         ("logprobs", 2**40), ("top_k", -2)])
+def test_integers_out_of_range_are_400(url, field, value):
+    r = post(url, {**NORMAL, field: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+
+
+def test_a_lone_surrogate_is_400_and_the_connection_lives_on(url, reference):
+    with httpx.Client() as client:
+        for body in (b'{"model": "tiny", "prompt": "a\\ud800b"}',
+                     b'{"model": "tiny", "prompt": "hi", "stop": ["\\udfff"]}'):
+            r = post(url, raw=body, client=client)
+            assert r.status_code == 400 and "Unicode" in r.json()["error"]["message"]
+        r = post(url, raw=(b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                           b'"x\\ud800"}]}'), path="/v1/chat/completions", client=client)
+        assert r.status_code == 400
+        r = post(url, NORMAL, client=client)  # the same keep-alive connection
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == reference
+
+
+def test_an_engine_error_of_any_type_ends_a_stream_with_an_error_event(url, aengine,
+                                                                       monkeypatch):
+    engine = aengine.engine
+    real = engine.step
+    calls = {"n": 0}
+
+    def broken():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyError("injected")  # not a RuntimeError
+        return real()
+
+    monkeypatch.setattr(engine, "step", broken)
+    r = post(url, {**NORMAL, "max_tokens": 32, "stream": True})
+    assert r.status_code == 200
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "injected" in error["message"] and set(error) == {"message", "type", "param", "code"}
+    monkeypatch.undo()
+    wait_idle(url)
+
+
+@pytest.mark.parametrize("where", ["_dispatch", "_abort", "_post"])
+def test_loop_errors_outside_step_answer_every_request(url, aengine, monkeypatch, reference,
+                                                       where):
+    """An exception in the engine loop outside engine.step() (dispatching outputs, aborting,
+    posting to a handler) answers the live requests with an error; the loop lives on."""
+    real = getattr(aengine, where)
+    calls = {"n": 0}
+
+    def broken(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ValueError(f"injected in {where}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(aengine, where, broken)
+    if where == "_abort":  # a client that goes away while its request streams
+        body = {**NORMAL, "max_tokens": 220, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            next(r.iter_lines())
+        deadline = time.monotonic() + 10
+        while calls["n"] == 0:
+            assert time.monotonic() < deadline, "the disconnect was not noticed"
+            time.sleep(0.02)
+    else:
+        r = post(url, NORMAL)
+        assert r.status_code in (500, 503) and "error" in r.json(), r.text
+    monkeypatch.undo()
+    assert httpx.get(url + "/health").status_code == 200
+    assert post(url, NORMAL).json()["choices"][0]["text"] == reference
+    wait_idle(url)
+
+
+def test_docs_need_the_key(locked_url):
+    for path in ("/docs", "/openapi.json", "/redoc"):
+        assert httpx.get(locked_url + path).status_code == 401
+        r = httpx.get(locked_url + path, headers={"Authorization": "Bearer key-a"})
+        assert r.status_code == 200
+
+
+def test_tenants_share_no_prefix_cache_pages(url, locked_url):
+    """The same long prompt: a second request of the same tenant hits the prefix cache, the
+    other tenant's does not (so it cannot time what alice sent)."""
+    body = {**NORMAL, "prompt": "tenant secret " * 12, "max_tokens": 2}
+
+    def hits():
+        return httpx.get(url + "/debug/stats").json()["prefix_cache_hits"]
+
+    def send(key):
+        r = post(locked_url, body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+
+    send("key-a")
+    before = hits()
+    send("key-b")
+    assert hits() == before  # bob: no page of alice's
+    send("key-a")
+    assert hits() > before  # alice: her own pages
+    assert post(locked_url, body, headers={"Authorization": "Bearer key-c"}).status_code == 401
+
+
+# ------------------------------------------------------------------------------- fuzz
+JSON_LEAF = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70),
+                      st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
+FIELDS = ["prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n",
+          "seed", "stop", "stop_token_ids", "logprobs", "top_logprobs", "echo", "stream",
+          "stream_options", "ignore_eos", "best_of", "presence_penalty"]
+VALUES = st.recursive(JSON_LEAF, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(st.sampled_from(["role", "content", "include_usage",
+                                                         "type", "text"]), inner, max_size=3),
+                      max_leaves=8)
+TEXT = st.text(alphabet=st.characters(codec="utf-16", exclude_categories=()), max_size=12)
+BODIES = st.fixed_dictionaries(
+    {"model": st.just(MODEL)},
+    optional={**{f: VALUES for f in FIELDS},
+              "prompt": st.one_of(TEXT, st.lists(st.integers(-5, 400), max_size=6), VALUES),
+              "max_tokens": st.one_of(st.integers(-3, 6), VALUES),
+              "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(
+                  ["user", "system", "bot"]), "content": TEXT}), max_size=3)})
+
+
+# scripts/fuzz_server.py runs the long version (JAXSERVE_FUZZ_EXAMPLES).
+@settings(max_examples=int(os.environ.get("JAXSERVE_FUZZ_EXAMPLES", 120)), deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(body=BODIES, chat=st.booleans())
+def test_fuzzed_bodies_never_get_a_5xx(url, body, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    try:
+        raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+    except (ValueError, OverflowError):
+        return
+    r = post(url, raw=raw, path=path)
+    assert r.status_code < 500, (r.status_code, r.text, raw)
+    if r.status_code >= 400:
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_after_the_fuzz_nothing_leaked_and_neighbours_are_unchanged(url, reference):
+    wait_idle(url)
+    assert post(url, NORMAL).json()["choices"][0]["text"] == reference

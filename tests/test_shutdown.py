@@ -1,0 +1,114 @@
+"""Bounded shutdown of `jaxserve serve` (a subprocess serving the tiny model): on SIGINT it
+stops accepting, lets live requests run for --shutdown_timeout seconds, answers the rest with
+OpenAI-shaped errors and exits 0; a second signal exits at once, cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from jaxserve.weights import save_orbax
+from tiny_model import tiny_loaded
+
+httpx = pytest.importorskip("httpx")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_orbax(str(tmp_path_factory.mktemp("tiny") / "model"), tiny_loaded())
+
+
+def start_server(model_dir, shutdown_timeout: float):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", f"--model={model_dir}",
+           f"--port={port}", f"--shutdown_timeout={shutdown_timeout}", "--max_num_seqs=2",
+           "--num_pages=128", "--page_size=8", "--attention_backend=xla",
+           "--served_model_name=tiny", "--log_level=warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.2)
+
+
+def stream_all(url, n: int, results: list):
+    """n streaming requests, each in a thread; results gets each one's data lines."""
+    def one(i):
+        body = {"model": "tiny", "prompt": f"story {i}", "max_tokens": 200, "stream": True,
+                "temperature": 0, "ignore_eos": True}
+        lines = []
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+                lines.append(r.status_code)
+                lines += [x[6:] for x in r.iter_lines() if x.startswith("data: ")]
+        except httpx.HTTPError as e:
+            lines.append(repr(e))
+        results[i] = lines
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_sigint_drains_then_answers_the_rest_and_exits_0(model_dir):
+    proc, url = start_server(model_dir, shutdown_timeout=1.0)
+    results = [None] * 20
+    threads = stream_all(url, 20, results)
+    time.sleep(1.0)  # the first ones are streaming, the rest wait (max_num_seqs=2)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    elapsed = time.monotonic() - t0
+    for t in threads:
+        t.join(30)
+    assert proc.returncode == 0, err
+    assert elapsed < 15, elapsed
+    assert "Traceback" not in err, err
+    finished = errored = 0
+    for lines in results:
+        assert lines[0] == 200 and lines[-1] == "[DONE]", lines[:3]
+        last = json.loads(lines[-2])
+        if "error" in last:
+            assert set(last["error"]) == {"message", "type", "param", "code"}
+            assert "shut" in last["error"]["message"]
+            errored += 1
+        else:
+            assert last["choices"][0]["finish_reason"] == "length"
+            finished += 1
+    assert errored > 0  # 20 x 200 tokens, 2 at a time, cannot finish in one second
+
+
+def test_a_second_signal_exits_at_once(model_dir):
+    proc, url = start_server(model_dir, shutdown_timeout=60.0)
+    results = [None] * 6
+    threads = stream_all(url, 6, results)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert time.monotonic() - t0 < 10
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    for t in threads:
+        t.join(30)
