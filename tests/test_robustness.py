@@ -175,3 +175,30 @@ def test_an_interrupted_generate_leaves_nothing_behind(llm, reference, monkeypat
         llm.generate(PROMPTS, GREEDY)
     monkeypatch.undo()
     assert_clean_and_working(llm, reference)
+
+
+def test_prompt_logprobs_that_cannot_be_recorded_fail_alone(llm, reference, monkeypatch):
+    from jaxserve.core import output_processor
+
+    real = output_processor._record_chunk_prompt_logprobs
+
+    def broken(chunk, first, k, out):
+        if chunk.seq.request.request_id == victim:
+            raise IndexError("injected")
+        return real(chunk, first, k, out)
+
+    monkeypatch.setattr(output_processor, "_record_chunk_prompt_logprobs", broken)
+    engine = llm.engine
+    scoring = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2)
+    requests = [engine.add_request(p, scoring) for p in PROMPTS]
+    victim = requests[0].request_id
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert "recording its prompt logprobs failed" in finals[victim].error
+    for i in (1, 2, 3):
+        out = finals[requests[i].request_id]
+        assert out.error is None and out.outputs[0].token_ids == reference[i]
+        assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    monkeypatch.undo()
+    assert_clean_and_working(llm, reference)

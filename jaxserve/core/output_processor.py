@@ -92,26 +92,21 @@ class OutputProcessor:
         return st.add(token)
 
     @staticmethod
-    def record_prompt_logprobs(plan: StepPlan, offsets: list[int], out) -> None:
+    def record_prompt_logprobs(plan: StepPlan, offsets: list[int], out) -> dict[str, str]:
         """request.prompt_logprobs[i] = {prompt token i: logprob, top-k...} (None for i = 0),
-        from a step's per-token prompt logprobs (offsets: each chunk's first flat token)."""
+        from a step's per-token prompt logprobs (offsets: each chunk's first flat token).
+        Returns {request_id: error} for the requests whose entries could not be recorded."""
+        errors = {}
         for chunk, first in zip(plan.chunks, offsets):
             seq = chunk.seq
             k = seq.sampling_params.prompt_logprobs
-            if k is None or seq.fork_index:
+            if k is None or seq.fork_index or seq.is_finished:
                 continue
-            request = seq.request
-            if request.prompt_logprobs is None:
-                request.prompt_logprobs = [None]
-            for p in range(chunk.start, chunk.start + chunk.num_tokens):
-                target = p + 1
-                if target >= seq.num_prompt_tokens or target < len(request.prompt_logprobs):
-                    continue  # past the prompt, or already recorded (recompute after preemption)
-                i = first + p - chunk.start
-                entry = {int(t): float(lp) for t, lp in
-                         zip(out.prompt_top_ids[i][:k], out.prompt_top_logprobs[i][:k])}
-                entry[seq.token_ids[target]] = float(out.prompt_logprobs[i])
-                request.prompt_logprobs.append(entry)
+            try:
+                _record_chunk_prompt_logprobs(chunk, first, k, out)
+            except Exception as e:  # noqa: BLE001 - fails this request alone
+                errors[seq.request.request_id] = f"recording its prompt logprobs failed: {e!r}"
+        return errors
 
     def snapshot(self, request: Request, prompt: str | None) -> RequestOutput:
         outputs = []
@@ -144,3 +139,18 @@ class OutputProcessor:
         for seq in request.sequences:
             self._texts.pop(seq.seq_id, None)
         self._token_times.pop(request.request_id, None)
+
+
+def _record_chunk_prompt_logprobs(chunk, first: int, k: int, out) -> None:
+    seq, request = chunk.seq, chunk.seq.request
+    if request.prompt_logprobs is None:
+        request.prompt_logprobs = [None]
+    for p in range(chunk.start, chunk.start + chunk.num_tokens):
+        target = p + 1
+        if target >= seq.num_prompt_tokens or target < len(request.prompt_logprobs):
+            continue  # past the prompt, or already recorded (recompute after preemption)
+        i = first + p - chunk.start
+        entry = {int(t): float(lp) for t, lp in
+                 zip(out.prompt_top_ids[i][:k], out.prompt_top_logprobs[i][:k])}
+        entry[seq.token_ids[target]] = float(out.prompt_logprobs[i])
+        request.prompt_logprobs.append(entry)

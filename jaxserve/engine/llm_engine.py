@@ -236,11 +236,12 @@ class LLMEngine:
         the scheduler applies them with the stop strings found."""
         plan = launched.plan
         self._unapplied.remove(plan)
+        errors = {}
         if out.prompt_logprobs is not None:
-            self.outputs.record_prompt_logprobs(plan, launched.offsets, out)
+            errors = self.outputs.record_prompt_logprobs(plan, launched.offsets, out)
         now = time.monotonic()
-        stops, errors = self.outputs.process(self.scheduler.accepted_rows(plan), out, now)
-        for request_id, error in errors.items():
+        stops, row_errors = self.outputs.process(self.scheduler.accepted_rows(plan), out, now)
+        for request_id, error in {**errors, **row_errors}.items():
             self._fail(request_id, error)
         changed = self.scheduler.update(plan, [int(t) for t in out.token_ids], stops)
         self.num_steps += 1
