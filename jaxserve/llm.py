@@ -30,9 +30,10 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Run every prompt through the scheduler together; one RequestOutput per prompt, in order.
-        All prompts are validated before any runs: a bad one raises ValueError and runs nothing."""
+        All prompts are validated before any runs: a bad one raises ValueError and runs nothing.
+        use_tqdm: a progress bar (default: when there is more than one prompt)."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -55,11 +56,13 @@ class LLM:
             for rid in added:
                 self.engine.abort(rid)
             raise
+        if use_tqdm is None:  # a progress bar for more than one prompt, as vLLM shows
+            use_tqdm = len(added) > 1
         return self._run(added, use_tqdm)
 
     def chat(self, messages: Messages | list[Messages],
              sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)

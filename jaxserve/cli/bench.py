@@ -26,12 +26,17 @@ from jaxserve.cli import engine_flags  # noqa: F401  (defines the engine flags)
 FLAGS = flags.FLAGS
 ABLATIONS = ("paging", "scheduling", "prefix_caching", "backend")
 
-flags.DEFINE_enum("compile_warmup", "none", ["none", "default", "full"],
-                  "Compile step shapes before the warm-up requests: default = pure decode and "
-                  "prefill buckets; full = every bucket combination (slow on CPU).")
+flags.DEFINE_enum("compile_warmup", "default", ["none", "default", "full"],
+                  "Compile step shapes before the warm-up requests, so the measured window "
+                  "holds no compilation: default = every shape of a packed backend (cpu), the "
+                  "pure decode and prefill buckets of the others; full = every bucket "
+                  "combination; none = compile on first use (the report then warns).")
 flags.DEFINE_string("workload", None, "Workload JSON file (see configs/bench_*.json).")
 flags.DEFINE_integer("num_prompts", 32, "Requests in the timed run.")
-flags.DEFINE_string("request_rate", "inf", "Requests per second; inf = all at once.")
+flags.DEFINE_string("request_rate", "inf", "Requests per second; inf = all at once; "
+                    "sweep:R1,R2,... runs the workload at each rate and plots goodput and p99 "
+                    "TTFT against the offered rate (needs an SLO; with --ablate=scheduling, "
+                    "iteration and static on one plot).")
 flags.DEFINE_enum("arrival", "poisson", ["poisson", "gamma"], "Arrival process at a finite rate.")
 flags.DEFINE_float("burstiness", 1.0, "Gamma shape (1 = Poisson, < 1 burstier).")
 flags.DEFINE_string("input_len", "64", "Prompt length: N, uniform:LO:HI, normal:MEAN:STD[:MAX], "
@@ -75,11 +80,79 @@ def workload_from_flags():
     for flag, field in _WORKLOAD_FLAGS.items():
         if not FLAGS.workload or FLAGS[flag].present:
             base[field] = FLAGS[flag].value
+    rates = sweep_rates()
+    if rates:
+        base["request_rate"] = rates[0]
     try:
         base["request_rate"] = float(base.get("request_rate", math.inf))
     except ValueError:
         raise _Usage(f"--request_rate must be a number or inf, got {base['request_rate']!r}")
     return WorkloadSpec.from_dict(base)
+
+
+def sweep_rates() -> list[float] | None:
+    """The rates of --request_rate=sweep:R1,R2,..., or None."""
+    value = str(FLAGS.request_rate)
+    if not value.startswith("sweep:"):
+        return None
+    try:
+        rates = [float(r) for r in value[len("sweep:"):].split(",") if r.strip()]
+    except ValueError:
+        raise _Usage(f"--request_rate=sweep: takes numbers, got {value!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise _Usage(f"--request_rate=sweep: needs positive rates, got {value!r}")
+    return sorted(rates)
+
+
+def run_sweep(bench: "Bench", workload, rates: list[float], ablations: list[str]) -> dict:
+    """Goodput and p99 TTFT of each variant at each offered rate."""
+    if set(ablations) - {"scheduling"}:
+        raise _Usage("a rate sweep compares --ablate=scheduling only")
+    variants = ([("iteration", dict(bench.options, scheduling="iteration")),
+                 ("static", dict(bench.options, scheduling="static"))]
+                if ablations else [("baseline", bench.options)])
+    rows = []
+    for rate in rates:
+        for label, options in variants:
+            rep, _ = bench.run(f"{label} @ {rate:g} req/s", options,
+                               workload.replace(request_rate=rate))
+            rows.append([label, rate, rep["goodput"]["requests_per_s"],
+                         rep["goodput"]["fraction"], rep["ttft_ms"]["p99"],
+                         rep["request_throughput"], len(rep.get("warnings", []))])
+    return {"header": ["variant", "offered_req_s", "goodput_req_s", "goodput_fraction",
+                       "ttft_p99_ms", "completed_req_s", "warnings"], "rows": rows}
+
+
+def format_sweep(sweep: dict, slo: tuple) -> str:
+    lines = [f"Goodput under SLOs (TTFT <= {slo[0]} ms, TPOT <= {slo[1]} ms) by offered rate",
+             f"{'variant':<12}{'offered':>10}{'goodput':>10}{'in SLO':>9}{'TTFT p99':>11}"]
+    for label, rate, good, frac, p99, _, _ in sweep["rows"]:
+        lines.append(f"{label:<12}{rate:>10g}{good:>10.3f}{100 * frac:>8.1f}%"
+                     f"{(p99 or 0):>9.0f} ms")
+    return "\n".join(lines)
+
+
+def _write_sweep_plot(sweep: dict, slo: tuple, out_dir: str):
+    from jaxserve.tools import plots
+
+    fig, ax = plots.new_figure(width=8, height=4.5)
+    ax2 = ax.twinx()
+    for k, label in enumerate(dict.fromkeys(r[0] for r in sweep["rows"])):
+        rows = [r for r in sweep["rows"] if r[0] == label]
+        ax.plot([r[1] for r in rows], [r[2] for r in rows], "o-", color=f"C{k}",
+                label=f"{label}: goodput")
+        ax2.plot([r[1] for r in rows], [r[4] for r in rows], "s--", color=f"C{k}", alpha=0.6,
+                 label=f"{label}: p99 TTFT")
+    rates = sorted({r[1] for r in sweep["rows"]})
+    ax.plot(rates, rates, ":", color="grey", label="offered")
+    ax.set(xlabel="offered request rate (req/s)", ylabel="goodput (req/s)",
+           title=f"Goodput under SLOs (TTFT <= {slo[0]} ms, TPOT <= {slo[1]} ms)")
+    ax2.set_ylabel("p99 TTFT (ms)")
+    lines = ax.get_legend_handles_labels()
+    more = ax2.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize="small", loc="upper left")
+    return plots.save_bundle(fig, out_dir, "bench_goodput_sweep", sweep["header"],
+                             sweep["rows"])
 
 
 def _ablations() -> list[str]:
@@ -225,6 +298,24 @@ def main(argv):
             raise _Usage("--ablate runs the engine in-process; it cannot be combined with --url")
         slo = (FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms)
         out: dict = {}
+        rates = sweep_rates()
+        if rates:
+            if FLAGS.url:
+                raise _Usage("a rate sweep runs the engine in-process; not with --url")
+            if slo == (None, None):
+                raise _Usage("a rate sweep measures goodput under an SLO: give --slo_ttft_ms "
+                             "and/or --slo_tpot_ms")
+            bench = Bench(engine_flags.engine_options(), slo)
+            out["sweep"] = run_sweep(bench, workload, rates, ablations)
+            print(format_sweep(out["sweep"], slo))
+            if FLAGS.plot_dir:
+                paths = _write_sweep_plot(out["sweep"], slo, FLAGS.plot_dir)
+                print(f"\nplot: {paths['png']}")
+            if FLAGS.json_out:
+                with open(FLAGS.json_out, "w") as f:
+                    json.dump(out, f, indent=1, default=float)
+                print(f"\nwrote {FLAGS.json_out}")
+            return 0
         if FLAGS.url:
             from jaxserve.tools.bench import build_report, run_http
 

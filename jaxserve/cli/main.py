@@ -6,6 +6,7 @@ Only the chosen subcommand's module is imported, so each subcommand sees only it
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 
 SUBCOMMANDS = {
@@ -35,6 +36,11 @@ def run(argv: list[str] | None = None) -> None:
         sys.exit(2)
     module = importlib.import_module(SUBCOMMANDS[name][0])
     from absl import app
+
+    if not any(a.startswith(("--verbosity", "-v")) for a in argv[2:]):
+        # JAX logs every platform it probes and cannot find (libtpu.so, CUDA) at INFO: noise
+        # before every answer. absl's --verbosity still shows it.
+        logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
     app.run(module.main, argv=[f"jaxserve {name}"] + argv[2:])
 

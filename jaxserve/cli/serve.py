@@ -30,12 +30,23 @@ flags.DEFINE_integer("max_tokens_limit", None,
                      "Largest max_tokens accepted (default: the context).")
 flags.DEFINE_multi_string("served_model_name", None,
                           "Model name(s) clients use (default: --model).")
-flags.DEFINE_enum("compile_warmup", "none", ["none", "default", "full"],
-                  "Compile step shapes before serving: default = pure decode and prefill buckets; "
-                  "full = every bucket combination (slow on CPU).")
+flags.DEFINE_enum("compile_warmup", "default", ["none", "default", "full"],
+                  "Compile step shapes before taking traffic (/health/ready answers 503 "
+                  "meanwhile): default = every shape of a packed backend (cpu), the pure decode "
+                  "and prefill buckets of the others; full = every bucket combination; none = "
+                  "compile on first use.")
 flags.DEFINE_enum("log_level", "info", ["critical", "error", "warning", "info", "debug"],
                   "uvicorn log level.")
 FLAGS = flags.FLAGS
+
+
+def _warmed_up(future) -> None:
+    if future.exception() is not None:
+        print(f"jaxserve serve: warm-up failed: {future.exception()!r}", file=sys.stderr)
+        return
+    report = future.result()
+    print(f"jaxserve serve: ready: compiled {report['compilations']} step shapes in "
+          f"{report['seconds']:.1f} s", file=sys.stderr)
 
 
 class DrainingServer(uvicorn.Server):
@@ -90,11 +101,9 @@ def main(argv):
     except (ValueError, OSError) as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2
-    if FLAGS.compile_warmup != "none":
-        report = engine.warmup(full=FLAGS.compile_warmup == "full")
-        print(f"jaxserve serve: compiled {report['compilations']} step shapes in "
-              f"{report['seconds']:.1f} s", file=sys.stderr)
     aengine = AsyncEngine(engine)
+    if FLAGS.compile_warmup != "none":  # in the background: /health/ready says so meanwhile
+        aengine.warm_up(full=FLAGS.compile_warmup == "full").add_done_callback(_warmed_up)
     app = build_app(aengine, server_config)
     config = uvicorn.Config(app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level,
                             timeout_graceful_shutdown=FLAGS.shutdown_timeout + 5)

@@ -90,6 +90,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._stop = threading.Event()
         self.draining = False  # shutting down: no new requests; live ones finish or time out
+        self.warming_up = False  # compiling step shapes (queued requests wait behind it)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -106,6 +107,32 @@ class AsyncEngine:
         self._commands.put(("wake",))
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def warm_up(self, full: bool = False) -> concurrent.futures.Future:
+        """Compile the step shapes on the loop thread, ahead of anything queued after it;
+        `readiness()` says "warming up" until it is done. The future holds the warm-up report."""
+        self.start()
+        self.warming_up = True
+
+        def run(engine: LLMEngine) -> dict:
+            try:
+                return engine.warmup(full=full)
+            finally:
+                self.warming_up = False
+
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("call", run, future))
+        return future
+
+    def readiness(self) -> str | None:
+        """None when serving; otherwise why not: dead (with the cause), draining, warming up."""
+        if not self.alive:
+            return f"dead: {self.last_error!r}"
+        if self.draining:
+            return "draining for shutdown"
+        if self.warming_up:
+            return "warming up (compiling step shapes)"
+        return None
 
     def drain(self, timeout: float) -> None:
         """Refuse new requests from now on; fail what is still live after `timeout` seconds

@@ -6,7 +6,8 @@ each starting at a multiple of `query_block` (1 packs them back to back), padded
 bucket. Padded tokens write to scratch page 0. With `Buckets.packed` (an attention backend that
 treats every row alike, "cpu"), decode rows are not split out (Sd = 0): every chunk is packed
 back to back and only the total is padded, so a step of 141 decode rows and 883 prompt tokens is
-1024 tokens, not 256 + 1024.
+1024 tokens, not 256 + 1024; its rows are then padded to the bucket that the token bucket implies
+(Buckets.packed_rows), so each token bucket is one step shape, all of which warm-up compiles.
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ def build_batch(plan: StepPlan, buckets: Buckets,
     sp = Buckets.fit(buckets.seqs, len(prefill))
     qb = buckets.query_block
     tp = Buckets.fit(buckets.tokens, sum(-(-c.num_tokens // qb) * qb for c in prefill))
+    if buckets.packed:  # rows follow the token bucket: one step shape per token bucket
+        sp = max(sp, buckets.packed_rows(tp))
     num_rows = sd + sp
     width = buckets.pages
     t = sd + tp

@@ -68,19 +68,27 @@ class Buckets:
         """The rows bucket `rows` rows pad to (the largest bucket when none holds them)."""
         return Buckets.fit(self.seqs, min(rows, self.seqs[-1]))
 
+    def packed_rows(self, tokens: int) -> int:
+        """Rows of a packed step of `tokens` (a bucket): every chunk has a token, so no step has
+        more rows than tokens, nor more than the largest rows bucket. Padding the rows this far
+        makes the token bucket the step's only shape dimension; the padded rows cost only their
+        page-table entries and sample rows."""
+        return self.rows_bucket(min(tokens, self.seqs[-1]))
+
     def step_shapes(self, page_size: int, full: bool = False) -> list[tuple[int, int, int]]:
-        """(decode rows Sd, prefill tokens, prefill rows) of the steps to compile at warm-up. By
-        default every decode-only bucket and every prefill-only token bucket with one row;
+        """(decode rows Sd, prefill tokens, prefill rows) of the steps to compile at warm-up.
+        Packed: one shape per token bucket, every shape the scheduler can produce. Otherwise,
+        by default every decode-only bucket and every prefill-only token bucket with one row;
         full=True adds every combination of decode rows, prefill tokens and prefill rows the
         scheduler can produce."""
+        if self.packed:
+            return [(0, tp, self.packed_rows(tp)) for tp in self.tokens]
         seqs = (0,) + self.seqs
         tokens = (0,) + self.tokens
         qb = self.query_block
         max_units = -(-self.pages * page_size // qb)  # query blocks one row's chunk can span
         shapes = set()
-        packed = self.packed  # decode rows are one-token chunks: Sd is always 0
-        for sd, (prev, tp) in itertools.product((0,) if packed else seqs,
-                                                zip((0,) + tokens, tokens)):
+        for sd, (prev, tp) in itertools.product(seqs, zip((0,) + tokens, tokens)):
             if sd + tp == 0:
                 continue
             if tp == 0:
@@ -95,7 +103,4 @@ class Buckets:
                 fits = [s for s in seqs if 0 < s <= top and s * max_units * qb > prev]
                 rows = fits if full else fits[:1]
             shapes.update((sd, tp, sp) for sp in rows if full or sd == 0 or tp == 0)
-        if packed and not full:  # decode-only steps: as many one-token rows as tokens
-            shapes.update((0, Buckets.fit(self.tokens, r), self.rows_bucket(r))
-                          for r in range(1, min(self.seqs[-1], self.tokens[-1]) + 1))
         return sorted(shapes)

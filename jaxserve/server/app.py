@@ -291,13 +291,21 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = Non
             {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
              "max_model_len": ctx.max_model_len} for name in ctx.model_names]}
 
-    @app.get("/health")
-    async def health():
+    @app.get("/health/live")
+    async def live():
+        """200 while the process and its engine loop are up."""
         if not aengine.alive:
             return JSONResponse({"status": "dead", "error": repr(aengine.last_error)},
                                 status_code=503)
-        if aengine.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "live"}
+
+    @app.get("/health/ready")
+    @app.get("/health")
+    async def ready():
+        """200 when serving; 503 with the reason while warming up, draining or dead."""
+        reason = aengine.readiness()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")

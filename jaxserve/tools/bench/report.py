@@ -182,6 +182,10 @@ def build_report(result: RunResult, *, workload=None, slo_ttft_ms: float | None 
             "prefix_cache_hit_rate": info["prefix_cache_hits"] / queries if queries else 0.0,
             "compilations_warmup": info["compilations_before_warmup"] + info["compilations_warmup"],
             "compilations_after_warmup": info["compilations_after_warmup"],
+            # The measured window's latencies include these compilations: said in the header.
+            "warnings": ([f"{info['compilations_after_warmup']} step shapes compiled during the "
+                          "measured window: its latencies include XLA compilation (warm up "
+                          "with --compile_warmup)"] if info["compilations_after_warmup"] else []),
             "warmup_requests": info["warmup_requests"], "warmup_s": info["warmup_s"],
         })
     else:
@@ -206,6 +210,7 @@ def format_report(rep: dict[str, Any]) -> str:
     lines = []
     title = f"Benchmark{(' - ' + rep['label']) if rep.get('label') else ''}"
     lines += [title, "=" * len(title)]
+    lines += [f"WARNING: {w}" for w in rep.get("warnings", [])]
     if rep.get("workload_description"):
         lines.append(f"workload: {rep['workload_description']}")
     if rep["mode"] == "engine":
