@@ -13,7 +13,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from tiny_model import tiny_loaded
+from tiny_model import failing_on, tiny_loaded
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = ["the cat sat on", "hello world", "0123456789" * 3, "a"]
@@ -131,16 +131,8 @@ def test_a_failed_device_step_fails_its_requests_and_the_engine_recovers(
     """The step had the pool donated, so the running requests fail with the cause; the engine
     starts a fresh pool, empties the prefix cache, and serves the next requests exactly."""
     engine = llm.engine
-    real = getattr(engine.runner, where)
-    calls = {"n": 0}
-
-    def flaky(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("injected device failure")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(engine.runner, where, flaky)
+    monkeypatch.setattr(engine.runner, where, failing_on(
+        3, getattr(engine.runner, where), RuntimeError("injected device failure")))
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     finals = {}
     for _ in range(200):
@@ -161,16 +153,7 @@ def test_a_failed_device_step_fails_its_requests_and_the_engine_recovers(
 def test_an_interrupted_generate_leaves_nothing_behind(llm, reference, monkeypatch):
     """KeyboardInterrupt (or any exception) inside generate() aborts that call's requests."""
     engine = llm.engine
-    real = engine.step
-    calls = {"n": 0}
-
-    def interrupted():
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt
-        return real()
-
-    monkeypatch.setattr(engine, "step", interrupted)
+    monkeypatch.setattr(engine, "step", failing_on(2, engine.step, KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, GREEDY)
     monkeypatch.undo()

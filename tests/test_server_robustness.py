@@ -18,7 +18,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.server import AsyncEngine, ServerConfig, build_app
 from serving import serve_app
-from tiny_model import tiny_loaded
+from tiny_model import failing_on, tiny_loaded
 
 httpx = pytest.importorskip("httpx")
 
@@ -117,17 +117,8 @@ def test_a_lone_surrogate_is_400_and_the_connection_lives_on(url, reference):
 
 def test_an_engine_error_of_any_type_ends_a_stream_with_an_error_event(url, aengine,
                                                                        monkeypatch):
-    engine = aengine.engine
-    real = engine.step
-    calls = {"n": 0}
-
-    def broken():
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyError("injected")  # not a RuntimeError
-        return real()
-
-    monkeypatch.setattr(engine, "step", broken)
+    engine = aengine.engine  # a KeyError: not a RuntimeError
+    monkeypatch.setattr(engine, "step", failing_on(2, engine.step, KeyError("injected")))
     r = post(url, {**NORMAL, "max_tokens": 32, "stream": True})
     assert r.status_code == 200
     events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
@@ -143,22 +134,14 @@ def test_loop_errors_outside_step_answer_every_request(url, aengine, monkeypatch
                                                        where):
     """An exception in the engine loop outside engine.step() (dispatching outputs, aborting,
     posting to a handler) answers the live requests with an error; the loop lives on."""
-    real = getattr(aengine, where)
-    calls = {"n": 0}
-
-    def broken(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise ValueError(f"injected in {where}")
-        return real(*args, **kwargs)
-
+    broken = failing_on(1, getattr(aengine, where), ValueError(f"injected in {where}"))
     monkeypatch.setattr(aengine, where, broken)
     if where == "_abort":  # a client that goes away while its request streams
         body = {**NORMAL, "max_tokens": 220, "stream": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
             next(r.iter_lines())
         deadline = time.monotonic() + 10
-        while calls["n"] == 0:
+        while broken.calls == 0:
             assert time.monotonic() < deadline, "the disconnect was not noticed"
             time.sleep(0.02)
     else:

@@ -99,11 +99,11 @@ def test_sigint_drains_then_answers_the_rest_and_exits_0(model_dir):
 
 def test_a_second_signal_exits_at_once(model_dir):
     proc, url = start_server(model_dir, shutdown_timeout=60.0)
-    results = [None] * 6
-    threads = stream_all(url, 6, results)
-    time.sleep(1.0)
-    proc.send_signal(signal.SIGINT)
+    results = [None] * 12
+    threads = stream_all(url, 12, results)
     time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)

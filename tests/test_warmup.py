@@ -102,10 +102,12 @@ def test_default_warmup_covers_pure_decode_and_prefill(default_loaded, backend):
         assert engine.buckets.tokens == (16, 48)
         step_shapes = 4
     else:
-        # packed: one-row prefill for each token bucket 1..16 (powers of two and the sizes
-        # halfway between), and 2 one-token rows (T = 2)
+        # packed: one shape per token bucket 1..16 (powers of two and the sizes halfway
+        # between), its rows padded to the bucket the tokens imply (Buckets.packed_rows)
         assert engine.buckets.tokens == (1, 2, 3, 4, 6, 8, 12, 16)
-        step_shapes = 9
+        assert engine.buckets.step_shapes(8) == [(0, t, 1 if t == 1 else 2)
+                                                 for t in engine.buckets.tokens]
+        step_shapes = 8
     # plus the copy-on-write page copies, one shape per copies bucket (4 and 32)
     assert engine.buckets.copies == (4, 32)
     shapes = step_shapes + 2

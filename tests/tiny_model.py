@@ -51,3 +51,16 @@ def tiny_loaded(seed: int = 0, vocab_size: int = 320, max_len: int = 256) -> Loa
                          "w_down": w(layers, inter, h)}}
     return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, fingerprint=f"tiny-{seed}",
                        source="tests/tiny_model.py")
+
+
+def failing_on(call: int, real, error: BaseException):
+    """A stand-in for `real` that raises `error` on its call-th call and otherwise calls it
+    (fault injection); `.calls` counts the calls."""
+    def wrapper(*args, **kwargs):
+        wrapper.calls += 1
+        if wrapper.calls == call:
+            raise error
+        return real(*args, **kwargs)
+
+    wrapper.calls = 0
+    return wrapper

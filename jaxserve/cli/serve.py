@@ -108,5 +108,7 @@ def main(argv):
     config = uvicorn.Config(app, host=FLAGS.host, port=FLAGS.port, log_level=FLAGS.log_level,
                             timeout_graceful_shutdown=FLAGS.shutdown_timeout + 5)
     DrainingServer(config, aengine, FLAGS.shutdown_timeout).run()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # one more while winding down: exit at once
+        signal.signal(sig, lambda *_: os._exit(0))
     aengine.shutdown()
     return 0

@@ -31,12 +31,9 @@ Prompt = str | list[int] | dict
 log = logging.getLogger("jaxserve.engine")
 
 
-class DeviceStepFailed(RuntimeError):
-    """A jitted step (or its read-back) raised: the KV pool it was donated is gone."""
-
-    def __init__(self, plan: StepPlan, cause: BaseException):
-        super().__init__(f"the device step failed: {cause!r}")
-        self.plan = plan
+class StepFailed(RuntimeError):
+    """A step could not run: the jitted step or its read-back raised (the KV pool donated to it
+    is gone), or its batch could not be built through no single request's fault."""
 
 
 @dataclasses.dataclass
@@ -118,7 +115,7 @@ class LLMEngine:
         if not self.scheduler.has_unfinished():
             try:
                 self._settle()
-            except DeviceStepFailed as e:
+            except StepFailed as e:
                 self._recover(e)
         return aborted
 
@@ -138,8 +135,9 @@ class LLMEngine:
         held, and the engine goes on with a fresh pool (`_recover`)."""
         try:
             results = self._step()
-        except DeviceStepFailed as e:
-            results = self._recover(e)
+        except StepFailed as e:
+            self._recover(e)
+            results = []
         if self._failed:
             results += self._snapshots(self._failed, time.monotonic())
             self._failed = []
@@ -186,14 +184,14 @@ class LLMEngine:
         try:
             out = self.runner.dispatch(batch, copies, after)
         except Exception as e:  # noqa: BLE001
-            raise DeviceStepFailed(plan, e) from e
+            raise StepFailed(f"the device step failed: {e!r}") from e
         return _Launched(plan, out, num_rows, offsets)
 
     def _fetch(self, launched: "_Launched"):
         try:
             return self.runner.fetch(launched.out, launched.num_rows)
         except Exception as e:  # noqa: BLE001
-            raise DeviceStepFailed(launched.plan, e) from e
+            raise StepFailed(f"the device step failed: {e!r}") from e
 
     def _fail(self, request_id: str, error: str) -> None:
         entry = self._requests.get(request_id)
@@ -203,8 +201,7 @@ class LLMEngine:
 
     def _fail_unbuildable(self, plan: StepPlan, error: Exception) -> None:
         """build_batch raised: fail the requests whose chunks fail alone (their rows are then
-        padding, build_batch skips finished sequences); re-raise if none does (not a row's
-        fault)."""
+        padding, build_batch skips finished sequences); StepFailed if none does."""
         culprits = []
         for chunk in plan.chunks:
             try:
@@ -212,14 +209,14 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001
                 culprits.append((chunk.seq.request.request_id, e))
         if not culprits:
-            raise error
+            raise StepFailed(f"building the step's batch failed: {error!r}") from error
         for request_id, e in culprits:
             self._fail(request_id, f"building its batch row failed: {e!r}")
 
-    def _recover(self, failure: DeviceStepFailed) -> list[RequestOutput]:
-        """After a failed device step: every request whose KV was in the pool fails with the
-        cause, plans in flight are applied with their tokens dropped, and the runner gets a
-        fresh pool (the prefix cache is emptied with it)."""
+    def _recover(self, failure: StepFailed) -> None:
+        """After a failed step: every request whose KV was in the pool fails with the cause,
+        plans in flight are applied with their tokens dropped, and the runner gets a fresh pool
+        (the prefix cache is emptied with it: the pool donated to a failed step is gone)."""
         cause = str(failure)
         log.error("%s; failing the running requests and starting a fresh KV pool "
                   "(the prefix cache is emptied)", cause)
@@ -229,7 +226,6 @@ class LLMEngine:
             self.scheduler.update(plan, [0] * len(plan.sample_rows))
         self._unapplied, self._in_flight = [], None
         self.runner.reset_pool()
-        return []
 
     def _apply(self, launched: "_Launched", out) -> list[RequestOutput]:
         """The output processor reads the step's rows first (logprobs, text, stop strings), then
