@@ -1,10 +1,12 @@
-"""The package's layers as the code imports them: the host core runs without JAX, and the model
-imports no backend."""
+"""The package's layers as the code imports them: the host core runs without JAX, the model
+imports no backend, and no backend is chosen where it would run in interpret mode."""
 
 import ast
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -62,3 +64,24 @@ def test_no_source_file_over_450_lines():
     long = {str(p.relative_to(ROOT)): n for p in sources
             if (n := len(p.read_text().splitlines())) > 450}
     assert not long, long
+
+
+def test_no_interpret_mode_by_accident(monkeypatch, caplog):
+    """auto never picks the TPU-style Pallas kernels where they would be interpreted: xla on a
+    GPU, pallas only on a TPU; an explicit pallas is refused on a GPU and logged on a CPU."""
+    import logging
+
+    import jax
+
+    from jaxserve import backends
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert backends.resolve("auto", "bfloat16") == "xla"
+    with pytest.raises(ValueError, match="interpret mode on gpu"):
+        backends.resolve("pallas")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert backends.resolve("auto", "bfloat16") == "pallas"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    with caplog.at_level(logging.WARNING, logger="jaxserve.backends"):
+        assert backends.resolve("pallas") == "pallas"
+    assert "interpret mode" in caplog.text

@@ -7,7 +7,8 @@ the model code imports no backend), its greedy argmax, and the batch layout its 
   cpu      C++ XLA FFI kernels (jaxserve/backends/cpu/): paged attention reading pages in place,
            f32/int8/bf16 matmuls over packed weights, argmax. x86-64 with AVX2+FMA or AVX-512.
   xla      plain jnp (jaxserve/backends/xla.py): any device; the fallback.
-  pallas   the Pallas kernels (pallas_kernels/): compiled on TPU, interpret mode elsewhere.
+  pallas   the Pallas kernels (pallas_kernels/tpu/): compiled on TPU; on a CPU only when asked
+           for (interpret mode, for tests); refused on a GPU.
 
 `resolve` turns a requested name ("auto" included) into one that runs here, or says why not.
 """
@@ -15,11 +16,13 @@ the model code imports no backend), its greedy argmax, and the batch layout its 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Callable
 
 import jax
 
 NAMES = ("cpu", "xla", "pallas")
+log = logging.getLogger("jaxserve.backends")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,19 +60,32 @@ def get(name: str) -> Backend:
 
 
 def resolve(name: str, dtype: str = "float32", quantization: str = "none") -> str:
-    """"auto" -> pallas on TPU/GPU; on CPU, the C++ kernels for a float32 pool where they have a
-    vector path (their portable fallback is far slower than XLA's dot) and build, else xla. An
-    explicit name is checked against this machine; "cpu" may be asked for on any CPU."""
+    """"auto" -> pallas on TPU (compiled by Mosaic); xla on GPU (the Pallas kernels are
+    TPU-style: on a GPU they could only run in interpret mode, about 1000x too slow); on CPU,
+    the C++ kernels for a float32 pool where they have a vector path (their portable fallback is
+    far slower than XLA's dot) and build, else xla. An explicit name is checked against this
+    machine: "cpu" may be asked for on any CPU, "pallas" on a CPU runs in interpret mode (for
+    tests and debugging; logged) and is refused on a GPU."""
     from jaxserve.backends.cpu import kernels
 
-    on_cpu = jax.default_backend() == "cpu"
+    platform = jax.default_backend()
+    on_cpu = platform == "cpu"
     if name == "auto":
-        if not on_cpu:
+        if platform == "tpu":
             name = "pallas"
+        elif not on_cpu:
+            name = "xla"
         else:
             fast = kernels.has_vector_path() and kernels.available()
             name = "cpu" if dtype == "float32" and fast else "xla"
     get(name)  # unknown names fail here
+    if name == "pallas" and platform not in ("tpu", "cpu"):
+        raise ValueError(f"attention_backend='pallas' has TPU kernels only, which would run in "
+                         f"interpret mode on {platform} (far too slow to serve); use "
+                         "attention_backend='xla' (or 'auto')")
+    if name == "pallas" and on_cpu:
+        log.warning("attention_backend='pallas' on a CPU: the Pallas kernels run in interpret "
+                    "mode (a correctness tool, not a serving speed)")
     if name == "cpu":
         if not on_cpu or dtype != "float32":
             raise ValueError("attention_backend='cpu' runs on the CPU with a float32 KV pool "
