@@ -40,6 +40,17 @@ def assert_clean_and_working(llm, reference):
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
+def run_to_end(engine, max_steps: int = 500) -> dict:
+    """Step until nothing is unfinished (a bounded number of steps: no hang); the final
+    RequestOutput of each request by id."""
+    finals = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return finals
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    raise AssertionError(f"the engine did not finish in {max_steps} steps")
+
+
 BAD_PARAMS = [dict(top_k=2**31), dict(top_k=2**63), dict(temperature=math.nan),
               dict(top_p=math.nan), dict(min_p=math.nan), dict(temperature=math.inf),
               dict(max_tokens=2**31), dict(n=0), dict(n=True), dict(logprobs=21),
@@ -88,11 +99,7 @@ def test_a_row_that_cannot_be_built_fails_alone(llm, reference):
     engine = llm.engine
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     requests[1].sampling_params.top_k = 2**40  # overflows the int32 top_k array
-    finals = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
+    finals = run_to_end(engine)
     bad = finals[requests[1].request_id]
     assert bad.error and "building its batch row failed" in bad.error
     assert bad.outputs[0].finish_reason == "error"
@@ -115,9 +122,7 @@ def test_a_row_whose_output_cannot_be_processed_fails_alone(llm, reference, monk
     monkeypatch.setattr(engine.outputs, "_process_row", broken)
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
     victim = requests[2].request_id
-    finals = {}
-    while engine.has_unfinished():
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    finals = run_to_end(engine)
     assert "processing its output failed" in finals[victim].error
     for i in (0, 1, 3):
         assert finals[requests[i].request_id].outputs[0].token_ids == reference[i]
@@ -134,12 +139,7 @@ def test_a_failed_device_step_fails_its_requests_and_the_engine_recovers(
     monkeypatch.setattr(engine.runner, where, failing_on(
         3, getattr(engine.runner, where), RuntimeError("injected device failure")))
     requests = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    finals = {}
-    for _ in range(200):
-        if not engine.has_unfinished():
-            break
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
-    assert not engine.has_unfinished()
+    finals = run_to_end(engine)
     failed = [r for r in requests if finals[r.request_id].error]
     assert failed and all("injected device failure" in finals[r.request_id].error
                           for r in failed)
@@ -175,9 +175,7 @@ def test_prompt_logprobs_that_cannot_be_recorded_fail_alone(llm, reference, monk
     scoring = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=2)
     requests = [engine.add_request(p, scoring) for p in PROMPTS]
     victim = requests[0].request_id
-    finals = {}
-    while engine.has_unfinished():
-        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    finals = run_to_end(engine)
     assert "recording its prompt logprobs failed" in finals[victim].error
     for i in (1, 2, 3):
         out = finals[requests[i].request_id]

@@ -20,12 +20,10 @@ class SequenceText:
         self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens])
         self.stops = seq.sampling_params.stop
         self.text = ""
-        self.num_tokens = 0  # output tokens consumed so far
         self.stopped_at: str | None = None
 
     def add(self, token: int) -> str | None:
         """Feed one generated token; returns the stop string it completes, if any."""
-        self.num_tokens += 1
         if self.stopped_at is not None:
             return None
         before = len(self.text)

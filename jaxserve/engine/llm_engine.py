@@ -270,10 +270,10 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- compilation
     def warmup(self, full: bool = False) -> dict:
-        """Compile step shapes before traffic arrives (Buckets.step_shapes: by default every
-        decode-only and prefill-only bucket; full=True every combination the scheduler can
-        produce) and the copy-on-write copies. No request state changes. Returns counts and
-        seconds."""
+        """Compile step shapes before traffic arrives (Buckets.step_shapes: every shape of a
+        packed backend; otherwise every decode-only and prefill-only bucket, and with full=True
+        every combination the scheduler can produce) and the copy-on-write copies. No request
+        state changes. Returns counts and seconds."""
         t0, before = time.perf_counter(), self.runner.compilations
         shapes = self.runner.warmup(self.buckets, full)
         return {"shapes": shapes, "compilations": self.runner.compilations - before,
