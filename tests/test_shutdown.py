@@ -23,7 +23,7 @@ httpx = pytest.importorskip("httpx")
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return save_orbax(str(tmp_path_factory.mktemp("tiny") / "model"), tiny_loaded())
+    return save_orbax(str(tmp_path_factory.mktemp("tiny") / "model"), tiny_loaded(max_len=2048))
 
 
 def start_server(model_dir, shutdown_timeout: float):
@@ -31,8 +31,8 @@ def start_server(model_dir, shutdown_timeout: float):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "jaxserve.cli.main", "serve", f"--model={model_dir}",
-           f"--port={port}", f"--shutdown_timeout={shutdown_timeout}", "--max_num_seqs=2",
-           "--num_pages=128", "--page_size=8", "--attention_backend=xla",
+           f"--port={port}", f"--shutdown_timeout={shutdown_timeout}", "--max_num_seqs=1",
+           "--num_pages=512", "--page_size=8", "--attention_backend=xla",
            "--served_model_name=tiny", "--log_level=warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
@@ -52,7 +52,7 @@ def start_server(model_dir, shutdown_timeout: float):
 def stream_all(url, n: int, results: list):
     """n streaming requests, each in a thread; results gets each one's data lines."""
     def one(i):
-        body = {"model": "tiny", "prompt": f"story {i}", "max_tokens": 200, "stream": True,
+        body = {"model": "tiny", "prompt": f"story {i}", "max_tokens": 1500, "stream": True,
                 "temperature": 0, "ignore_eos": True}
         lines = []
         try:
@@ -73,7 +73,7 @@ def test_sigint_drains_then_answers_the_rest_and_exits_0(model_dir):
     proc, url = start_server(model_dir, shutdown_timeout=1.0)
     results = [None] * 20
     threads = stream_all(url, 20, results)
-    time.sleep(1.0)  # the first ones are streaming, the rest wait (max_num_seqs=2)
+    time.sleep(1.0)  # the first one is streaming, the rest wait (max_num_seqs=1)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
@@ -94,7 +94,7 @@ def test_sigint_drains_then_answers_the_rest_and_exits_0(model_dir):
         else:
             assert last["choices"][0]["finish_reason"] == "length"
             finished += 1
-    assert errored > 0  # 20 x 200 tokens, 2 at a time, cannot finish in one second
+    assert errored > 0  # 20 x 1500 tokens, one at a time, cannot finish in one second
 
 
 def test_a_second_signal_exits_at_once(model_dir):
