@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 
@@ -72,7 +73,7 @@ def ref_paged_decode_attention(
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
 
-def ref_ragged_prefill_attention(
+def ref_ragged_paged_attention(
     q: jax.Array,  # f[T, Hq, D], flat query tokens of all sequences, then padding
     k_pages: jax.Array,  # f[Hkv, N, B, D], head-major
     v_pages: jax.Array,  # f[Hkv, N, B, D], head-major
@@ -82,7 +83,10 @@ def ref_ragged_prefill_attention(
     *,
     sm_scale: float,
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; padding rows are zeros
-    """Causal: the query of s at position p attends to KV positions 0..p (earlier pages included)."""
+    """The semantics of every platform's `ragged_paged_attention`: rows in any order, each a
+    decode row (one query token), a prefill chunk (many) or padding (none); row s's queries are
+    its last query_start[s+1] - query_start[s] positions, and the one at position p attends to KV
+    positions 0..p (earlier pages included). Tokens past query_start[S] give zeros."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = page_tables.shape[0]
     num_kv_heads = k_pages.shape[0]
@@ -100,3 +104,30 @@ def ref_ragged_prefill_attention(
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     out = _masked_attention(qg, k, v, valid, sm_scale)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def ref_ragged_paged_attention_f64(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
+                                   sm_scale: float) -> np.ndarray:
+    """The same semantics in float64 numpy, written independently (each row's pages concatenated
+    into a contiguous KV, a plain causal softmax per query head): the oracle the kernels and the
+    jnp reference are both measured against. Returns f64[T, Hq, D]."""
+    q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
+    k_pages = np.asarray(jnp.asarray(k_pages, jnp.float32), np.float64)
+    v_pages = np.asarray(jnp.asarray(v_pages, jnp.float32), np.float64)
+    table, seq_lens = np.asarray(page_tables), np.asarray(seq_lens)
+    query_start = np.asarray(query_start)
+    group = q.shape[1] // k_pages.shape[0]
+    out = np.zeros_like(q)
+    for s, seq_len in enumerate(seq_lens):
+        q_lo, q_hi = int(query_start[s]), int(query_start[s + 1])
+        if q_hi == q_lo or seq_len == 0:  # no queries, or no keys: zeros
+            continue
+        k = np.concatenate([k_pages[:, p] for p in table[s]], axis=1)[:, :seq_len]  # [Hkv, L, D]
+        v = np.concatenate([v_pages[:, p] for p in table[s]], axis=1)[:, :seq_len]
+        positions = seq_len - (q_hi - q_lo) + np.arange(q_hi - q_lo)
+        for hq in range(q.shape[1]):
+            scores = q[q_lo:q_hi, hq] @ k[hq // group].T * sm_scale  # [q_len, L]
+            scores = np.where(np.arange(seq_len)[None] <= positions[:, None], scores, -np.inf)
+            w = np.exp(scores - scores.max(axis=1, keepdims=True))
+            out[q_lo:q_hi, hq] = (w / w.sum(axis=1, keepdims=True)) @ v[hq // group]
+    return out

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_prefill_attention
+from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 from pallas_kernels.tpu import (DecodeBlockSizes, PrefillBlockSizes, paged_decode_attention,
                                  ragged_prefill_attention)
 
@@ -86,7 +86,7 @@ def main():
     prefill = jax.jit(lambda *a: ragged_prefill_attention(
         *a, sm_scale=scale, block_sizes=PrefillBlockSizes(block_q=32, block_kv_pages=4),
         interpret=interpret))
-    ref_prefill = jax.jit(lambda *a: ref_ragged_prefill_attention(*a, sm_scale=scale))
+    ref_prefill = jax.jit(lambda *a: ref_ragged_paged_attention(*a, sm_scale=scale))
     args = (q, k, v, table, lens, query_start)
     err = float(jnp.max(jnp.abs(prefill(*args).astype(jnp.float32)
                                 - ref_prefill(*args).astype(jnp.float32))))

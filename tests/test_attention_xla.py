@@ -11,7 +11,7 @@ import pytest
 
 from jaxserve.model.attention import AttentionMetadata, attend
 from jaxserve.model.kv_cache import KVCache
-from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_prefill_attention
+from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 
 
 def _step(rng, page_size, decode_lens, prefill, hkv, g, d, width):
@@ -55,7 +55,7 @@ def test_xla_path_matches_references(page_size, hkv, g, d):
     sd = len(decode_lens)
     ref_decode = ref_paged_decode_attention(q[:sd], cache.k, cache.v, md.page_tables[:sd],
                                             md.seq_lens[:sd], sm_scale=d ** -0.5)
-    ref_prefill = ref_ragged_prefill_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
+    ref_prefill = ref_ragged_paged_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
                                                md.seq_lens[sd:], md.query_start[sd:] - sd,
                                                sm_scale=d ** -0.5)
     real = int(md.query_start[-1])
@@ -75,7 +75,7 @@ def test_decode_only_and_prefill_only_steps():
                                              md.seq_lens, sm_scale=0.25)
             np.testing.assert_allclose(out[:3], np.asarray(ref), atol=2e-5, rtol=2e-5)
         else:
-            ref = ref_ragged_prefill_attention(q, cache.k, cache.v, md.page_tables,
+            ref = ref_ragged_paged_attention(q, cache.k, cache.v, md.page_tables,
                                                md.seq_lens, md.query_start, sm_scale=0.25)
             np.testing.assert_allclose(out[:13], np.asarray(ref)[:13], atol=2e-5, rtol=2e-5)
 
@@ -109,7 +109,7 @@ def test_aligned_prefill_layout_matches_packed_reference(query_block):
     packed = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
     real = index >= 0
     np.testing.assert_allclose(out[real], packed[index[real]], atol=2e-5, rtol=2e-5)
-    ref = ref_ragged_prefill_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
+    ref = ref_ragged_paged_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
                                        md.seq_lens[sd:], md.query_start[sd:] - sd, sm_scale=0.25)
     n = int(starts[-1]) - sd
     np.testing.assert_allclose(packed[sd:sd + n], np.asarray(ref)[:n], atol=2e-5, rtol=2e-5)
@@ -134,7 +134,7 @@ def test_row_chunks_and_page_blocks_match_references(monkeypatch, rows_per_chunk
     # Prefill rows of one query each: chunks of rows through the prefill branch.
     q, cache, md = _step(rng, 8, [], [(1, n) for n in decode_lens], 3, 3, 16, width=6)
     out = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
-    ref = ref_ragged_prefill_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
+    ref = ref_ragged_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                        md.query_start, sm_scale=0.25)
     np.testing.assert_allclose(out[:7], np.asarray(ref)[:7], atol=2e-5, rtol=2e-5)
 
@@ -189,7 +189,7 @@ def test_extreme_logits_match_float64_softmax():
     sd, real = len(decode_lens), int(md.query_start[-1])
     ref_decode = ref_paged_decode_attention(q[:sd], cache.k, cache.v, md.page_tables[:sd],
                                             md.seq_lens[:sd], sm_scale=sm_scale)
-    ref_prefill = ref_ragged_prefill_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
+    ref_prefill = ref_ragged_paged_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
                                                md.seq_lens[sd:], md.query_start[sd:] - sd,
                                                sm_scale=sm_scale)
     assert np.all(np.isfinite(out))

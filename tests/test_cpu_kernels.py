@@ -15,7 +15,7 @@ import pytest
 
 from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.model.quantize import quantize_weight
-from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_prefill_attention
+from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 
 # Tests that run the kernels; the others (layouts, the build's compile checks, the backend's
 # choice without them) run where this machine cannot build or run them.
@@ -78,7 +78,7 @@ def test_prefill_matches_reference_with_padding_tokens():
     seq_lens = jnp.asarray(kv_lens, jnp.int32)
     got = cpu_kernels.paged_attention(q, k, v, tables, seq_lens, token_row, positions,
                                             sm_scale=0.125)
-    want = ref_ragged_prefill_attention(q, k, v, tables, seq_lens, jnp.asarray(query_start),
+    want = ref_ragged_paged_attention(q, k, v, tables, seq_lens, jnp.asarray(query_start),
                                         sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert not np.asarray(got)[-5:].any()

@@ -1,10 +1,7 @@
 """Paged attention kernels: references against hand values and float64 numpy, kernels against
 references (Pallas interpret mode on CPU), extreme logits, NaN isolation, validation.
 
-Tolerances (kernel vs reference, both accumulate in float32 at HIGHEST precision):
-  float32 inputs:  atol = rtol = 2e-5   (observed ~1e-6: evaluation order only)
-  bfloat16 inputs: atol = rtol = 1.6e-2 (outputs rounded to bf16: one ulp is 2^-8 relative)
-Reference (float32) vs dense float64 numpy: atol = rtol = 1e-5.
+Cases and tolerances: tests/attention_cases.py.
 """
 
 from __future__ import annotations
@@ -16,92 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_prefill_attention
+from attention_cases import (EXTREME_TOL, F64_TOL, RAGGED_SHAPES, TOL, assert_close, call,
+                             dense_f64, extreme_case, make_case, mixed_rows, ragged_case)
+from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 from pallas_kernels.tpu import (DecodeBlockSizes, PrefillBlockSizes, paged_decode_attention,
                                  ragged_prefill_attention,
                                  validate_decode_inputs, validate_prefill_inputs)
-
-TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
-F64_TOL = dict(atol=1e-5, rtol=1e-5)
-
-
-# ---------------------------------------------------------------------------------------------
-# Fixtures: a head-major paged pool f[Hkv, N, B, D] with permuted pages, NaN in page 0 and in
-# every unused page.
-
-
-def make_case(seed, *, seq_lens, q_lens=None, page_size, num_kv_heads, group, head_dim,
-              extra_pages=3, dtype=jnp.float32, table_width=None):
-    """Random head-major pool f[Hkv, N, B, D] and page tables. q is [S, Hq, D] (decode) or
-    [T, Hq, D] (prefill, q_lens)."""
-    rng = np.random.default_rng(seed)
-    seq_lens = np.asarray(seq_lens, np.int32)
-    num_seqs = len(seq_lens)
-    pages_needed = -(-seq_lens // page_size)
-    width = table_width or max(1, int(pages_needed.max()))
-    num_pages = 1 + int(pages_needed.sum()) + extra_pages
-    shape = (num_kv_heads, num_pages, page_size, head_dim)
-    k = rng.standard_normal(shape).astype(np.float32)
-    v = rng.standard_normal(shape).astype(np.float32)
-    ids = rng.permutation(np.arange(1, num_pages))  # non-contiguous, shuffled page ids
-    table = np.zeros((num_seqs, width), np.int32)
-    used = np.zeros(num_pages, bool)
-    cursor = 0
-    for s, n in enumerate(pages_needed):
-        table[s, :n] = ids[cursor:cursor + n]
-        cursor += n
-        used[table[s, :n]] = True
-        # Slots past the length in the last page hold garbage too.
-        if seq_lens[s] % page_size:
-            k[:, table[s, n - 1], seq_lens[s] % page_size:] = np.nan
-            v[:, table[s, n - 1], seq_lens[s] % page_size:] = np.nan
-        # Unused table entries point at scratch page 0 or at an unused (NaN) page.
-        spare = ids[len(ids) - 1] if extra_pages else 0
-        table[s, n:] = np.where(np.arange(n, width) % 2, spare, 0)
-    k[:, ~used] = np.nan
-    v[:, ~used] = np.nan
-    num_q_heads = num_kv_heads * group
-    rows = num_seqs if q_lens is None else int(np.sum(q_lens)) + 3  # 3 padding rows
-    q = rng.standard_normal((rows, num_q_heads, head_dim)).astype(np.float32)
-    case = dict(q=jnp.asarray(q, dtype), k_pages=jnp.asarray(k, dtype),
-                v_pages=jnp.asarray(v, dtype), page_tables=jnp.asarray(table),
-                seq_lens=jnp.asarray(seq_lens))
-    if q_lens is not None:
-        case["query_start"] = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    return case
-
-
-def dense_f64(case, sm_scale):
-    """Independent oracle: contiguous KV per sequence, causal softmax attention in float64."""
-    q = np.asarray(case["q"].astype(jnp.float32), np.float64)
-    k_pages = np.asarray(case["k_pages"].astype(jnp.float32), np.float64)
-    v_pages = np.asarray(case["v_pages"].astype(jnp.float32), np.float64)
-    table, seq_lens = np.asarray(case["page_tables"]), np.asarray(case["seq_lens"])
-    num_kv_heads, _, page_size, _ = k_pages.shape
-    group = q.shape[1] // num_kv_heads
-    if "query_start" in case:
-        query_start = np.asarray(case["query_start"])
-    else:  # decode: one query per sequence (none for padding rows)
-        query_start = np.concatenate([[0], np.cumsum(seq_lens > 0)])
-        q = q[seq_lens > 0]
-    out = np.zeros_like(q)
-    for s, seq_len in enumerate(seq_lens):
-        q_lo, q_hi = query_start[s], query_start[s + 1]
-        if q_hi == q_lo:
-            continue
-        k = np.concatenate([k_pages[:, p] for p in table[s]], axis=1)[:, :seq_len]  # [Hkv, L, D]
-        v = np.concatenate([v_pages[:, p] for p in table[s]], axis=1)[:, :seq_len]
-        positions = seq_len - (q_hi - q_lo) + np.arange(q_hi - q_lo)
-        for hq in range(q.shape[1]):
-            scores = q[q_lo:q_hi, hq] @ k[hq // group].T * sm_scale  # [q_len, L]
-            scores = np.where(np.arange(seq_len)[None] <= positions[:, None], scores, -np.inf)
-            w = np.exp(scores - scores.max(axis=1, keepdims=True))
-            out[q_lo:q_hi, hq] = (w / w.sum(axis=1, keepdims=True)) @ v[hq // group]
-    if "query_start" not in case:
-        full = np.zeros((len(seq_lens),) + out.shape[1:])
-        full[seq_lens > 0] = out
-        return full
-    return out
 
 
 def _decode(case, fn=paged_decode_attention, **kw):
@@ -112,12 +29,6 @@ def _decode(case, fn=paged_decode_attention, **kw):
 def _prefill(case, fn=ragged_prefill_attention, **kw):
     return fn(case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
               case["query_start"], **kw)
-
-
-def _assert_close(out, expected, tol):
-    out = np.asarray(jnp.asarray(out, jnp.float32))
-    assert np.isfinite(out).all()
-    np.testing.assert_allclose(out, np.asarray(jnp.asarray(expected, jnp.float32)), **tol)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +62,7 @@ def test_reference_prefill_hand_values():
     k[0, 1, :2] = [[1, 0], [0, 1]]
     v[0, 1, :2] = [[3, 0], [0, 3]]
     q = np.array([[[1, 0]], [[0, 1]], [[7, 7]]], np.float32)  # row 2 is padding
-    out = np.asarray(ref_ragged_prefill_attention(
+    out = np.asarray(ref_ragged_paged_attention(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.array([[1]], jnp.int32),
         jnp.array([2], jnp.int32), jnp.array([0, 2], jnp.int32), sm_scale=1.0))
     np.testing.assert_array_equal(out[0, 0], [3, 0])
@@ -164,7 +75,7 @@ def test_reference_decode_matches_float64(group):
     case = make_case(0, seq_lens=[1, 7, 8, 9, 30, 0], page_size=8, num_kv_heads=2, group=group,
                      head_dim=16)
     out = _decode(case, ref_paged_decode_attention, sm_scale=0.3)
-    _assert_close(out, dense_f64(case, 0.3), F64_TOL)
+    assert_close(out, dense_f64(case, 0.3), F64_TOL)
 
 
 @pytest.mark.parametrize("group", [1, 3])
@@ -172,8 +83,17 @@ def test_reference_prefill_matches_float64(group):
     # Chunked prefill and prefix hits: q_len < seq_len attends to earlier pages; one empty sequence.
     case = make_case(1, seq_lens=[5, 20, 9, 17, 4], q_lens=[5, 3, 0, 17, 1], page_size=8,
                      num_kv_heads=2, group=group, head_dim=16)
-    out = _prefill(case, ref_ragged_prefill_attention, sm_scale=0.3)
-    _assert_close(out, dense_f64(case, 0.3), F64_TOL)
+    out = _prefill(case, ref_ragged_paged_attention, sm_scale=0.3)
+    assert_close(out, dense_f64(case, 0.3), F64_TOL)
+
+
+@pytest.mark.parametrize("page_size,head_dim,num_kv_heads,group,dtype", RAGGED_SHAPES)
+def test_reference_matches_float64_on_mixed_rows(page_size, head_dim, num_kv_heads, group, dtype):
+    case = ragged_case(9, mixed_rows(page_size), page_size=page_size, num_kv_heads=num_kv_heads,
+                       group=group, head_dim=head_dim)
+    scale = 1 / math.sqrt(head_dim)
+    assert_close(call(ref_ragged_paged_attention, case, sm_scale=scale), dense_f64(case, scale),
+                 F64_TOL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,7 +122,7 @@ def test_decode_kernel_matches_reference(page_size, head_dim, num_kv_heads, grou
     out = _decode(case, sm_scale=scale,
                   block_sizes=DecodeBlockSizes(pages_per_block=pages_per_block))
     assert out.shape == case["q"].shape and out.dtype == dtype
-    _assert_close(out, _decode(case, ref_paged_decode_attention, sm_scale=scale), TOL[dtype])
+    assert_close(out, _decode(case, ref_paged_decode_attention, sm_scale=scale), TOL[dtype])
     np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0)  # padding row
 
 
@@ -230,7 +150,7 @@ def test_prefill_kernel_matches_reference(page_size, head_dim, num_kv_heads, gro
     out = _prefill(case, sm_scale=scale,
                    block_sizes=PrefillBlockSizes(block_q=block_q, block_kv_pages=block_kv_pages))
     assert out.shape == case["q"].shape and out.dtype == dtype
-    _assert_close(out, _prefill(case, ref_ragged_prefill_attention, sm_scale=scale), TOL[dtype])
+    assert_close(out, _prefill(case, ref_ragged_paged_attention, sm_scale=scale), TOL[dtype])
     np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)  # padding rows
 
 
@@ -238,11 +158,11 @@ def test_kernels_match_float64_and_run_under_jit():
     case = make_case(4, seq_lens=[9, 17, 2], q_lens=[9, 4, 1], page_size=8, num_kv_heads=2,
                      group=3, head_dim=64, table_width=5)
     prefill = jax.jit(lambda c: _prefill(c, sm_scale=0.125))
-    _assert_close(prefill(case), dense_f64(case, 0.125), F64_TOL)
+    assert_close(prefill(case), dense_f64(case, 0.125), F64_TOL)
     decode_case = {k: v for k, v in case.items() if k != "query_start"}
     decode_case["q"] = case["q"][:3]
     decode = jax.jit(lambda c: _decode(c, sm_scale=0.125))
-    _assert_close(decode(decode_case), dense_f64(decode_case, 0.125), F64_TOL)
+    assert_close(decode(decode_case), dense_f64(decode_case, 0.125), F64_TOL)
 
 
 def test_chunked_prefill_equals_whole_prompt():
@@ -277,32 +197,9 @@ def test_kernels_lower_to_mosaic(dtype):
 # Extreme logits: scores near +-1e4, where a naive exp overflows float32.
 
 
-def _extreme_case():
-    """Scores +-1e4 (plus O(1) noise); in sequence 1, one key dominates its last row by ~1e4."""
-    case = make_case(6, seq_lens=[12, 5], q_lens=[12, 5], page_size=8, num_kv_heads=1, group=2,
-                     head_dim=64)
-    rng = np.random.default_rng(6)
-    u = np.sign(rng.standard_normal(64)).astype(np.float32)  # |q . k| = 12.5^2 * 64 = 1e4
-    q, k = np.array(case["q"]), np.array(case["k_pages"])
-    q = 12.5 * u * np.sign(q[..., :1])
-    finite = np.isfinite(k[..., :1])
-    k = np.where(finite, 12.5 * u * np.sign(k[..., :1]) + 0.01 * k, k).astype(np.float32)
-    k[0, int(case["page_tables"][1, 0]), 2] = 2 * q[16, 0]  # row 16 = seq 1, position 4
-    case.update(q=jnp.asarray(q), k_pages=jnp.asarray(k))
-    return case
-
-
-# Kernel vs its pure-jnp reference on these inputs: both take the float32 scores of the same
-# inputs and a max-subtracted softmax, so they agree to the ordinary float32 TOL (observed
-# ~1.2e-7). Either vs float64: float32 scores of magnitude 1e4 carry ~1e4 * 2^-24 absolute
-# rounding, so outputs match float64 only to ~1e-3 (observed 6.4e-4; softmax conditioning, not
-# instability); a naive exp(1e4) is inf in float32.
-EXTREME_TOL = dict(atol=5e-3, rtol=5e-3)
-
-
 @pytest.mark.parametrize("block_q,block_kv_pages,pages_per_block", [(8, 1, 1), (16, 2, 2)])
 def test_extreme_logits_prefill_and_decode(block_q, block_kv_pages, pages_per_block):
-    case = _extreme_case()
+    case = extreme_case()
     expected = dense_f64(case, 1.0)
     q, k = np.asarray(case["q"]), np.asarray(case["k_pages"])
     score = q[0, 0] @ k[0, int(case["page_tables"][0, 0]), 0]
@@ -311,10 +208,10 @@ def test_extreme_logits_prefill_and_decode(block_q, block_kv_pages, pages_per_bl
         assert np.isinf(np.exp(np.float32(abs(score))))  # a naive softmax overflows
     out = _prefill(case, sm_scale=1.0, block_sizes=PrefillBlockSizes(block_q=block_q,
                                                                      block_kv_pages=block_kv_pages))
-    ref = _prefill(case, ref_ragged_prefill_attention, sm_scale=1.0)
-    _assert_close(out, ref, TOL[jnp.float32])  # every row, the 3 padding rows (zeros) included
-    _assert_close(out, expected, EXTREME_TOL)
-    _assert_close(ref, expected, EXTREME_TOL)
+    ref = _prefill(case, ref_ragged_paged_attention, sm_scale=1.0)
+    assert_close(out, ref, TOL[jnp.float32])  # every row, the 3 padding rows (zeros) included
+    assert_close(out, expected, EXTREME_TOL)
+    assert_close(ref, expected, EXTREME_TOL)
     # The dominating key: the row's output is exactly that key's value.
     v = np.asarray(case["v_pages"])[0, int(case["page_tables"][1, 0]), 2]
     np.testing.assert_allclose(np.asarray(out)[16, 0], v, atol=1e-6)
@@ -323,9 +220,9 @@ def test_extreme_logits_prefill_and_decode(block_q, block_kv_pages, pages_per_bl
     out = _decode(decode, sm_scale=1.0,
                   block_sizes=DecodeBlockSizes(pages_per_block=pages_per_block))
     ref = _decode(decode, ref_paged_decode_attention, sm_scale=1.0)
-    _assert_close(out, ref, TOL[jnp.float32])
-    _assert_close(out, dense_f64(decode, 1.0), EXTREME_TOL)
-    _assert_close(ref, dense_f64(decode, 1.0), EXTREME_TOL)
+    assert_close(out, ref, TOL[jnp.float32])
+    assert_close(out, dense_f64(decode, 1.0), EXTREME_TOL)
+    assert_close(ref, dense_f64(decode, 1.0), EXTREME_TOL)
     np.testing.assert_allclose(np.asarray(out)[1, 0], v, atol=1e-6)
 
 
