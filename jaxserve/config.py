@@ -58,7 +58,8 @@ class ModelConfig:
 SCHEDULING_POLICIES = ("iteration", "static")
 PRIORITY_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas")
-DTYPES = ("float32", "bfloat16", "float16")
+PALLAS_KERNELS = ("auto", "tpu", "gpu")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "bf16")
 
 
@@ -67,11 +68,17 @@ class EngineConfig:
     """How the engine runs: memory budget, batching limits and policies."""
 
     model: str = "smollm2-135m"
-    dtype: str = "float32"
+    # Weights, activations and KV pool. auto: bfloat16 on GPU and TPU (softmax statistics stay
+    # float32 inside the kernels), float32 on CPU (jaxserve.backends.resolve_dtype).
+    dtype: str = "auto"
     # "int8": weight-only, per-output-channel scales. "bf16": weights and matmul inputs rounded to
     # bfloat16, products summed in f32 on AMX tiles (CPUs with AMX-BF16, the "cpu" backend).
     quantization: str = "none"
-    attention_backend: str = "auto"  # auto: pallas on TPU/GPU; on CPU the C++ kernel, else xla
+    # auto: the Pallas kernels on TPU and GPU; on CPU the C++ kernels, else xla (backends.resolve)
+    attention_backend: str = "auto"
+    # The Pallas kernel family: auto is the device's own; on a CPU (interpret mode, for tests
+    # and debugging) "tpu" unless "gpu" is asked for.
+    pallas_kernels: str = "auto"
     page_size: int = 16
     num_pages: int | None = None  # total pages including the reserved scratch page 0
     kv_cache_bytes: int | None = None  # alternative to num_pages: a KV memory budget
@@ -101,6 +108,8 @@ class EngineConfig:
               f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         check(self.attention_backend in ATTENTION_BACKENDS,
               f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        check(self.pallas_kernels in PALLAS_KERNELS,
+              f"pallas_kernels must be one of {PALLAS_KERNELS}, got {self.pallas_kernels!r}")
         check(self.scheduling in SCHEDULING_POLICIES,
               f"scheduling must be one of {SCHEDULING_POLICIES}, got {self.scheduling!r}")
         check(self.scheduling_policy in PRIORITY_POLICIES,
@@ -133,6 +142,8 @@ class EngineConfig:
 
     @property
     def dtype_bytes(self) -> int:
+        if self.dtype == "auto":
+            raise ValueError("dtype 'auto' is resolved per device (backends.resolve_dtype) first")
         return 4 if self.dtype == "float32" else 2
 
     def resolve_num_pages(self, model: ModelConfig, max_model_len: int) -> int:

@@ -67,8 +67,9 @@ def test_no_source_file_over_450_lines():
 
 
 def test_no_interpret_mode_by_accident(monkeypatch, caplog):
-    """auto never picks the TPU-style Pallas kernels where they would be interpreted: xla on a
-    GPU, pallas only on a TPU; an explicit pallas is refused on a GPU and logged on a CPU."""
+    """auto picks the device's own Pallas kernels, compiled, on GPU and TPU (xla on a GPU when
+    the Triton kernels refuse the shapes); an explicit pallas interprets only on a CPU, logged,
+    with the family pallas_kernels names; a foreign family on an accelerator is refused."""
     import logging
 
     import jax
@@ -76,12 +77,20 @@ def test_no_interpret_mode_by_accident(monkeypatch, caplog):
     from jaxserve import backends
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert backends.resolve("auto", "bfloat16") == "xla"
-    with pytest.raises(ValueError, match="interpret mode on gpu"):
-        backends.resolve("pallas")
+    assert backends.resolve("auto", "bfloat16", head_dim=64, page_size=16) == "pallas-gpu"
+    assert backends.resolve("auto", "bfloat16", head_dim=80, page_size=16) == "xla"
+    assert backends.resolve("pallas") == "pallas-gpu"
+    with pytest.raises(ValueError, match="never chosen on an accelerator"):
+        backends.resolve("pallas", pallas_kernels="tpu")
+    assert backends.resolve_dtype("auto") == "bfloat16"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert backends.resolve("auto", "bfloat16") == "pallas"
+    assert backends.resolve("auto", "bfloat16") == "pallas-tpu"
+    assert backends.get("pallas-tpu").name == "pallas-tpu"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert backends.resolve_dtype("auto") == "float32"
     with caplog.at_level(logging.WARNING, logger="jaxserve.backends"):
-        assert backends.resolve("pallas") == "pallas"
+        assert backends.resolve("pallas") == "pallas-tpu-interpret"
+        assert backends.resolve("pallas", pallas_kernels="gpu") == "pallas-gpu-interpret"
     assert "interpret mode" in caplog.text
+    for name in backends.PALLAS:
+        assert backends.get(name).packed  # the entry point takes rows in any order

@@ -14,10 +14,10 @@ from jaxserve.engine import LLMEngine
 pytestmark = pytest.mark.slow  # every test runs the real default model
 
 
-def _generate(loaded, backend, prompts, params):
+def _generate(loaded, backend, prompts, params, **options):
     engine = LLMEngine(EngineConfig.from_options(
         attention_backend=backend, num_pages=32, max_num_seqs=2, max_num_batched_tokens=64,
-        enable_prefix_caching=False), loaded)
+        enable_prefix_caching=False, **options), loaded)
     ids = [engine.add_request(p, params).request_id for p in prompts]
     done = {}
     while engine.has_unfinished():
@@ -25,12 +25,16 @@ def _generate(loaded, backend, prompts, params):
     return [done[i] for i in ids], engine.backend
 
 
-def test_pallas_greedy_equals_xla(default_loaded):
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+def test_pallas_greedy_equals_xla(default_loaded, family):
+    """Each family's ragged_paged_attention, interpreted, in the engine's packed steps: a
+    prefill of two prompts, then decode rows (G = 3 query heads per KV head, head dim 64)."""
     prompts = ["The capital of France is", "Water boils at a temperature of"]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     xla, xla_name = _generate(default_loaded, "xla", prompts, params)
-    pallas, pallas_name = _generate(default_loaded, "pallas", prompts, params)
-    assert (xla_name, pallas_name) == ("xla", "pallas")
+    pallas, pallas_name = _generate(default_loaded, "pallas", prompts, params,
+                                    pallas_kernels=family)
+    assert (xla_name, pallas_name) == ("xla", f"pallas-{family}-interpret")
     assert pallas == xla
 
 

@@ -7,12 +7,15 @@ import json
 import os
 import time
 
+import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
 from jaxserve.config import ModelConfig
 from jaxserve.weights import (LoadedModel, ModelNotFoundError, config_from_hf, load_model,
                               params_from_hf_state_dict, save_orbax)
+from jaxserve.weights.hf_loader import read_safetensors
 
 LAYER_MAP = {  # our layer key -> (HF suffix, transposed)
     "attn_norm": ("input_layernorm.weight", False), "wq": ("self_attn.q_proj.weight", True),
@@ -169,6 +172,17 @@ def test_hf_bf16_checkpoint(tmp_path):
     loaded = load_model(str(tmp_path))
     ref = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
     assert_params_match(loaded.params, loaded.config, ref, atol=0.0)
+    # Served in bf16 (the accelerators' default), the weights load as bf16: every leaf, and
+    # the file's tensors are views of the memory map (no f32 copy on the way).
+    bf16 = load_model(str(tmp_path), dtype="bfloat16")
+    leaves = jax.tree_util.tree_leaves(bf16.params)
+    assert {x.dtype for x in leaves} == {np.dtype(ml_dtypes.bfloat16)}
+    assert_params_match(jax.tree_util.tree_map(lambda x: x.astype(np.float32), bf16.params),
+                        bf16.config, ref, atol=0.0)
+    (shard,) = tmp_path.glob("*.safetensors")
+    tensors = read_safetensors(str(shard), float_dtype=ml_dtypes.bfloat16)
+    assert all(isinstance(t.base, np.memmap) or isinstance(t, np.memmap)
+               for t in tensors.values())
 
 
 def test_config_from_hf_variants():

@@ -7,10 +7,13 @@ the model code imports no backend), its greedy argmax, and the batch layout its 
   cpu      C++ XLA FFI kernels (jaxserve/backends/cpu/): paged attention reading pages in place,
            f32/int8/bf16 matmuls over packed weights, argmax. x86-64 with AVX2+FMA or AVX-512.
   xla      plain jnp (jaxserve/backends/xla.py): any device; the fallback.
-  pallas   the Pallas kernels (pallas_kernels/tpu/): compiled on TPU; on a CPU only when asked
-           for (interpret mode, for tests); refused on a GPU.
+  pallas   the Pallas kernels of pallas_kernels/, one family per platform: gpu/ (Triton) compiled
+           on a GPU, tpu/ (Mosaic) compiled on a TPU; on a CPU only when asked for (interpret
+           mode, for tests and debugging; tpu/ unless pallas_kernels="gpu").
 
-`resolve` turns a requested name ("auto" included) into one that runs here, or says why not.
+`resolve` turns a requested name ("auto" included) into the name of a backend that runs here, or
+says why not. A resolved Pallas backend names its family and whether it interprets:
+"pallas-gpu", "pallas-tpu", "pallas-tpu-interpret", "pallas-gpu-interpret".
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Callable
 import jax
 
 NAMES = ("cpu", "xla", "pallas")
+PALLAS = ("pallas-gpu", "pallas-tpu", "pallas-gpu-interpret", "pallas-tpu-interpret")
 log = logging.getLogger("jaxserve.backends")
 
 
@@ -52,44 +56,64 @@ def get(name: str) -> Backend:
         from jaxserve.backends import xla
 
         return xla.BACKEND
-    if name == "pallas":
+    if name in PALLAS:
         from jaxserve.backends import pallas
 
-        return pallas.BACKEND
+        _, family, *interpret = name.split("-")
+        return pallas.backend(family, interpret=bool(interpret))
     raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(NAMES)}")
 
 
-def resolve(name: str, dtype: str = "float32", quantization: str = "none") -> str:
-    """"auto" -> pallas on TPU (compiled by Mosaic); xla on GPU (the Pallas kernels are
-    TPU-style: on a GPU they could only run in interpret mode, about 1000x too slow); on CPU,
-    the C++ kernels for a float32 pool where they have a vector path (their portable fallback is
-    far slower than XLA's dot) and build, else xla. An explicit name is checked against this
-    machine: "cpu" may be asked for on any CPU, "pallas" on a CPU runs in interpret mode (for
-    tests and debugging; logged) and is refused on a GPU."""
+def resolve_dtype(dtype: str) -> str:
+    """"auto" -> bfloat16 on GPU and TPU (half the bytes per weight and KV slot; the kernels keep
+    softmax statistics in float32), float32 on CPU (where f32 matmuls are the fast path)."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def resolve(name: str, dtype: str = "float32", quantization: str = "none", *,
+            pallas_kernels: str = "auto", head_dim: int | None = None,
+            page_size: int | None = None) -> str:
+    """"auto" -> the Pallas kernels compiled for this device on TPU and GPU (on a GPU when the
+    Triton kernels take the model's head dim and page size, else xla, logged); on CPU, the C++
+    kernels for a float32 pool where they have a vector path (their portable fallback is far
+    slower than XLA's dot) and build, else xla. An explicit name is checked against this
+    machine: "cpu" may be asked for on any CPU; "pallas" on a CPU runs in interpret mode (for
+    tests and debugging; logged), with the family `pallas_kernels` names (tpu by default).
+    Interpret mode is never chosen on an accelerator."""
     from jaxserve.backends.cpu import kernels
 
     platform = jax.default_backend()
     on_cpu = platform == "cpu"
+    device_family = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
+    if pallas_kernels not in ("auto", "tpu", "gpu"):
+        raise ValueError(f"pallas_kernels must be auto, tpu or gpu, got {pallas_kernels!r}")
     if name == "auto":
-        if platform == "tpu":
+        if device_family == "gpu" and head_dim is not None and page_size is not None:
+            from pallas_kernels import gpu
+
+            try:
+                gpu.check_supported(head_dim=head_dim, page_size=page_size)
+                name = "pallas"
+            except ValueError as e:
+                log.warning("the GPU Pallas kernels do not take this model (%s); serving with "
+                            "attention_backend='xla'", e)
+                name = "xla"
+        elif device_family is not None:
             name = "pallas"
         elif not on_cpu:
             name = "xla"
         else:
             fast = kernels.has_vector_path() and kernels.available()
             name = "cpu" if dtype == "float32" and fast else "xla"
+    if name == "pallas":
+        name = _resolve_pallas(platform, device_family, pallas_kernels)
     get(name)  # unknown names fail here
-    if name == "pallas" and platform not in ("tpu", "cpu"):
-        raise ValueError(f"attention_backend='pallas' has TPU kernels only, which would run in "
-                         f"interpret mode on {platform} (far too slow to serve); use "
-                         "attention_backend='xla' (or 'auto')")
-    if name == "pallas" and on_cpu:
-        log.warning("attention_backend='pallas' on a CPU: the Pallas kernels run in interpret "
-                    "mode (a correctness tool, not a serving speed)")
     if name == "cpu":
         if not on_cpu or dtype != "float32":
             raise ValueError("attention_backend='cpu' runs on the CPU with a float32 KV pool "
-                             f"(this is {jax.default_backend()}, {dtype})")
+                             f"(this is {platform}, {dtype})")
         if not kernels.available():
             raise ValueError(f"the CPU kernels are unavailable: {kernels.unavailable_reason()}")
     if quantization == "bf16":
@@ -100,3 +124,19 @@ def resolve(name: str, dtype: str = "float32", quantization: str = "none") -> st
                              f"{'available' if amx else 'unavailable'}); on GPU or TPU use "
                              "dtype='bfloat16'")
     return name
+
+
+def _resolve_pallas(platform: str, device_family: str | None, pallas_kernels: str) -> str:
+    if device_family is not None:  # an accelerator: its own family, compiled
+        if pallas_kernels not in ("auto", device_family):
+            raise ValueError(f"pallas_kernels={pallas_kernels!r} cannot run compiled on "
+                             f"{platform} (its kernels are {device_family!r}), and interpret "
+                             "mode is never chosen on an accelerator")
+        return f"pallas-{device_family}"
+    if platform != "cpu":
+        raise ValueError(f"attention_backend='pallas' has kernels for TPU and GPU; on {platform} "
+                         "use attention_backend='xla' (or 'auto')")
+    family = "tpu" if pallas_kernels == "auto" else pallas_kernels
+    log.warning("attention_backend='pallas' on a CPU: the %s Pallas kernels run in interpret "
+                "mode (a correctness tool, not a serving speed)", family)
+    return f"pallas-{family}-interpret"

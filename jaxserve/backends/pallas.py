@@ -1,27 +1,27 @@
-"""The Pallas backend: the kernels of pallas_kernels/ (compiled on TPU, interpret mode
-elsewhere), decode rows through the paged decode kernel and prefill chunks through the ragged
-prefill kernel."""
+"""The Pallas backends: each platform's `ragged_paged_attention` from pallas_kernels/ (gpu/ in
+Triton, tpu/ in Mosaic), compiled on its device or interpreted on a CPU. The entry point takes
+rows in any order, so batches are packed (decode rows and prefill chunks back to back, one step
+shape per token bucket) and the engine calls nothing else."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
+import functools
 
 from jaxserve.backends import Backend
 
 
-def attention(q, k_pages, v_pages, md, *, sm_scale: float):
-    from pallas_kernels.tpu import paged_decode_attention, ragged_prefill_attention
+@functools.cache
+def backend(family: str, *, interpret: bool) -> Backend:
+    if family == "gpu":
+        from pallas_kernels.gpu import ragged_paged_attention
+    elif family == "tpu":
+        from pallas_kernels.tpu import ragged_paged_attention
+    else:
+        raise ValueError(f"no Pallas kernel family {family!r} (gpu or tpu)")
 
-    sd = md.num_decode
-    parts = []
-    if sd:
-        parts.append(paged_decode_attention(q[:sd], k_pages, v_pages, md.page_tables[:sd],
-                                            md.seq_lens[:sd], sm_scale=sm_scale))
-    if q.shape[0] > sd:
-        query_start = md.query_start[sd:] - sd
-        parts.append(ragged_prefill_attention(q[sd:], k_pages, v_pages, md.page_tables[sd:],
-                                              md.seq_lens[sd:], query_start, sm_scale=sm_scale))
-    return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    def attention(q, k_pages, v_pages, md, *, sm_scale: float):
+        return ragged_paged_attention(q, k_pages, v_pages, md.page_tables, md.seq_lens,
+                                      md.query_start, sm_scale=sm_scale, interpret=interpret)
 
-
-BACKEND = Backend(name="pallas", attention=attention)
+    name = f"pallas-{family}" + ("-interpret" if interpret else "")
+    return Backend(name=name, attention=attention, packed=True)

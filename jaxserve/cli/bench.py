@@ -169,10 +169,12 @@ class Bench:
     """Runs (engine options, workload) pairs with one loaded model; identical runs are reused."""
 
     def __init__(self, options: dict, slo: tuple):
+        from jaxserve import backends
         from jaxserve.weights import load_model
 
         self.options = options
-        self.loaded = load_model(options["model"])
+        self.loaded = load_model(options["model"],
+                                 dtype=backends.resolve_dtype(options.get("dtype", "auto")))
         self.slo = slo
         self._cache: dict = {}
 

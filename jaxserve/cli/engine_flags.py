@@ -4,16 +4,20 @@ from __future__ import annotations
 
 from absl import flags
 
-from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, PRIORITY_POLICIES, QUANTIZATIONS,
-                             SCHEDULING_POLICIES, EngineConfig)
+from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, PALLAS_KERNELS, PRIORITY_POLICIES,
+                             QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig)
 
 _D = EngineConfig()
 flags.DEFINE_string("model", _D.model, "Model name (smollm2-135m), GGUF file, HF or orbax directory.")
-flags.DEFINE_enum("dtype", _D.dtype, DTYPES, "Weights, activations and KV dtype.")
+flags.DEFINE_enum("dtype", _D.dtype, DTYPES,
+                  "Weights, activations and KV dtype; auto: bfloat16 on GPU/TPU, float32 on CPU.")
 flags.DEFINE_enum("quantization", _D.quantization, QUANTIZATIONS,
                   "int8: weight-only int8; bf16: bfloat16 weights and matmuls on AMX (CPU).")
 flags.DEFINE_enum("attention_backend", _D.attention_backend, ATTENTION_BACKENDS,
-                  "auto: pallas on TPU/GPU, xla on CPU.")
+                  "auto: the Pallas kernels on TPU/GPU; on CPU the C++ kernels, else xla. "
+                  "pallas on a CPU interprets (tests and debugging).")
+flags.DEFINE_enum("pallas_kernels", _D.pallas_kernels, PALLAS_KERNELS,
+                  "Pallas kernel family; auto: the device's own (tpu when interpreted on CPU).")
 flags.DEFINE_integer("page_size", _D.page_size, "KV slots per page.")
 flags.DEFINE_integer("num_pages", None, "KV pages in the pool, scratch page 0 included.")
 flags.DEFINE_integer("kv_cache_bytes", None, "KV memory budget in bytes (instead of num_pages).")
@@ -35,8 +39,8 @@ flags.DEFINE_integer("seed", _D.seed, "Engine seed for unseeded requests.")
 flags.DEFINE_integer("max_waiting", None, "Refuse new requests beyond this many waiting.")
 
 FLAGS = flags.FLAGS
-_NAMES = ("model", "dtype", "quantization", "attention_backend", "page_size", "num_pages",
-          "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+_NAMES = ("model", "dtype", "quantization", "attention_backend", "pallas_kernels", "page_size",
+          "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
           "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting")
 

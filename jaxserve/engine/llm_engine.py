@@ -48,8 +48,9 @@ class _Launched:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
         self.config = config
-        loaded = loaded or load_model(config.model)
+        loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
@@ -59,8 +60,10 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
             model_fingerprint=f"{loaded.fingerprint}:{config.dtype}:{config.quantization}")
-        self.backend = backends.resolve(config.attention_backend, config.dtype,
-                                        config.quantization)
+        self.backend = backends.resolve(
+            config.attention_backend, config.dtype, config.quantization,
+            pallas_kernels=config.pallas_kernels, head_dim=loaded.config.head_dim,
+            page_size=config.page_size)
         backend = backends.get(self.backend)
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,

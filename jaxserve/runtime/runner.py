@@ -146,7 +146,7 @@ class ModelRunner:
 
     def _to_device(self, x):
         x = np.asarray(x)
-        return jnp.asarray(x, self.dtype if np.issubdtype(x.dtype, np.floating) else x.dtype)
+        return jnp.asarray(x, self.dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)
 
     @property
     def compilations(self) -> int:

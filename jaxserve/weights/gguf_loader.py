@@ -263,8 +263,10 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def gguf_hf_state_dict(g: GGUFFile, config: ModelConfig) -> dict[str, np.ndarray]:
-    """Every tensor, dequantised to float32, under its Hugging Face name, Q/K un-permuted."""
+def gguf_hf_state_dict(g: GGUFFile, config: ModelConfig,
+                       dtype=np.float32) -> dict[str, np.ndarray]:
+    """Every tensor, dequantised (through float32, one tensor at a time) to `dtype`, under its
+    Hugging Face name, Q/K un-permuted."""
     raw = np.memmap(g.path, dtype=np.uint8, mode="r")
     out = {}
     permuted = config.architecture in _PERMUTED_ARCHS
@@ -277,7 +279,7 @@ def gguf_hf_state_dict(g: GGUFFile, config: ModelConfig) -> dict[str, np.ndarray
         w = _dequantize(raw[info.offset:info.offset + info.nbytes], info)
         if permuted and (".q_proj." in hf or ".k_proj." in hf):
             w = _unpermute(w, config.num_heads if ".q_proj." in hf else config.num_kv_heads)
-        out[hf] = w
+        out[hf] = w.astype(dtype, copy=False)
     return out
 
 
@@ -294,7 +296,7 @@ def gguf_fingerprint(g: GGUFFile, config: ModelConfig) -> str:
     return h.hexdigest()
 
 
-def load_gguf(path: str):
+def load_gguf(path: str, dtype=np.float32):
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import LoadedModel
     from jaxserve.weights.hf_loader import params_from_hf_state_dict
@@ -306,7 +308,7 @@ def load_gguf(path: str):
         raise ValueError(f"{path}: GGUF has no token_embd.weight")
     config = config_from_gguf(g.metadata, n_vocab_tensor=emb.shape[0],
                               has_output="output.weight" in g.tensors)
-    params = params_from_hf_state_dict(config, gguf_hf_state_dict(g, config))
+    params = params_from_hf_state_dict(config, gguf_hf_state_dict(g, config, dtype), dtype)
     tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
     return LoadedModel(config=config, params=params, tokenizer=tokenizer,
                        fingerprint=gguf_fingerprint(g, config), source=path)

@@ -14,6 +14,7 @@ import os
 import struct
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from jaxserve.config import ModelConfig
@@ -97,9 +98,10 @@ _BIAS_KEYS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def params_from_hf_state_dict(config: ModelConfig, tensors: dict[str, np.ndarray]) -> dict:
+def params_from_hf_state_dict(config: ModelConfig, tensors: dict[str, np.ndarray],
+                              dtype=np.float32) -> dict:
     """Hugging Face Llama/Qwen2/Mistral tensor names -> the jaxserve params layout
-    (float32 numpy, matrices (in, out), layers stacked on axis 0)."""
+    (numpy in `dtype`, matrices (in, out), layers stacked on axis 0)."""
     used: set[str] = set()
 
     def take(name: str) -> np.ndarray:
@@ -123,7 +125,7 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict[str, np.ndarray
         keys.update({k: (v, False) for k, v in _BIAS_KEYS.items()})
     layers = {}
     for key, (suffix, transpose) in keys.items():
-        out = np.empty((L, *expected[key]), dtype=np.float32)
+        out = np.empty((L, *expected[key]), dtype=dtype)
         for i in range(L):
             w = take(f"model.layers.{i}.{suffix}")
             w = w.T if transpose else w
@@ -136,15 +138,15 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict[str, np.ndarray
     if embed.shape != (config.vocab_size, H):
         raise ValueError(f"embed_tokens shape {embed.shape} != {(config.vocab_size, H)}")
     # np.array copies: inputs may be read-only memory maps of the checkpoint file.
-    params = {"embed": np.array(embed, dtype=np.float32), "layers": layers,
-              "final_norm": np.array(take("model.norm.weight"), dtype=np.float32)}
+    params = {"embed": np.array(embed, dtype=dtype), "layers": layers,
+              "final_norm": np.array(take("model.norm.weight"), dtype=dtype)}
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some checkpoints store the tied copy anyway
     else:
         lm = take("lm_head.weight")
         if lm.shape != (config.vocab_size, H):
             raise ValueError(f"lm_head shape {lm.shape} != {(config.vocab_size, H)}")
-        params["lm_head"] = np.array(lm.T, dtype=np.float32, order="C")
+        params["lm_head"] = np.array(lm.T, dtype=dtype, order="C")
     unused = sorted(k for k in tensors if k not in used and not k.endswith(_IGNORED_SUFFIXES))
     if unused:
         raise ValueError(f"checkpoint has tensors this model layout does not use (unsupported "
@@ -158,8 +160,9 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np
               "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
 
 
-def read_safetensors(path: str, digest=None) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file; float types become float32. If `digest` (a hashlib
+def read_safetensors(path: str, digest=None, float_dtype=np.float32) -> dict[str, np.ndarray]:
+    """All tensors of one .safetensors file, memory-mapped; float types become `float_dtype`
+    (a bf16 tensor read as bf16 is a view of the file, never an f32 copy). If `digest` (a hashlib
     object) is given, the file's header and raw data bytes are fed to it."""
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     (n,) = struct.unpack("<Q", raw[:8].tobytes())
@@ -175,14 +178,14 @@ def read_safetensors(path: str, digest=None) -> dict[str, np.ndarray]:
         buf = raw[base + start:base + end]
         dt = meta["dtype"]
         if dt == "BF16":
-            arr = (buf.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            arr = buf.view(ml_dtypes.bfloat16)
         elif dt in _ST_DTYPES:
             arr = buf.view(_ST_DTYPES[dt])
         else:
             raise ValueError(f"{path}: tensor {name} has unsupported dtype {dt}")
         arr = arr.reshape(meta["shape"])
-        if arr.dtype.kind == "f" and arr.dtype != np.float32:
-            arr = arr.astype(np.float32)
+        if arr.dtype.kind in "fV" and arr.dtype != float_dtype:
+            arr = arr.astype(float_dtype)
         out[name] = arr
     return out
 
@@ -204,7 +207,7 @@ def is_hf_dir(directory: str) -> bool:
             and bool(safetensors_files(directory)))
 
 
-def load_hf_dir(directory: str):
+def load_hf_dir(directory: str, dtype=np.float32):
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import LoadedModel
 
@@ -230,7 +233,7 @@ def load_hf_dir(directory: str):
     tensors: dict[str, np.ndarray] = {}
     for fn in safetensors_files(directory):
         h.update(b"safetensors\0")
-        tensors.update(read_safetensors(fn, digest=h))
-    params = params_from_hf_state_dict(config, tensors)
+        tensors.update(read_safetensors(fn, digest=h, float_dtype=dtype))
+    params = params_from_hf_state_dict(config, tensors, dtype)
     return LoadedModel(config=config, params=params, tokenizer=tokenizer,
                        fingerprint=h.hexdigest(), source=directory)

@@ -47,13 +47,13 @@ def save_orbax(path: str, loaded) -> str:
     return path
 
 
-def _to_numpy(tree):
+def _to_numpy(tree, dtype):
     if isinstance(tree, dict):
-        return {k: _to_numpy(v) for k, v in tree.items()}
-    return np.asarray(tree, dtype=np.float32)
+        return {k: _to_numpy(v, dtype) for k, v in tree.items()}
+    return np.asarray(tree, dtype=dtype)
 
 
-def load_orbax(path: str):
+def load_orbax(path: str, dtype=np.float32):
     import orbax.checkpoint as ocp
 
     from jaxserve.tokenizer import Tokenizer
@@ -67,7 +67,7 @@ def load_orbax(path: str):
     cfg = dict(meta["config"])
     cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids", ()))
     config = ModelConfig(**cfg)
-    params = _to_numpy(ocp.PyTreeCheckpointer().restore(os.path.join(path, "params")))
+    params = _to_numpy(ocp.PyTreeCheckpointer().restore(os.path.join(path, "params")), dtype)
     tokenizer = Tokenizer.from_hf_dir(os.path.join(path, "tokenizer"))
     return LoadedModel(config=config, params=params, tokenizer=tokenizer,
                        fingerprint=meta["fingerprint"], source=path)
