@@ -258,9 +258,9 @@ class Bench:
             v, _ = self.run("xla", dict(self.options, attention_backend="xla"), workload)
             return b, v, "backend: C++ CPU kernels (attention, matmuls, greedy argmax) vs plain XLA"
         note = None
-        if jax.default_backend() not in ("cpu", "tpu"):
-            return None, None, ("backend: skipped (the Pallas kernels are TPU-style; on "
-                                f"{jax.default_backend()} only xla serves)")
+        if jax.default_backend() not in ("cpu", "tpu", "gpu"):
+            return None, None, (f"backend: skipped (no Pallas kernels for "
+                                f"{jax.default_backend()})")
         if jax.default_backend() == "cpu":
             workload = workload.replace(num_prompts=min(workload.num_prompts, 4), input_len="16",
                                         output_len="4", shared_prefix_len=0, num_warmup=1)
