@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
-from pallas_kernels.tpu import (DecodeBlockSizes, PrefillBlockSizes, paged_decode_attention,
-                                 ragged_prefill_attention)
+from pallas_kernels.tpu import DecodeBlockSizes, PrefillBlockSizes
+from pallas_kernels.tpu.decode_attention import paged_decode_attention
+from pallas_kernels.tpu.prefill_attention import ragged_prefill_attention
 
 
 def _pool(rng, seq_lens, page_size, num_kv_heads, head_dim, dtype):

@@ -16,17 +16,24 @@ import pytest
 from attention_cases import (EXTREME_TOL, F64_TOL, RAGGED_SHAPES, TOL, assert_close, call,
                              dense_f64, extreme_case, make_case, mixed_rows, ragged_case)
 from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
-from pallas_kernels.tpu import (DecodeBlockSizes, PrefillBlockSizes, paged_decode_attention,
-                                 ragged_prefill_attention,
-                                 validate_decode_inputs, validate_prefill_inputs)
+from pallas_kernels.tpu import DecodeBlockSizes, PrefillBlockSizes, ragged_paged_attention
+from pallas_kernels.tpu.decode_attention import paged_decode_attention, validate_decode_inputs
+from pallas_kernels.tpu.prefill_attention import (ragged_prefill_attention,
+                                                  validate_prefill_inputs)
+
+interpret = jax.default_backend() != "tpu"
 
 
 def _decode(case, fn=paged_decode_attention, **kw):
+    if fn is paged_decode_attention:
+        kw.setdefault("interpret", interpret)
     return fn(case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
               **kw)
 
 
 def _prefill(case, fn=ragged_prefill_attention, **kw):
+    if fn is ragged_prefill_attention:
+        kw.setdefault("interpret", interpret)
     return fn(case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
               case["query_start"], **kw)
 
@@ -152,6 +159,17 @@ def test_prefill_kernel_matches_reference(page_size, head_dim, num_kv_heads, gro
     assert out.shape == case["q"].shape and out.dtype == dtype
     assert_close(out, _prefill(case, ref_ragged_paged_attention, sm_scale=scale), TOL[dtype])
     np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)  # padding rows
+
+
+@pytest.mark.parametrize("page_size,head_dim,num_kv_heads,group,dtype", RAGGED_SHAPES)
+def test_entry_point_matches_float64_on_mixed_rows(page_size, head_dim, num_kv_heads, group,
+                                                   dtype):
+    case = ragged_case(9, mixed_rows(page_size, long=70), page_size=page_size,
+                       num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = call(ragged_paged_attention, case, sm_scale=scale, interpret=interpret)
+    assert out.shape == case["q"].shape and out.dtype == dtype
+    assert_close(out, call(ref_ragged_paged_attention, case, sm_scale=scale), TOL[dtype])
 
 
 def test_kernels_match_float64_and_run_under_jit():

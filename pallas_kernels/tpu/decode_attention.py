@@ -45,10 +45,8 @@ MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 # Validation and helpers shared with the prefill kernel.
 
 
-def resolve_interpret(interpret: bool | None):
-    """None: interpret unless the default backend is a TPU (the kernels are TPU-style)."""
-    if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+def resolve_interpret(interpret: bool):
+    """True: Pallas TPU interpret mode (any backend); False: compile with Mosaic (TPU only)."""
     return pltpu.InterpretParams() if interpret else False
 
 
@@ -208,14 +206,13 @@ def paged_decode_attention(
     *,
     sm_scale: float,
     block_sizes: DecodeBlockSizes | None = None,
-    interpret: bool | None = None,
+    interpret: bool = False,
 ) -> jax.Array:  # f[S, Hq, D] in q.dtype
     """Decode attention over a paged KV pool; see the module docstring.
 
     The query of row s sits at position seq_lens[s]-1 and attends to KV positions
     0..seq_lens[s]-1; position j of KV head h is k_pages[h, page_tables[s, j // B], j % B].
-    Padding rows (seq_lens[s] == 0) give zeros. interpret=None interprets unless the backend is a
-    TPU.
+    Padding rows (seq_lens[s] == 0) give zeros.
     """
     validate_decode_inputs(q, k_pages, v_pages, page_tables, seq_lens)
     block_sizes = block_sizes or DecodeBlockSizes()

@@ -133,12 +133,9 @@ def ragged_prefill_attention(
     *,
     sm_scale: float,
     block_sizes: PrefillBlockSizes | None = None,
-    interpret: bool | None = None,
+    interpret: bool = False,
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; rows >= query_start[S] are zeros
-    """Causal ragged attention over a paged KV pool; see the module docstring.
-
-    interpret=None interprets unless the default backend is a TPU.
-    """
+    """Causal ragged attention over a paged KV pool; see the module docstring."""
     validate_prefill_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start)
     block_sizes = block_sizes or PrefillBlockSizes()
     num_tokens, num_q_heads, head_dim = q.shape
