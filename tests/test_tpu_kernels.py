@@ -1,5 +1,7 @@
-"""Paged attention kernels: references against hand values and float64 numpy, kernels against
-references (Pallas interpret mode on CPU), extreme logits, NaN isolation, validation.
+"""The TPU (Mosaic) ragged_paged_attention: references against hand values and float64 numpy,
+then the entry point and each of its two paths against the float64 oracle and the jnp reference
+(Pallas interpret mode on a CPU, compiled where the default backend is a TPU), extreme logits,
+validation, jit, and lowering to Mosaic for "tpu" with no host callback.
 
 Cases and tolerances: tests/attention_cases.py.
 """
@@ -16,26 +18,47 @@ import pytest
 from attention_cases import (EXTREME_TOL, F64_TOL, RAGGED_SHAPES, TOL, assert_close, call,
                              dense_f64, extreme_case, make_case, mixed_rows, ragged_case)
 from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
-from pallas_kernels.tpu import DecodeBlockSizes, PrefillBlockSizes, ragged_paged_attention
-from pallas_kernels.tpu.decode_attention import paged_decode_attention, validate_decode_inputs
-from pallas_kernels.tpu.prefill_attention import (ragged_prefill_attention,
-                                                  validate_prefill_inputs)
+from pallas_kernels.tpu import TpuBlockSizes, ragged_paged_attention, validate_inputs
+from pallas_kernels.tpu.attention import uses_decode_path
+from pallas_kernels.tpu.decode_attention import decode_attention
+from pallas_kernels.tpu.prefill_attention import prefill_attention
 
 interpret = jax.default_backend() != "tpu"
 
 
-def _decode(case, fn=paged_decode_attention, **kw):
-    if fn is paged_decode_attention:
-        kw.setdefault("interpret", interpret)
-    return fn(case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
-              **kw)
+def attend(case, sm_scale, **kw):
+    return call(ragged_paged_attention, case, sm_scale=sm_scale, interpret=interpret, **kw)
 
 
-def _prefill(case, fn=ragged_prefill_attention, **kw):
-    if fn is ragged_prefill_attention:
-        kw.setdefault("interpret", interpret)
-    return fn(case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
-              case["query_start"], **kw)
+def decode_path(case, sm_scale, *, pages_per_block=4, interpret=interpret):
+    return call(decode_attention, case, sm_scale=sm_scale, pages_per_block=pages_per_block,
+                interpret=interpret)
+
+
+def prefill_path(case, sm_scale, *, block_q=8, pages_per_block=4, interpret=interpret):
+    return call(prefill_attention, case, sm_scale=sm_scale, block_q=block_q,
+                pages_per_block=pages_per_block, interpret=interpret)
+
+
+def _decode_args(case):
+    return case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"]
+
+
+def decode_case(seed, seq_lens, **shape):
+    """A pure decode batch: one token per row with seq_len > 0, none for seq_len 0 rows, and as
+    many tokens as rows (T == S, so the entry point takes the decode path); a seq_len 0 row in
+    the middle shifts the later rows' tokens down (ragged semantics)."""
+    rows = [(n, 1 if n else 0) for n in seq_lens]
+    case = ragged_case(seed, rows, **shape)
+    case["q"] = case["q"][:len(rows)]
+    return case
+
+
+def _check(out, case, scale, dtype=jnp.float32):
+    assert out.shape == case["q"].shape and out.dtype == dtype
+    assert_close(out, call(ref_ragged_paged_attention, case, sm_scale=scale), TOL[dtype])
+    if dtype == jnp.float32:
+        assert_close(out, dense_f64(case, scale), F64_TOL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +104,7 @@ def test_reference_prefill_hand_values():
 def test_reference_decode_matches_float64(group):
     case = make_case(0, seq_lens=[1, 7, 8, 9, 30, 0], page_size=8, num_kv_heads=2, group=group,
                      head_dim=16)
-    out = _decode(case, ref_paged_decode_attention, sm_scale=0.3)
+    out = ref_paged_decode_attention(*_decode_args(case), sm_scale=0.3)
     assert_close(out, dense_f64(case, 0.3), F64_TOL)
 
 
@@ -90,7 +113,7 @@ def test_reference_prefill_matches_float64(group):
     # Chunked prefill and prefix hits: q_len < seq_len attends to earlier pages; one empty sequence.
     case = make_case(1, seq_lens=[5, 20, 9, 17, 4], q_lens=[5, 3, 0, 17, 1], page_size=8,
                      num_kv_heads=2, group=group, head_dim=16)
-    out = _prefill(case, ref_ragged_paged_attention, sm_scale=0.3)
+    out = call(ref_ragged_paged_attention, case, sm_scale=0.3)
     assert_close(out, dense_f64(case, 0.3), F64_TOL)
 
 
@@ -104,119 +127,104 @@ def test_reference_matches_float64_on_mixed_rows(page_size, head_dim, num_kv_hea
 
 
 # ---------------------------------------------------------------------------------------------
-# Oracle 2: kernels (interpret mode) against the references.
-
-# (page_size, head_dim, num_kv_heads, group, block size, dtype): page sizes 8/16/32, head dims
-# 64/128, GQA 1/3/8, several block sizes, f32 and bf16, without a full cross product.
-DECODE_CASES = [
-    (8, 64, 2, 1, 1, jnp.float32),
-    (8, 64, 1, 8, 3, jnp.float32),
-    (16, 128, 2, 3, 2, jnp.float32),
-    (32, 64, 3, 3, 1, jnp.float32),
-    (16, 64, 2, 3, 4, jnp.bfloat16),
-    (32, 128, 1, 8, 2, jnp.bfloat16),
-]
-
-
-@pytest.mark.parametrize("page_size,head_dim,num_kv_heads,group,pages_per_block,dtype",
-                         DECODE_CASES)
-def test_decode_kernel_matches_reference(page_size, head_dim, num_kv_heads, group,
-                                         pages_per_block, dtype):
-    b = page_size
-    case = make_case(2, seq_lens=[1, b - 1, b, b + 1, 3 * b + 5, 0], page_size=b,
-                     num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype)
-    scale = 1 / math.sqrt(head_dim)
-    out = _decode(case, sm_scale=scale,
-                  block_sizes=DecodeBlockSizes(pages_per_block=pages_per_block))
-    assert out.shape == case["q"].shape and out.dtype == dtype
-    assert_close(out, _decode(case, ref_paged_decode_attention, sm_scale=scale), TOL[dtype])
-    np.testing.assert_array_equal(np.asarray(out[-1], np.float32), 0)  # padding row
-
-
-PREFILL_CASES = [  # (page_size, head_dim, num_kv_heads, group, block_q, block_kv_pages, dtype)
-    (8, 64, 2, 1, 8, 1, jnp.float32),
-    (8, 64, 1, 8, 16, 3, jnp.float32),
-    (16, 128, 2, 3, 8, 2, jnp.float32),
-    (32, 64, 3, 3, 32, 1, jnp.float32),
-    (16, 64, 2, 3, 16, 2, jnp.bfloat16),
-    (32, 128, 1, 8, 8, 4, jnp.bfloat16),
-]
-
-
-@pytest.mark.parametrize(
-    "page_size,head_dim,num_kv_heads,group,block_q,block_kv_pages,dtype", PREFILL_CASES)
-def test_prefill_kernel_matches_reference(page_size, head_dim, num_kv_heads, group, block_q,
-                                          block_kv_pages, dtype):
-    b = page_size
-    # Lengths 1, B-1, B, B+1 and a long one; full prompts, a chunk after a prefix, an empty one.
-    seq_lens = [1, b - 1, b, b + 1, 3 * b + 5, 2 * b + 3]
-    q_lens = [1, b - 1, 3, b + 1, b + 2, 0]
-    case = make_case(3, seq_lens=seq_lens, q_lens=q_lens, page_size=b, num_kv_heads=num_kv_heads,
-                     group=group, head_dim=head_dim, dtype=dtype)
-    scale = 1 / math.sqrt(head_dim)
-    out = _prefill(case, sm_scale=scale,
-                   block_sizes=PrefillBlockSizes(block_q=block_q, block_kv_pages=block_kv_pages))
-    assert out.shape == case["q"].shape and out.dtype == dtype
-    assert_close(out, _prefill(case, ref_ragged_paged_attention, sm_scale=scale), TOL[dtype])
-    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)  # padding rows
+# Oracle 2: the entry point and its paths against the float64 oracle and the jnp reference.
 
 
 @pytest.mark.parametrize("page_size,head_dim,num_kv_heads,group,dtype", RAGGED_SHAPES)
-def test_entry_point_matches_float64_on_mixed_rows(page_size, head_dim, num_kv_heads, group,
-                                                   dtype):
-    case = ragged_case(9, mixed_rows(page_size, long=70), page_size=page_size,
+def test_matches_float64_and_reference_on_mixed_rows(page_size, head_dim, num_kv_heads, group,
+                                                     dtype):
+    """Decode rows at 1, B-1, B, B+1 and long lengths, whole prompts, chunks after a prefix and
+    empty rows, in mixed order, over shuffled pages with NaN in page 0, unused pages and tails."""
+    case = ragged_case(10, mixed_rows(page_size, long=5 * page_size + 3), page_size=page_size,
+                       num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype)
+    assert not uses_decode_path(case["q"].shape[0], case["page_tables"].shape[0])
+    scale = 1 / math.sqrt(head_dim)
+    out = attend(case, scale, block_sizes=TpuBlockSizes(block_q=16, pages_per_block=2))
+    _check(out, case, scale, dtype)
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)  # padding tokens
+
+
+@pytest.mark.parametrize("page_size,head_dim,num_kv_heads,group,dtype",
+                         [RAGGED_SHAPES[0], RAGGED_SHAPES[1], RAGGED_SHAPES[5]])
+def test_decode_path_is_exact_on_mixed_rows(page_size, head_dim, num_kv_heads, group, dtype):
+    """The token-at-a-time kernel is exact for any input, multi-token rows included."""
+    case = ragged_case(11, mixed_rows(page_size, long=3 * page_size + 1)[:9], page_size=page_size,
                        num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype)
     scale = 1 / math.sqrt(head_dim)
-    out = call(ragged_paged_attention, case, sm_scale=scale, interpret=interpret)
-    assert out.shape == case["q"].shape and out.dtype == dtype
-    assert_close(out, call(ref_ragged_paged_attention, case, sm_scale=scale), TOL[dtype])
+    _check(decode_path(case, scale, pages_per_block=2), case, scale, dtype)
 
 
-def test_kernels_match_float64_and_run_under_jit():
-    case = make_case(4, seq_lens=[9, 17, 2], q_lens=[9, 4, 1], page_size=8, num_kv_heads=2,
-                     group=3, head_dim=64, table_width=5)
-    prefill = jax.jit(lambda c: _prefill(c, sm_scale=0.125))
-    assert_close(prefill(case), dense_f64(case, 0.125), F64_TOL)
-    decode_case = {k: v for k, v in case.items() if k != "query_start"}
-    decode_case["q"] = case["q"][:3]
-    decode = jax.jit(lambda c: _decode(c, sm_scale=0.125))
-    assert_close(decode(decode_case), dense_f64(decode_case, 0.125), F64_TOL)
+@pytest.mark.parametrize("pages_per_block", [1, 2, 3, 8])
+def test_pure_decode_batch_over_key_block_counts(pages_per_block):
+    """T == S takes the decode path. The longest row (69 tokens, 9 pages of 8) spans 9, 5, 3 and
+    2 key blocks; the others 1 or 2: the pipeline's prologue, slot swap and tail all run."""
+    case = decode_case(12, [9, 1, 69, 7, 8, 17, 33, 0, 0], page_size=8, num_kv_heads=2, group=4,
+                       head_dim=64)
+    assert uses_decode_path(case["q"].shape[0], case["page_tables"].shape[0])
+    sizes = TpuBlockSizes(pages_per_block=pages_per_block)
+    out = attend(case, 0.125, block_sizes=sizes)
+    _check(out, case, 0.125)
+    # Padding rows last: token i is row i, as in the decode reference.
+    ref = ref_paged_decode_attention(*_decode_args(case), sm_scale=0.125)
+    assert_close(out, ref, TOL[jnp.float32])
+    np.testing.assert_array_equal(np.asarray(out[7:]), 0)
 
 
-def test_chunked_prefill_equals_whole_prompt():
-    # The same 21-token prompt prefilled at once, and as chunks 13 + 8 (the second chunk reads
-    # the first chunk's pages): identical attention rows.
+@pytest.mark.parametrize("block_q,pages_per_block", [(8, 1), (8, 2), (16, 3), (32, 8)])
+def test_prefill_path_over_block_sizes(block_q, pages_per_block):
+    """A 45-token prompt, a 20-token chunk after a 30-token prefix, decode rows, in mixed order:
+    1, 2 and several key blocks per row, query blocks inside one row and across rows."""
+    case = ragged_case(13, [(9, 1), (45, 45), (0, 0), (50, 20), (3, 3), (26, 1)], page_size=8,
+                       num_kv_heads=1, group=3, head_dim=64)
+    out = attend(case, 0.125, block_sizes=TpuBlockSizes(block_q=block_q,
+                                                        pages_per_block=pages_per_block))
+    _check(out, case, 0.125)
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_chunked_prefill_equals_whole_prompt(path):
+    """The same 21-token prompt at once, and as chunks 13 + 8 (the second reads the first
+    chunk's pages): identical rows, on both paths."""
     case = make_case(5, seq_lens=[21], q_lens=[21], page_size=8, num_kv_heads=1, group=3,
                      head_dim=64)
-    whole = _prefill(case, sm_scale=0.125, block_sizes=PrefillBlockSizes(block_q=8,
-                                                                         block_kv_pages=1))
-    chunk = dict(case, q=case["q"][13:21], seq_lens=jnp.array([21], jnp.int32),
-                 query_start=jnp.array([0, 8], jnp.int32))
-    second = _prefill(chunk, sm_scale=0.125, block_sizes=PrefillBlockSizes(block_q=8,
-                                                                           block_kv_pages=1))
+    run = decode_path if path == "decode" else prefill_path
+    whole = run(case, 0.125, pages_per_block=1)
+    assert_close(whole, dense_f64(case, 0.125), F64_TOL)
+    chunk = dict(case, q=case["q"][13:21], query_start=jnp.array([0, 8], jnp.int32))
+    second = run(chunk, 0.125, pages_per_block=1)
     np.testing.assert_allclose(np.asarray(second), np.asarray(whole[13:21]), atol=2e-6, rtol=2e-6)
 
 
+def test_runs_under_jit():
+    case = make_case(4, seq_lens=[9, 17, 2], q_lens=[9, 4, 1], page_size=8, num_kv_heads=2,
+                     group=3, head_dim=64, table_width=5)
+    fn = jax.jit(lambda c: attend(c, 0.125))
+    assert_close(fn(case), dense_f64(case, 0.125), F64_TOL)
+    decode = dict(case, q=case["q"][:3], query_start=jnp.arange(4, dtype=jnp.int32))
+    assert_close(fn(decode), dense_f64(decode, 0.125), F64_TOL)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_kernels_lower_to_mosaic(dtype):
-    # Pallas -> Mosaic lowering for platform "tpu" runs without a TPU (jax.export); this catches
-    # ops with no Mosaic rule and illegal block shapes. Mosaic compilation itself needs a TPU.
-    case = make_case(8, seq_lens=[5, 40], q_lens=[5, 8], page_size=16, num_kv_heads=2, group=4,
-                     head_dim=128, dtype=dtype)
-    decode_case = dict(case, q=case["q"][:2])
-    del decode_case["query_start"]
-    for fn, args in [(lambda c: _prefill(c, sm_scale=0.1, interpret=False), case),
-                     (lambda c: _decode(c, sm_scale=0.1, interpret=False), decode_case)]:
-        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(args)
-        assert "tpu_custom_call" in exported.mlir_module()
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_paths_lower_to_mosaic(path, dtype):
+    """Pallas -> Mosaic lowering for platform "tpu" runs without a TPU (jax.export): it catches
+    ops with no Mosaic rule and illegal block shapes, and shows no host callback is left. Mosaic
+    compilation itself (layouts, VMEM limits) needs a TPU."""
+    case = ragged_case(8, [(5, 5), (40, 8), (0, 0), (17, 1)], page_size=16, num_kv_heads=2,
+                       group=4, head_dim=128, dtype=dtype)
+    run = decode_path if path == "decode" else prefill_path
+    fn = jax.jit(lambda c: run(c, 0.1, pages_per_block=2, interpret=False))
+    text = jax.export.export(fn, platforms=["tpu"])(case).mlir_module()
+    assert "tpu_custom_call" in text
+    assert "callback" not in text
 
 
 # ---------------------------------------------------------------------------------------------
 # Extreme logits: scores near +-1e4, where a naive exp overflows float32.
 
 
-@pytest.mark.parametrize("block_q,block_kv_pages,pages_per_block", [(8, 1, 1), (16, 2, 2)])
-def test_extreme_logits_prefill_and_decode(block_q, block_kv_pages, pages_per_block):
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_extreme_logits(path):
     case = extreme_case()
     expected = dense_f64(case, 1.0)
     q, k = np.asarray(case["q"]), np.asarray(case["k_pages"])
@@ -224,24 +232,15 @@ def test_extreme_logits_prefill_and_decode(block_q, block_kv_pages, pages_per_bl
     assert 9e3 < abs(score) < 1.1e4
     with np.errstate(over="ignore"):
         assert np.isinf(np.exp(np.float32(abs(score))))  # a naive softmax overflows
-    out = _prefill(case, sm_scale=1.0, block_sizes=PrefillBlockSizes(block_q=block_q,
-                                                                     block_kv_pages=block_kv_pages))
-    ref = _prefill(case, ref_ragged_paged_attention, sm_scale=1.0)
+    run = decode_path if path == "decode" else prefill_path
+    out = run(case, 1.0, pages_per_block=1)
+    ref = call(ref_ragged_paged_attention, case, sm_scale=1.0)
     assert_close(out, ref, TOL[jnp.float32])  # every row, the 3 padding rows (zeros) included
     assert_close(out, expected, EXTREME_TOL)
     assert_close(ref, expected, EXTREME_TOL)
     # The dominating key: the row's output is exactly that key's value.
     v = np.asarray(case["v_pages"])[0, int(case["page_tables"][1, 0]), 2]
     np.testing.assert_allclose(np.asarray(out)[16, 0], v, atol=1e-6)
-    decode = dict(case, q=case["q"][jnp.array([11, 16])])
-    del decode["query_start"]
-    out = _decode(decode, sm_scale=1.0,
-                  block_sizes=DecodeBlockSizes(pages_per_block=pages_per_block))
-    ref = _decode(decode, ref_paged_decode_attention, sm_scale=1.0)
-    assert_close(out, ref, TOL[jnp.float32])
-    assert_close(out, dense_f64(decode, 1.0), EXTREME_TOL)
-    assert_close(ref, dense_f64(decode, 1.0), EXTREME_TOL)
-    np.testing.assert_allclose(np.asarray(out)[1, 0], v, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,37 +260,34 @@ def _small():
     (lambda c: c.update(page_tables=c["page_tables"].astype(jnp.float32)), "page_tables"),
     (lambda c: c.update(seq_lens=c["seq_lens"][:1]), "seq_lens must be i32"),
     (lambda c: c.update(page_tables=c["page_tables"].at[1, 1].set(999)), "outside the pool"),
+    (lambda c: c.update(page_tables=c["page_tables"].at[0, 0].set(-1)), "outside the pool"),
     (lambda c: c.update(seq_lens=jnp.array([5, 17], jnp.int32)), r"outside \[0, P\*B"),
     (lambda c: c.update(query_start=jnp.array([0, 5], jnp.int32)), "query_start must be i32"),
     (lambda c: c.update(query_start=jnp.array([0, 6, 5], jnp.int32)), "non-decreasing"),
     (lambda c: c.update(query_start=jnp.array([0, 7, 9], jnp.int32)), "seq_lens must include"),
     (lambda c: c.update(query_start=jnp.array([0, 5, 99], jnp.int32)), "exceeds the T"),
 ])
-def test_prefill_validation_errors(change, message):
+def test_validation_errors(change, message):
     case = _small()
+    validate_inputs(**case)  # valid as built
     change(case)
     with pytest.raises(ValueError, match=message):
-        _prefill(case, validate_prefill_inputs)
+        validate_inputs(**case)
+    with pytest.raises(ValueError, match=message):
+        attend(case, 1.0)
 
 
-def test_decode_validation_errors():
-    case = _small()
-    del case["query_start"]
-    case["q"] = case["q"][:2]
-    validate_decode_inputs(**case)  # valid as built
-    with pytest.raises(ValueError, match="rows but page_tables"):
-        _decode(dict(case, q=case["q"][:1]), sm_scale=1.0)
-    with pytest.raises(ValueError, match="outside the pool"):
-        _decode(dict(case, page_tables=case["page_tables"].at[0, 0].set(-1)), sm_scale=1.0)
-    # Entries past a sequence's length are never read, so they need not be valid page ids.
-    validate_decode_inputs(**dict(case, page_tables=case["page_tables"].at[0, 1].set(-1)))
+def test_unused_table_entries_need_not_be_page_ids():
+    case = _small()  # row 0 holds 5 tokens in one page: entry 1 is never read
+    validate_inputs(**dict(case, page_tables=case["page_tables"].at[0, 1].set(-1)))
 
 
 @pytest.mark.parametrize("make", [
-    lambda: DecodeBlockSizes(pages_per_block=0),
-    lambda: PrefillBlockSizes(block_q=0),
-    lambda: PrefillBlockSizes(block_kv_pages=2.0),
-    lambda: DecodeBlockSizes(4),  # keyword-only
+    lambda: TpuBlockSizes(pages_per_block=0),
+    lambda: TpuBlockSizes(block_q=0),
+    lambda: TpuBlockSizes(pages_per_block=2.0),
+    lambda: TpuBlockSizes(block_q=True),
+    lambda: TpuBlockSizes(4),  # keyword-only
 ])
 def test_block_sizes_rejected(make):
     with pytest.raises((ValueError, TypeError)):

@@ -2,22 +2,31 @@
 
   ragged_paged_attention   rows in any order: decode rows, prefill chunks, padding rows
 
-Semantics: `pallas_kernels.reference.ref_ragged_paged_attention`. For now every call goes to the
-ragged kernel (prefill_attention.py), which treats a decode row as a 1-token chunk.
+Semantics: `pallas_kernels.reference.ref_ragged_paged_attention`; inputs checked by
+`pallas_kernels.validation.validate_inputs` (the contract every platform shares).
+
+Dispatch, on static shapes only: T <= S (no more query tokens than rows, as in a decode step)
+goes to the token-at-a-time kernel (decode_attention.py, one program per token and KV head);
+otherwise to the ragged blocked kernel (prefill_attention.py, one program per block_q tokens and
+KV head). Both are exact for every valid input; the rule only picks the one whose work fits.
+
+Neither kernel has been compiled by Mosaic, run on a TPU, or timed: they have run in Pallas TPU
+interpret mode on CPU and been lowered to Mosaic for platform "tpu" (jax.export, tested).
 """
 
 from __future__ import annotations
 
 import jax
 
-from pallas_kernels.tpu.block_sizes import PrefillBlockSizes
-from pallas_kernels.tpu.prefill_attention import ragged_prefill_attention, validate_prefill_inputs
+from pallas_kernels.tpu.block_sizes import TpuBlockSizes
+from pallas_kernels.tpu.decode_attention import decode_attention
+from pallas_kernels.tpu.prefill_attention import prefill_attention
+from pallas_kernels.validation import validate_inputs
 
 
-def validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start) -> None:
-    """All checks of `ragged_paged_attention`'s inputs; outside jit also page-table values,
-    lengths and offsets."""
-    validate_prefill_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start)
+def uses_decode_path(num_tokens: int, num_rows: int) -> bool:
+    """The dispatch rule: the token-at-a-time kernel when T <= S."""
+    return num_tokens <= num_rows
 
 
 def ragged_paged_attention(
@@ -30,13 +39,20 @@ def ragged_paged_attention(
     *,
     sm_scale: float,
     interpret: bool = False,
-    block_sizes: PrefillBlockSizes | None = None,
+    block_sizes: TpuBlockSizes | None = None,
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; tokens >= query_start[S] are zeros
     """Causal paged attention for a ragged batch; see `ref_ragged_paged_attention`.
 
-    interpret=True runs the kernel in Pallas TPU interpret mode (`pltpu.InterpretParams()`), on
-    any backend; False compiles it with Mosaic (a TPU is needed).
+    The query of row s at position p = seq_lens[s] - q_len + i (its i-th token) attends to KV
+    positions 0..p; position j of KV head h is k_pages[h, page_tables[s, j // B], j % B].
+    interpret=True runs in Pallas TPU interpret mode (`pltpu.InterpretParams()`, any backend);
+    False compiles with Mosaic, which needs a TPU.
     """
-    return ragged_prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start,
-                                    sm_scale=sm_scale, block_sizes=block_sizes,
-                                    interpret=interpret)
+    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start)
+    bs = block_sizes or TpuBlockSizes()
+    args = (q, k_pages, v_pages, page_tables, seq_lens, query_start)
+    if uses_decode_path(q.shape[0], page_tables.shape[0]):
+        return decode_attention(*args, sm_scale=sm_scale, pages_per_block=bs.pages_per_block,
+                                interpret=interpret)
+    return prefill_attention(*args, sm_scale=sm_scale, block_q=bs.block_q,
+                             pages_per_block=bs.pages_per_block, interpret=interpret)

@@ -1,7 +1,8 @@
-"""Block sizes (tuning knobs) for the Pallas attention kernels, kept apart from the numerics.
+"""Block sizes (tuning knobs) for the TPU attention kernels, kept apart from the numerics.
 
 Block sizes change memory traffic and parallelism, never the result beyond floating-point
-evaluation order. Each dataclass is frozen, keyword-only and validated on construction.
+evaluation order. Frozen, keyword-only and validated on construction; hashable, so a jit can take
+them as a static argument.
 """
 
 from __future__ import annotations
@@ -9,37 +10,18 @@ from __future__ import annotations
 import dataclasses
 
 
-def _check_positive(owner: str, **values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{owner}.{name} must be a positive int, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DecodeBlockSizes:
-    """Paged decode: how many KV pages one online-softmax step reads (pages_per_block * B keys).
+class TpuBlockSizes:
+    """pages_per_block: KV pages per online-softmax step in both paths (a key block of
+    pages_per_block * B keys; two such blocks per K and V live in VMEM for double buffering),
+    clamped to the page-table width P at call time. block_q: flat query tokens per program of the
+    ragged path (a block may span several rows; T is padded up to a multiple of it)."""
 
-    Clamped to the page-table width P at call time.
-    """
-
+    block_q: int = 32
     pages_per_block: int = 4
 
     def __post_init__(self):
-        _check_positive("DecodeBlockSizes", pages_per_block=self.pages_per_block)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PrefillBlockSizes:
-    """Ragged prefill: block_q flat query tokens per program, block_kv_pages pages per key block.
-
-    A query block may span several sequences; T is padded up to a multiple of block_q.
-    block_kv_pages is clamped to the page-table width P at call time.
-    """
-
-    block_q: int = 32
-    block_kv_pages: int = 4
-
-    def __post_init__(self):
-        _check_positive(
-                "PrefillBlockSizes", block_q=self.block_q, block_kv_pages=self.block_kv_pages
-        )
+        for name in ("block_q", "pages_per_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TpuBlockSizes.{name} must be a positive int, got {value!r}")
