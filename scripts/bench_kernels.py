@@ -1,4 +1,6 @@
-"""Time the paged attention kernels against their pure-jnp references on the default device.
+"""Time the TPU entry point ragged_paged_attention against its pure-jnp reference on the default
+device, on a decode batch (T == S: the token-at-a-time path) and a prefill batch (the ragged
+blocked path).
 
 Each function is jitted, warmed up once (compile excluded), then timed over --repeats calls;
 the table reports the median wall time per call. On CPU (or any non-TPU backend) the kernels run
@@ -19,10 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
-from pallas_kernels.tpu import DecodeBlockSizes, PrefillBlockSizes
-from pallas_kernels.tpu.decode_attention import paged_decode_attention
-from pallas_kernels.tpu.prefill_attention import ragged_prefill_attention
+from pallas_kernels.reference import ref_ragged_paged_attention
+from pallas_kernels.tpu import TpuBlockSizes, ragged_paged_attention
 
 
 def _pool(rng, seq_lens, page_size, num_kv_heads, head_dim, dtype):
@@ -66,43 +66,32 @@ def main():
     scale = head_dim ** -0.5
     rows = []
 
-    # Decode: 8 sequences, lengths from 1 to a few hundred.
-    seq_lens = [1, b - 1, b + 1, 37, 91, 128, 201, 255]
-    k, v, table, lens = _pool(rng, seq_lens, b, num_kv_heads, head_dim, dtype)
-    q = jnp.asarray(rng.standard_normal((len(seq_lens), num_q_heads, head_dim)), dtype)
-    decode = jax.jit(lambda *a: paged_decode_attention(
-        *a, sm_scale=scale, block_sizes=DecodeBlockSizes(pages_per_block=4), interpret=interpret))
-    ref_decode = jax.jit(lambda *a: ref_paged_decode_attention(*a, sm_scale=scale))
-    args = (q, k, v, table, lens)
-    err = float(jnp.max(jnp.abs(decode(*args).astype(jnp.float32)
-                                - ref_decode(*args).astype(jnp.float32))))
-    rows.append(("paged_decode_attention", f"S={len(seq_lens)} max_len={max(seq_lens)}",
-                 _time(decode, args, flags.repeats), _time(ref_decode, args, flags.repeats), err))
-
-    # Prefill: 4 sequences, two with a cached prefix (chunked prefill / prefix hit).
-    seq_lens, q_lens = [64, 100, 160, 31], [64, 36, 96, 31]
-    k, v, table, lens = _pool(rng, seq_lens, b, num_kv_heads, head_dim, dtype)
-    q = jnp.asarray(rng.standard_normal((int(sum(q_lens)), num_q_heads, head_dim)), dtype)
-    query_start = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    prefill = jax.jit(lambda *a: ragged_prefill_attention(
-        *a, sm_scale=scale, block_sizes=PrefillBlockSizes(block_q=32, block_kv_pages=4),
-        interpret=interpret))
-    ref_prefill = jax.jit(lambda *a: ref_ragged_paged_attention(*a, sm_scale=scale))
-    args = (q, k, v, table, lens, query_start)
-    err = float(jnp.max(jnp.abs(prefill(*args).astype(jnp.float32)
-                                - ref_prefill(*args).astype(jnp.float32))))
-    rows.append(("ragged_prefill_attention", f"T={q.shape[0]} S={len(seq_lens)}",
-                 _time(prefill, args, flags.repeats), _time(ref_prefill, args, flags.repeats),
-                 err))
+    sizes = TpuBlockSizes(block_q=32, pages_per_block=4)
+    kernel = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=scale, block_sizes=sizes,
+                                                       interpret=interpret))
+    ref = jax.jit(lambda *a: ref_ragged_paged_attention(*a, sm_scale=scale))
+    batches = [  # (name, seq_lens, q_lens)
+        ("decode", [1, b - 1, b + 1, 37, 91, 128, 201, 255], [1] * 8),
+        ("prefill", [64, 100, 160, 31], [64, 36, 96, 31]),  # two after a cached prefix
+    ]
+    for name, seq_lens, q_lens in batches:
+        k, v, table, lens = _pool(rng, seq_lens, b, num_kv_heads, head_dim, dtype)
+        q = jnp.asarray(rng.standard_normal((int(sum(q_lens)), num_q_heads, head_dim)), dtype)
+        query_start = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        args = (q, k, v, table, lens, query_start)
+        err = float(jnp.max(jnp.abs(kernel(*args).astype(jnp.float32)
+                                    - ref(*args).astype(jnp.float32))))
+        rows.append((name, f"T={q.shape[0]} S={len(seq_lens)} max_len={max(seq_lens)}",
+                     _time(kernel, args, flags.repeats), _time(ref, args, flags.repeats), err))
 
     print(f"device: {jax.devices()[0].device_kind} ({backend}); kernels: {mode}")
     print(f"Hq={num_q_heads} Hkv={num_kv_heads} D={head_dim} B={b} dtype={dtype.name}; "
           f"median of {flags.repeats} calls after warm-up")
-    header = f"{'kernel':<26} {'shape':<20} {'kernel ms':>10} {'ref ms':>9} {'ratio':>7} {'max|diff|':>10}"
+    header = f"{'batch':<10} {'shape':<28} {'kernel ms':>10} {'ref ms':>9} {'ratio':>7} {'max|diff|':>10}"
     print(header)
     print("-" * len(header))
     for name, shape, t_kernel, t_ref, err in rows:
-        print(f"{name:<26} {shape:<20} {t_kernel * 1e3:>10.2f} {t_ref * 1e3:>9.2f} "
+        print(f"{name:<10} {shape:<28} {t_kernel * 1e3:>10.2f} {t_ref * 1e3:>9.2f} "
               f"{t_kernel / t_ref:>7.1f} {err:>10.2e}")
 
 
