@@ -1,0 +1,49 @@
+"""The engine's whole step, as an accelerator would run it, lowers on this CPU-only jaxlib: with
+the GPU backend for "cuda" (the Triton kernel call in the module) and with the TPU backend for
+"tpu" (a Mosaic call), bf16 weights and pool, no host callback anywhere. Lowering proves the
+kernels and the step trace and lower for the platform; compiling and timing them needs the
+device (scripts/device_check.py)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxserve.config import ModelConfig
+from jaxserve.runtime.batch import build_batch, warmup_plan
+from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.runner import ModelRunner, _jitted_step
+from jaxserve.weights.random_init import random_model
+
+# Small, but with the shapes the kernels take: head dim 64, page 16, G = 3 (as SmolLM2).
+CONFIG = ModelConfig(vocab_size=512, hidden_size=192, intermediate_size=256, num_layers=2,
+                     num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=256,
+                     tie_word_embeddings=True, eos_token_ids=(2,))
+KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return random_model(CONFIG, dtype="bfloat16")
+
+
+@pytest.mark.parametrize("backend,platform", [("pallas-gpu", "cuda"), ("pallas-tpu", "tpu")])
+def test_engine_step_lowers_for_the_accelerator(loaded, backend, platform):
+    page_size = 16
+    runner = ModelRunner(CONFIG, loaded.params, num_pages=64, page_size=page_size,
+                         dtype="bfloat16", backend=backend)
+    buckets = Buckets.for_engine(8, 64, CONFIG.max_position_embeddings // page_size,
+                                 query_block=1, packed=True)
+    # A packed step of decode rows and prefill chunks together (the largest token bucket).
+    shape = buckets.step_shapes(page_size)[-1]
+    batch, _, _ = build_batch(warmup_plan(shape, buckets, page_size), buckets, page_size)
+    batch = jax.tree_util.tree_map(jnp.asarray, batch)
+    feed = jnp.zeros(2 * buckets.seqs[-1], jnp.int32)
+    lowered = _jitted_step(CONFIG, backend).trace(
+        runner.params, pool=runner.pool, batch=batch, feed=feed).lower(
+            lowering_platforms=(platform,))
+    text = lowered.as_text()
+    assert KERNEL_CALL[platform] in text  # the attention kernel (in the layer loop)
+    assert "callback" not in text
+    assert "bf16" in text
