@@ -1,8 +1,12 @@
-"""How closely each weight format's greedy output follows the f32 model's: sixteen chat prompts,
-greedy, up to --max_tokens each, one engine per format on the default model. Reports the outputs
-identical to f32 and the tokens generated before each output's first difference.
+"""How closely each weight format follows the f32 model, on sixteen fixed prompts: greedy outputs
+identical to f32's, tokens generated before each output's first difference, and the mean KL
+divergence KL(f32 || format) of the next-token distributions along the f32 model's greedy
+tokens (teacher-forced, full vocabulary). On the default model (a Q4_1 GGUF: group-wise int8
+holds it exactly) and on a seeded f32 checkpoint of SmolLM2's shape, built here, whose weights
+are not 4-bit.
 
   python scripts/quantization_agreement.py                 # int8, and bf16 where AMX allows
+  python scripts/quantization_agreement.py --models=seeded --max_tokens=32
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("max_tokens", 64, "Greedy tokens per prompt.")
+flags.DEFINE_list("models", ["smollm2-135m", "seeded"], "smollm2-135m and/or seeded.")
 
 QUESTIONS = (
     "What is the capital of France?", "Name three fruits.", "Write a haiku about the sea.",
@@ -41,25 +46,99 @@ def greedy(loaded, prompts, quantization: str) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
+def dense_logprobs(cfg, params, token_ids):
+    """Log-softmax of the next-token logits at every position of one sequence, f32[T, V]:
+    llama's layer without pages (causal attention over the sequence itself), for scoring."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.model import llama
+
+    t, d = len(token_ids), cfg.head_dim
+    hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
+    cos, sin = llama.rope_tables(jnp.arange(t), d, cfg.rope_theta)
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    x = llama.embed(params, jnp.asarray(token_ids))
+    for lp in params["layers"]:
+        qkv = llama.matmul(llama.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), lp["w_qkv"])
+        qkv = qkv + lp["b_qkv"] if "b_qkv" in lp else qkv
+        q = llama.apply_rope(qkv[:, :hq].reshape(t, cfg.num_heads, d), cos, sin)
+        k = llama.apply_rope(qkv[:, hq:hq + hkv].reshape(t, cfg.num_kv_heads, d), cos, sin)
+        v = qkv[:, hq + hkv:].reshape(t, cfg.num_kv_heads, d)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
+        s = jnp.where(causal[None], jnp.einsum("qhd,khd->hqk", q, k) * d ** -0.5, -jnp.inf)
+        o = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v).reshape(t, hq)
+        x = x + llama.matmul(o, lp["wo"])
+        gate, up = jnp.split(llama.matmul(llama.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps),
+                                          lp["w_gate_up"]), 2, axis=-1)
+        x = x + llama.matmul(jax.nn.silu(gate) * up, lp["w_down"])
+    hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
+
+
+def mean_kl(loaded, sequences, quantization: str, reference) -> float:
+    """Mean over the scored positions (each f32 greedy token's) of KL(f32 || quantization)."""
+    import numpy as np
+
+    from jaxserve.model import llama
+    from jaxserve.model.quantize import quantize
+
+    params = llama.per_layer_params(quantize(loaded.params, quantization))
+    kls = []
+    for (ids, first), p in zip(sequences, reference, strict=True):
+        q = np.asarray(dense_logprobs(loaded.config, params, ids))[first - 1:-1]
+        kls.extend(np.sum(np.exp(p) * (p - q), axis=-1))
+    return float(np.mean(kls))
+
+
+def load(name: str):
+    """The default model and its chat prompts, or a seeded f32 checkpoint of the same shape
+    (two layers: its text is noise, its agreement is the measure) with numbered prompts."""
+    import dataclasses
+
+    import numpy as np
+
+    from jaxserve.weights import load_model
+    from jaxserve.weights.random_init import SMOLLM2_135M, random_model
+
+    if name == "seeded":
+        loaded = random_model(dataclasses.replace(SMOLLM2_135M, num_layers=2), seed=0)
+        rng = np.random.default_rng(0)
+        return loaded, [{"prompt_token_ids": rng.integers(0, 49151, 16).tolist()}
+                        for _ in QUESTIONS]
+    loaded = load_model(name)
+    tok = loaded.tokenizer
+    return loaded, [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": q}]), add_special_tokens=False)} for q in QUESTIONS]
+
+
 def main(argv):
     del argv
-    from jaxserve.backends.cpu import kernels as cpu_kernels
-    from jaxserve.tools.bench.report import greedy_agreement
-    from jaxserve.weights import load_model
+    import numpy as np
 
-    loaded = load_model("smollm2-135m")
-    tok = loaded.tokenizer
-    prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
-        [{"role": "user", "content": q}]), add_special_tokens=False)} for q in QUESTIONS]
-    reference = greedy(loaded, prompts, "none")
-    total = sum(map(len, reference))
+    from jaxserve.backends.cpu import kernels as cpu_kernels
+    from jaxserve.model import llama
+    from jaxserve.tools.bench.report import greedy_agreement
+
     formats = ["int8"] + (["bf16"] if cpu_kernels.amx_bf16_available() else [])
-    print(f"{'format':<8}{'identical':>12}{'tokens before the first difference':>38}")
-    for quantization in formats:
-        a = greedy_agreement(reference, greedy(loaded, prompts, quantization))
-        same, agreed = f"{a['identical_requests']}/{a['requests']}", a["matching_prefix_tokens"]
-        print(f"{quantization:<8}{same:>12}"
-              f"{f'{agreed}/{total} ({agreed / total:.0%})':>38}")
+    print(f"{'model':<14}{'format':<8}{'identical':>11}{'tokens before the first difference':>38}"
+          f"{'mean KL (nats)':>16}")
+    for name in FLAGS.models:
+        loaded, prompts = load(name)
+        reference = greedy(loaded, prompts, "none")
+        total = sum(map(len, reference))
+        sequences = [(p["prompt_token_ids"] + list(r), len(p["prompt_token_ids"]))
+                     for p, r in zip(prompts, reference)]
+        f32 = llama.per_layer_params(loaded.params)
+        ref_lp = [np.asarray(dense_logprobs(loaded.config, f32, ids))[first - 1:-1]
+                  for ids, first in sequences]
+        for quantization in formats:
+            a = greedy_agreement(reference, greedy(loaded, prompts, quantization))
+            same, agreed = f"{a['identical_requests']}/{a['requests']}", a["matching_prefix_tokens"]
+            kl = mean_kl(loaded, sequences, quantization, ref_lp)
+            print(f"{name:<14}{quantization:<8}{same:>11}"
+                  f"{f'{agreed}/{total} ({agreed / total:.0%})':>38}{kl:>16.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,39 +1,91 @@
-"""Weight-only int8 (per-output-channel scales): round-trip error bound, and greedy outputs on the
-default model that agree with the f32 model; the same for bf16 weights and matmuls (AMX)."""
+"""Weight-only int8 (a scale and an offset per 32 input channels of each output channel):
+round-trip error bounds, Q4_1 blocks kept exactly, the XLA and C++ matmuls against the
+dequantized product, and greedy outputs and logprobs that follow the f32 model's; the same for
+bf16 weights and matmuls (AMX)."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from jaxserve.config import EngineConfig
-from jaxserve.engine import LLMEngine
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from jaxserve.backends.cpu import kernels as cpu_kernels
+from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.model.quantize import quantize_int8, quantize_weight, round_bf16
+from jaxserve.engine import LLMEngine
+from jaxserve.model import llama
+from jaxserve.model.quantize import (
+    GROUP,
+    quantize,
+    quantize_int8,
+    quantize_weight,
+    round_bf16,
+)
 
 
-def test_quantize_weight_error_is_within_half_a_step():
+def test_quantize_weight_error_is_within_half_a_step_of_each_group():
     w = np.random.default_rng(0).standard_normal((2, 64, 48)).astype(np.float32)
     w[0, :, 3] = 0.0  # an all-zero channel must not divide by zero
+    w[1, 32:, 5] = 0.7  # nor a constant group
+    w[1, :32, 7] *= 100  # a large group's range must not reach the other group
     qw = quantize_weight(w)
-    q = np.swapaxes(qw["q_t"], -1, -2)  # stored [out, in]
-    assert qw["q_t"].dtype == np.int8 and qw["q_t"].shape == (2, 48, 64)
-    assert qw["scale"].shape == (2, 48)
-    err = np.abs(q * qw["scale"][:, None, :] - w)
-    assert np.all(err <= qw["scale"][:, None, :] / 2 + 1e-7)
-    assert np.all(q[0, :, 3] == 0)
+    assert qw.q_t.dtype == np.int8 and qw.q_t.shape == (2, 48, 64)
+    assert qw.scale.shape == qw.offset.shape == (2, 48, 2)
+    g = np.swapaxes(w, -1, -2).reshape(2, 48, 2, GROUP)
+    step = (g.max(-1) - g.min(-1)) / 255
+    err = np.abs(qw.dequantize() - np.swapaxes(w, -1, -2)).reshape(2, 48, 2, GROUP)
+    assert np.all(err <= step[..., None] / 2 + 1e-6 * np.abs(g).max(-1, keepdims=True))
+    assert np.all(qw.dequantize()[0, 3] == 0)
+    assert np.all(qw.dequantize()[1, 5, 32:] == np.float32(0.7))
+    assert step[1, 7, 1] < step[1, 7, 0] / 50  # the other group keeps its own small steps
+
+
+def test_q4_1_blocks_are_kept_exactly():
+    """GGUF Q4_1: per 32-block d * q + m, q in 0..15 with 0 and 15 taken (the block's min and
+    max): 15 steps of d are 255 steps of d / 17."""
+    rng = np.random.default_rng(1)
+    d = rng.uniform(1e-3, 0.1, (18, 1, 40)).astype(np.float16).astype(np.float32)
+    m = -rng.uniform(0, 1, (18, 1, 40)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (18, GROUP, 40))
+    q[:, 0], q[:, 1] = 0, 15
+    w = (d * q + m).reshape(18 * GROUP, 40)  # [in, out]
+    np.testing.assert_allclose(quantize_weight(w).dequantize(), w.T, rtol=0, atol=1e-6)
+
+
+def test_input_channels_must_fill_groups_and_unknown_methods_are_errors():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_weight(np.ones((40, 8), np.float32))
+    with pytest.raises(ValueError, match="unknown quantization 'int4'"):
+        quantize({}, "int4")
 
 
 def test_int8_quantizes_projections_and_a_separate_head():
-    params = {"embed": np.ones((10, 4), np.float32), "final_norm": np.ones(4, np.float32),
-              "layers": {"wq": np.ones((2, 4, 4), np.float32), "attn_norm": np.ones((2, 4))}}
+    params = {"embed": np.ones((10, 32), np.float32), "final_norm": np.ones(32, np.float32),
+              "layers": {"wq": np.ones((2, 32, 64), np.float32), "attn_norm": np.ones((2, 32))}}
     q = quantize_int8(params)
-    assert q["layers"]["wq"]["q_t"].dtype == np.int8
+    assert q["layers"]["wq"].q_t.dtype == np.int8 and q["layers"]["wq"].scale.shape == (2, 64, 1)
     assert q["layers"]["attn_norm"] is params["layers"]["attn_norm"]
-    assert q["lm_head"]["q_t"].shape == (10, 4)  # tied head quantized per vocabulary row
+    assert q["lm_head"].q_t.shape == (10, 32)  # tied head quantized per vocabulary row
     assert q["embed"] is params["embed"]  # lookup stays float
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 11, 40])
+@pytest.mark.parametrize("k,n", [(576, 960), (32, 7), (1536, 100), (64, 49)])
+def test_int8_matmuls_equal_the_dequantized_product(m, k, n):
+    """XLA's (llama.matmul) and, where built, the C++ kernel's over packed panels: row tiles of
+    8 and remainders, one group and many, partial panels."""
+    from jaxserve.backends.cpu.packing import pack
+
+    rng = np.random.default_rng(m * 1000 + k + n)
+    w = quantize_weight(rng.standard_normal((k, n)).astype(np.float32))
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = x @ w.dequantize().T
+    tol = {"rtol": 1e-4, "atol": 1e-4 * np.abs(want).max()}
+    got = llama.matmul(jnp.asarray(x), jax.tree_util.tree_map(jnp.asarray, w))
+    np.testing.assert_allclose(np.asarray(got), want, **tol)
+    if cpu_kernels.available():
+        np.testing.assert_allclose(np.asarray(pack(w).matmul(jnp.asarray(x))), want, **tol)
 
 
 def test_bf16_rounds_projections_and_a_separate_head():
@@ -48,44 +100,79 @@ def test_bf16_rounds_projections_and_a_separate_head():
     assert r["embed"] is params["embed"]  # lookup stays float
 
 
-def _greedy_prompts(tok):
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}]) for q in (
-        "What is the capital of France?", "Name three fruits.")] + ["The history of Rome"]
-    return [{"prompt_token_ids": tok.encode(p, add_special_tokens=False)} for p in prompts]
+def _engine(loaded, num_seqs, **options):
+    return LLMEngine(EngineConfig.from_options(num_pages=128, max_num_seqs=num_seqs, **options),
+                     loaded)
+
+
+def _run(engine, prompts, params: SamplingParams) -> list:
+    ids = [engine.add_request(p, params).request_id for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+def _greedy(loaded, prompts, max_tokens, **options):
+    engine = _engine(loaded, len(prompts), **options)
+    outs = _run(engine, prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return [o.outputs[0].token_ids for o in outs], engine.runner.param_bytes
+
+
+def test_int8_scores_f32_greedy_tokens_of_a_seeded_f32_checkpoint_alike():
+    """Mean |logprob difference| of the f32 model's greedy tokens under int8, on a seeded f32
+    checkpoint (not 4-bit, so int8 is not exact here). Measured 2026-12-02: 0.004 (per-channel
+    scales: 0.148)."""
+    from jaxserve.weights.random_init import random_model
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256,
+                      tie_word_embeddings=True, eos_token_ids=(255,))
+    loaded = random_model(cfg, seed=3)
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(0, 255, 12).tolist()} for _ in range(4)]
+    f32, _ = _greedy(loaded, prompts, 24)
+    scored = [{"prompt_token_ids": p["prompt_token_ids"] + list(t)} for p, t in zip(prompts, f32)]
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    lp = {}
+    for quantization in ("none", "int8"):
+        outs = _run(_engine(loaded, len(prompts), quantization=quantization), scored, score)
+        lp[quantization] = np.array([o.prompt_logprobs[i][o.prompt_token_ids[i]] for o in outs
+                                     for i in range(12, len(o.prompt_token_ids))])
+    assert np.abs(lp["int8"] - lp["none"]).mean() <= 0.15
+
+
+# Held out from scripts/quantization_agreement.py's questions.
+HELD_OUT = ("What is the capital of France?", "Name three fruits.",
+            "How many legs does a spider have?", "Write one sentence about autumn.",
+            "What is the boiling point of water?", "Name a famous painter.", "What is 12 plus 30?",
+            "What language is spoken in Brazil?",
+            "Give me a synonym for happy.", "What do bees make?")
 
 
 @pytest.fixture(scope="module")
 def f32_greedy(default_loaded):
-    """The f32 model's greedy outputs and weight bytes, the reference both formats are held to."""
-    prompts = _greedy_prompts(default_loaded.tokenizer)
-    return prompts, *_greedy(default_loaded, prompts)
-
-
-def _greedy(loaded, prompts, **options):
-    engine = LLMEngine(EngineConfig.from_options(num_pages=64, max_num_seqs=4, **options), loaded)
-    ids = [engine.add_request(p, SamplingParams(temperature=0, max_tokens=16)).request_id
-           for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return [done[i] for i in ids], engine.runner.param_bytes
+    """The f32 model's greedy outputs (32 tokens) and weight bytes, the reference both formats
+    are held to."""
+    tok = default_loaded.tokenizer
+    prompts = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": q}]), add_special_tokens=False)} for q in HELD_OUT]
+    return prompts, *_greedy(default_loaded, prompts, 32)
 
 
 @pytest.mark.slow
 def test_bf16_greedy_agrees_with_f32(default_loaded, f32_greedy):
-    """Measured 2026-12-01: identical on all three prompts here; over sixteen chat prompts of
-    up to 64 tokens (scripts/quantization_agreement.py) 11 identical, 81% of tokens before the
-    first difference."""
-    from jaxserve.backends.cpu import kernels as cpu_kernels
-
+    """Measured 2026-12-01: over sixteen chat prompts of up to 64 tokens
+    (scripts/quantization_agreement.py) 11 identical, 81% of tokens before the first
+    difference."""
     if not cpu_kernels.amx_bf16_available():
         pytest.skip("no AMX-BF16 here")
     prompts, f32, f32_bytes = f32_greedy
-    bf16, bf16_bytes = _greedy(default_loaded, prompts, quantization="bf16")
+    bf16, bf16_bytes = _greedy(default_loaded, prompts, 32, quantization="bf16")
     assert bf16_bytes < 0.75 * f32_bytes  # the float embedding table (lookup) stays
     agree = sum(a == b for x, y in zip(f32, bf16) for a, b in zip(x, y))
-    assert agree / sum(len(x) for x in f32) >= 0.85, (f32, bf16)
-    assert f32[0] == bf16[0]  # "The capital of France is Paris."
+    assert agree / sum(len(x) for x in f32) >= 0.8, (f32, bf16)
+    assert f32[0][:8] == bf16[0][:8]  # "The capital of France is Paris."
 
 
 @pytest.mark.slow
@@ -96,12 +183,10 @@ def test_bf16_refuses_a_backend_without_amx(default_loaded):
 
 
 @pytest.mark.slow
-def test_int8_greedy_agrees_with_f32(default_loaded, f32_greedy):
-    """Measured: identical greedy tokens on all six prompts (24 tokens each) on 2026-11-29."""
+def test_int8_keeps_the_f32_greedy_outputs(default_loaded, f32_greedy):
+    """The default model is Q4_1, which group-wise int8 holds exactly: per-channel scales kept
+    3 of these 10."""
     prompts, f32, f32_bytes = f32_greedy
-    int8, int8_bytes = _greedy(default_loaded, prompts, quantization="int8")
-    assert int8_bytes < 0.5 * f32_bytes  # the float embedding table (lookup) stays
-    agree = sum(a == b for x, y in zip(f32, int8) for a, b in zip(x, y))
-    total = sum(len(x) for x in f32)
-    assert agree / total >= 0.9, (f32, int8)
-    assert f32[0] == int8[0]  # "The capital of France is Paris."
+    int8, int8_bytes = _greedy(default_loaded, prompts, 32, quantization="int8")
+    assert int8_bytes < 0.6 * f32_bytes  # the float embedding table (lookup) stays
+    assert sum(a == b for a, b in zip(f32, int8)) >= 8, (f32, int8)

@@ -9,8 +9,8 @@ Params in the execution layout (weights stored [out, in], y = x @ W.T; F = (Hq +
   embed f[V, H]; final_norm f[H]; lm_head f[V, H] (absent when tied: the head is embed)
   layers: a list of L dicts: attn_norm f[H]; w_qkv f[F, H]; b_qkv f[F] (attention_bias only);
           wo f[H, Hq*D]; mlp_norm f[H]; w_gate_up f[2I, H]; w_down f[H, I]
-A weight may instead be an int8 dict {"q_t": i8[out, in], "scale": f[out]} (quantize.py), or a
-backend's packed weight (jaxserve/backends/cpu/packing.py) that multiplies itself; a tied
+A weight may instead be an int8 weight with group scales (quantize.Int8Weight), or a backend's
+packed weight (jaxserve/backends/cpu/packing.py), either of which multiplies itself; a tied
 embedding packed with the head looks up its own rows. Q, K, V and gate, up are fused into one
 matmul each, so that one token's 7 matrix-vector products a layer are 4 larger ones.
 """
@@ -25,6 +25,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import attention
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, KVPool, write_kv
+from jaxserve.model.quantize import Int8Weight
 
 
 def rms_norm(x, weight, eps):
@@ -50,12 +51,8 @@ def apply_rope(x, cos, sin):
 
 
 def matmul(x, w):
-    """x @ w.T for a float weight w [out, in]; for an int8 weight {"q_t": [out, in],
-    "scale": [out]}, converted to x's dtype inside the matmul and scaled per output channel; any
-    other weight was packed at load for a backend's matmul (jaxserve/backends/) and multiplies
-    itself."""
-    if isinstance(w, dict):
-        return (x @ w["q_t"].astype(x.dtype).T) * w["scale"].astype(x.dtype)
+    """x @ w.T for a float weight w [out, in]; any other weight (int8, or packed at load for a
+    backend's matmul: jaxserve/backends/) multiplies itself."""
     if isinstance(w, (jax.Array, np.ndarray)):
         return x @ w.T
     return w.matmul(x)
@@ -71,11 +68,10 @@ def embed(params, token_ids):
 
 
 def _out_in(ws: list):
-    """Loader weights f[in, out] (or int8 {"q_t": [out, in]}) -> one [out, in] weight, the
-    given ones concatenated along the output axis."""
-    if isinstance(ws[0], dict):
-        return {"q_t": np.concatenate([w["q_t"] for w in ws], axis=0),
-                "scale": np.concatenate([w["scale"] for w in ws], axis=0)}
+    """Loader weights f[in, out] (or Int8Weights, stored [out, in]) -> one [out, in] weight,
+    the given ones concatenated along the output axis."""
+    if isinstance(ws[0], Int8Weight):
+        return Int8Weight.concat(ws)
     return np.ascontiguousarray(np.concatenate(ws, axis=-1).T)
 
 

@@ -7,7 +7,7 @@
                       packed in 48-column panels (`pack_panels`): a register-tiled GEMM that
                       streams each weight from memory once however many rows there are (a
                       decode step's few rows are bound by that stream), and for int8
-                      converting weights a panel at a time where XLA converts a whole copy.
+                      dequantizing weights (group scales and offsets) a panel at a time.
   matmul_bf16         (matmul_bf16.cc) x rounded to bfloat16 times bfloat16 weights on AMX
                       tiles, f32 accumulation, against weights packed in 16-column tiles
                       (`pack_bf16_tiles`); `amx_bf16_available()` says whether this CPU and
@@ -236,10 +236,11 @@ def matmul_f32(x, panels, n: int):
     return _call("jaxserve_matmul_f32", _f32(x.shape[0], n), x, panels)
 
 
-def matmul_int8(x, panels, scale, n: int):
-    """(x f32[M, K] @ Q) * scale f32[n], for Q i8[K, n] packed by `pack_panels`, converting the
-    int8 weights inside the product -> f32[M, n]."""
-    return _call("jaxserve_matmul_int8", _f32(x.shape[0], n), x, panels, scale)
+def matmul_int8(x, panels, scale, offset, n: int):
+    """x f32[M, K] @ (Q * scale + offset) for Q i8[K, n] packed by `pack_panels`, and its scale
+    and offset per 32 k of each column ([n, K / 32], quantize.py) packed the same way,
+    dequantizing the weights inside the product -> f32[M, n]."""
+    return _call("jaxserve_matmul_int8", _f32(x.shape[0], n), x, panels, scale, offset)
 
 
 def argmax(x):

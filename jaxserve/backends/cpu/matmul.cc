@@ -1,7 +1,8 @@
 // The CPU backend's matmuls, as XLA FFI custom calls, against weights packed in column panels:
 //
 //   MatmulF32    y f32[M, N] = x f32[M, K] @ W                     w f32[P, K, 48]
-//   MatmulInt8   y f32[M, N] = (x f32[M, K] @ Q) * scale f32[N]     q i8[P, K, 48]
+//   MatmulInt8   y f32[M, N] = x f32[M, K] @ (Q * scale + offset)   q i8[P, K, 48],
+//                scale, offset f32[P, K / 32, 48]: one of each per 32 k of each column
 //
 // Panel p holds output columns [48 p, 48 p + 48) of the [K, N] weight (zero past N), k-major,
 // so each k of a panel is three contiguous 16-lane vectors (AVX-512; six 8-lane ones on AVX2).
@@ -12,9 +13,9 @@
 // of panels, a block at a time, and prefetches its next block while the row tiles compute on the
 // current one. At a decode step's few rows a matmul is bound by streaming its weights, so reading
 // each once is what matters there; at many rows the register tiles keep the FMAs fed from L2.
-// The int8 kernel converts each weight once per row tile (in registers up to one row tile, else
-// into an f32 copy of the panel shared by all row tiles) where XLA converts the whole weight
-// first.
+// The int8 kernel dequantizes each weight once per row tile (in registers up to one row tile,
+// else into an f32 copy of the panel shared by all row tiles) where XLA converts the whole
+// weight first.
 
 #include <algorithm>
 #include <cstdint>
@@ -32,6 +33,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPanel = 48;  // output columns per panel: three 16-lane or six 8-lane vectors
+constexpr int64_t kGroup = 32;  // k per int8 scale and offset (quantize.py's GROUP)
 // Weights prefetched this many k ahead (3 KB of f32), except f32 at one row: there the FMAs wait
 // on nothing but the stream, and the hardware prefetcher alone kept it faster than with
 // software prefetches added. Int8 at one row is the other way round: it needs them.
@@ -60,7 +62,6 @@ inline Vec Load(const int8_t* p) {
 }
 inline Vec Broadcast(float v) { return _mm512_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline __mmask16 Lanes(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
@@ -79,7 +80,6 @@ inline Vec Load(const int8_t* p) {
 }
 inline Vec Broadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline __m256i Lanes(int64_t n) {
   const int32_t k = static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8));
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
@@ -108,10 +108,6 @@ inline Vec Broadcast(float x) {
 inline Vec Fma(Vec a, Vec b, Vec c) {
   for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i];
   return c;
-}
-inline Vec Mul(Vec a, Vec b) {
-  for (int i = 0; i < 16; ++i) a.v[i] *= b.v[i];
-  return a;
 }
 inline Vec LoadFirst(const float* p, int64_t n) {
   Vec r{};
@@ -158,9 +154,10 @@ constexpr int PassVecs(int rows, int vecs) {
 template <int kM>
 constexpr int kPanelsPerTile = PanelsPerTile(kM);
 
-// y[0:kM, 0:cols] = (x[0:kM] @ W) * scale for kP consecutive panels of W (cols <= 48 kP valid
-// columns; scale may be null). x has row stride k_dim, or with kPackedX is one row tile packed
-// k-major (PackRows); y has row stride n_dim.
+// y[0:kM, 0:cols] = x[0:kM] @ W for kP consecutive panels of W (cols <= 48 kP valid columns).
+// An int8 W is dequantized in registers, Q * scale + offset, from the panels' group scales and
+// offsets [kP, k_dim / 32, 48] (null for f32). x has row stride k_dim, or with kPackedX is one
+// row tile packed k-major (PackRows); y has row stride n_dim.
 //
 // The tile's kVecs kP column vectors are accumulated PassVecs at a time, each pass a walk over
 // k. Per k, a pass loads its weight vectors before the rows' broadcasts where both fit in the
@@ -171,8 +168,9 @@ constexpr int kPanelsPerTile = PanelsPerTile(kM);
 // the next block's weights, fetched while this block's row tiles compute on weights already in
 // L2.
 template <int kM, int kP, typename W, bool kPackedX>
-inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* scale, float* y,
-                 int64_t n_dim, int64_t cols, const char* pf = nullptr, int64_t pf_lines = 0) {
+inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* scale,
+                 const float* offset, float* y, int64_t n_dim, int64_t cols,
+                 const char* pf = nullptr, int64_t pf_lines = 0) {
   constexpr int kAll = kVecs * kP;
   constexpr int kG = PassVecs(kM, kAll);
   constexpr int kPanelVecs = std::min(kG, kVecs);  // a pass's vectors within one panel
@@ -185,6 +183,15 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* sc
     const auto weights = [&](int j, int64_t k) {
       const int v = g + j;
       return panels + (v / kVecs) * k_dim * kPanel + k * kPanel + kLanes * (v % kVecs);
+    };
+    const auto weight = [&](int j, int64_t k) {
+      if constexpr (sizeof(W) == 1) {
+        const int v = g + j;
+        const int64_t at = ((v / kVecs) * k_dim + k) / kGroup * kPanel + kLanes * (v % kVecs);
+        return Fma(Load(weights(j, k)), Load(scale + at), Load(offset + at));
+      } else {
+        return Load(weights(j, k));
+      }
     };
     Vec acc[kM][kG];
     for (int m = 0; m < kM; ++m) {
@@ -205,7 +212,7 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* sc
       const auto xk = [&](int m) { return kPackedX ? x[k * kRowTile + m] : x[m * k_dim + k]; };
       if constexpr (kWeightsFirst) {
         Vec wv[kG];
-        for (int j = 0; j < kG; ++j) wv[j] = Load(weights(j, k));
+        for (int j = 0; j < kG; ++j) wv[j] = weight(j, k);
         for (int m = 0; m < kM; ++m) {
           const Vec xv = Broadcast(xk(m));
           for (int j = 0; j < kG; ++j) acc[m][j] = Fma(xv, wv[j], acc[m][j]);
@@ -214,7 +221,7 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* sc
         Vec xv[kM];
         for (int m = 0; m < kM; ++m) xv[m] = Broadcast(xk(m));
         for (int j = 0; j < kG; ++j) {
-          const Vec wv = Load(weights(j, k));
+          const Vec wv = weight(j, k);
           for (int m = 0; m < kM; ++m) acc[m][j] = Fma(xv[m], wv, acc[m][j]);
         }
       }
@@ -222,8 +229,7 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* sc
     for (int j = 0; j < kG; ++j) {
       const int64_t col = kLanes * (g + j), lanes = cols - col;
       if (lanes <= 0) break;
-      const Vec s = scale != nullptr ? LoadFirst(scale + col, lanes) : Broadcast(1.0f);
-      for (int m = 0; m < kM; ++m) StoreFirst(y + m * n_dim + col, Mul(acc[m][j], s), lanes);
+      for (int m = 0; m < kM; ++m) StoreFirst(y + m * n_dim + col, acc[m][j], lanes);
     }
   }
 }
@@ -254,13 +260,14 @@ void PackRows(const float* x, int64_t m, int64_t k_dim, float* xp) {
   }
 }
 
-// All m rows of x against num_panels consecutive panels (w points at the first; scale and y at
-// its first column, cols of which are valid): a block of panels that fits in L2 at a time, row
-// tile by row tile within it, so each panel is read from memory once however many rows there are.
-// With kPackedX, x is packed by PackRows (row tile r / 8 then starts at x + r * k_dim as well).
+// All m rows of x against num_panels consecutive panels (w, and for int8 scale and offset, point
+// at the first; y at its first column, cols of which are valid): a block of panels that fits in
+// L2 at a time, row tile by row tile within it, so each panel is read from memory once however
+// many rows there are. With kPackedX, x is packed by PackRows (row tile r / 8 then starts at
+// x + r * k_dim as well).
 template <typename W, bool kPackedX = false>
 void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
-               const float* scale, float* y, int64_t n_dim, int64_t cols) {
+               const float* scale, const float* offset, float* y, int64_t n_dim, int64_t cols) {
   const int64_t panel_bytes = k_dim * kPanel * static_cast<int64_t>(sizeof(W));
   const int64_t pair = PanelsPerTile(m);
   const int64_t block = std::max<int64_t>(pair, kBlockBytes / panel_bytes / pair * pair);
@@ -280,8 +287,10 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
         const auto tile = [&]<int kP>() {
           const int64_t col = p * kPanel;
           const int64_t first = job * next_lines / jobs, last = (job + kP) * next_lines / jobs;
+          const int64_t at = p * k_dim / kGroup * kPanel;  // the panel's group scales
           Tile<kM, kP, W, kPackedX>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
-                                    scale != nullptr ? scale + col : nullptr,
+                                    scale != nullptr ? scale + at : nullptr,
+                                    offset != nullptr ? offset + at : nullptr,
                                     y + r * n_dim + col, n_dim,
                                     std::min(kP * kPanel, cols - col), next + 64 * first,
                                     last - first);
@@ -295,11 +304,12 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
   }
 }
 
-// y = (x @ w) * scale over the pool, a chunk of panels at a time. `work` is rows x weight
-// bytes: under 256 KB of it, handing work to another thread costs more than it saves.
+// y = x @ w (int8: w dequantized by scale and offset) over the pool, a chunk of panels at a time.
+// `work` is rows x weight bytes: under 256 KB of it, handing work to another thread costs more
+// than it saves.
 template <typename W>
-void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale, float* y,
-               int64_t m, int64_t k_dim, int64_t n_dim) {
+void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
+               const float* offset, float* y, int64_t m, int64_t k_dim, int64_t n_dim) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t work = m * k_dim * n_dim * static_cast<int64_t>(sizeof(W));
@@ -318,8 +328,8 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
       thread_local std::vector<float> packed;
       packed.resize((r1 - r0 + kRowTile - 1) / kRowTile * kRowTile * k_dim);
       PackRows(x + r0 * k_dim, r1 - r0, k_dim, packed.data());
-      PanelRows<W, true>(packed.data(), r1 - r0, k_dim, w, panels, scale, y + r0 * n_dim,
-                         n_dim, n_dim);
+      PanelRows<W, true>(packed.data(), r1 - r0, k_dim, w, panels, scale, offset,
+                         y + r0 * n_dim, n_dim, n_dim);
     });
     return;
   }
@@ -327,20 +337,27 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
   jaxserve::RunChunks(pool, num_chunks, [=](int64_t chunk) {
     const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);
     if (p0 >= p1) return;
+    const int64_t groups = k_dim / kGroup;
     if (sizeof(W) == 4 || m <= kRowTile) {
       PanelRows<W>(x, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
-                   scale != nullptr ? scale + p0 * kPanel : nullptr, y + p0 * kPanel, n_dim,
-                   n_dim - p0 * kPanel);
+                   scale != nullptr ? scale + p0 * groups * kPanel : nullptr,
+                   offset != nullptr ? offset + p0 * groups * kPanel : nullptr, y + p0 * kPanel,
+                   n_dim, n_dim - p0 * kPanel);
       return;
     }
-    // Int8 past one row tile: convert each panel once into float32 for all the row tiles, in a
-    // buffer each thread keeps across calls.
+    // Int8 past one row tile: dequantize each panel once into float32 for all the row tiles, in
+    // a buffer each thread keeps across calls.
     thread_local std::vector<float> converted;
     converted.resize(k_dim * kPanel);
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = w + p * k_dim * kPanel;
-      for (int64_t i = 0; i < k_dim * kPanel; ++i) converted[i] = static_cast<float>(panel[i]);
-      PanelRows<float>(x, m, k_dim, converted.data(), 1, scale + p * kPanel, y + p * kPanel,
+      const float* s = scale + p * groups * kPanel;
+      const float* o = offset + p * groups * kPanel;
+      for (int64_t i = 0; i < k_dim * kPanel; ++i) {
+        const int64_t at = i / (kGroup * kPanel) * kPanel + i % kPanel;
+        converted[i] = static_cast<float>(panel[i]) * s[at] + o[at];
+      }
+      PanelRows<float>(x, m, k_dim, converted.data(), 1, nullptr, nullptr, y + p * kPanel,
                        n_dim, n_dim - p * kPanel);
     }
   });
@@ -360,21 +377,24 @@ ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
                      ffi::ResultBuffer<ffi::F32> y) {
   if (auto e = CheckShapes(x.dimensions(), w.dimensions(), y->dimensions()); e.failure()) return e;
   const auto xd = x.dimensions();
-  RunMatmul<float>(pool, x.typed_data(), w.typed_data(), nullptr, y->typed_data(), xd[0], xd[1],
-                   y->dimensions()[1]);
+  RunMatmul<float>(pool, x.typed_data(), w.typed_data(), nullptr, nullptr, y->typed_data(), xd[0],
+                   xd[1], y->dimensions()[1]);
   return ffi::Error::Success();
 }
 
 ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                      ffi::Buffer<ffi::F32> scale, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
+                      ffi::ResultBuffer<ffi::F32> y) {
   if (auto e = CheckShapes(x.dimensions(), q.dimensions(), y->dimensions()); e.failure()) return e;
-  const auto xd = x.dimensions();
-  const int64_t n = y->dimensions()[1];
-  if (scale.element_count() != static_cast<size_t>(n)) {
-    return ffi::Error::InvalidArgument("matmul: scale [N] for y [M, N]");
+  const auto xd = x.dimensions(), qd = q.dimensions();
+  for (const auto& d : {scale.dimensions(), offset.dimensions()}) {
+    if (xd[1] % kGroup != 0 || d.size() != 3 || d[0] != qd[0] || d[1] != xd[1] / kGroup ||
+        d[2] != kPanel) {
+      return ffi::Error::InvalidArgument("matmul: scale, offset [P, K / 32, 48] for q [P, K, 48]");
+    }
   }
-  RunMatmul<int8_t>(pool, x.typed_data(), q.typed_data(), scale.typed_data(), y->typed_data(),
-                    xd[0], xd[1], n);
+  RunMatmul<int8_t>(pool, x.typed_data(), q.typed_data(), scale.typed_data(),
+                    offset.typed_data(), y->typed_data(), xd[0], xd[1], y->dimensions()[1]);
   return ffi::Error::Success();
 }
 
@@ -392,5 +412,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, MatmulInt8,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

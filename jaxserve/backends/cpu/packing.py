@@ -12,19 +12,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.backends.cpu import kernels
+from jaxserve.model.quantize import Int8Weight
 
 PROJECTIONS = ("w_qkv", "wo", "w_gate_up", "w_down")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels", "scale"],
-                   meta_fields=["n"])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["panels", "scale", "offset"], meta_fields=["n"])
 @dataclasses.dataclass(frozen=True)
 class PanelWeight:
     """A weight [in, out=n] packed for the CPU matmul: panels [ceil(n / 48), in, 48], f32, or
-    int8 with a per-output-channel scale f32[n] (None otherwise); or the bits of bfloat16 tiles
+    int8 with a scale and an offset per 32 inputs of each column, packed the same way
+    f32[ceil(n / 48), in / 32, 48] (None otherwise); or the bits of bfloat16 tiles
     u16[ceil(n / 16), in / 2, 16, 2] (kernels.pack_bf16_tiles) for the AMX matmul."""
     panels: jax.Array
     scale: jax.Array | None
+    offset: jax.Array | None
     n: int
 
     def matmul(self, x):
@@ -34,7 +37,7 @@ class PanelWeight:
             return kernels.matmul_bf16(x, self.panels, self.n)
         if self.scale is None:
             return kernels.matmul_f32(x, self.panels, self.n)
-        return kernels.matmul_int8(x, self.panels, self.scale.astype(jnp.float32), self.n)
+        return kernels.matmul_int8(x, self.panels, self.scale, self.offset, self.n)
 
     def embed(self, token_ids):
         """Rows of a tied float embedding [V, H] stored as the head's panels: the table is kept
@@ -43,15 +46,15 @@ class PanelWeight:
 
 
 def pack(w) -> PanelWeight:
-    """An [out, in] weight (float, bfloat16 or int8 dict) -> a PanelWeight (host numpy
+    """An [out, in] weight (float, bfloat16 or Int8Weight) -> a PanelWeight (host numpy
     arrays)."""
-    if isinstance(w, dict):
-        return PanelWeight(kernels.pack_panels(np.asarray(w["q_t"])),
-                           np.asarray(w["scale"], np.float32), len(w["scale"]))
+    if isinstance(w, Int8Weight):
+        packed = (kernels.pack_panels(np.asarray(a)) for a in (w.q_t, w.scale, w.offset))
+        return PanelWeight(*packed, len(w.q_t))
     if w.dtype == jnp.bfloat16:
-        return PanelWeight(kernels.pack_bf16_tiles(w), None, w.shape[0])
+        return PanelWeight(kernels.pack_bf16_tiles(w), None, None, w.shape[0])
     w = np.asarray(w, np.float32)
-    return PanelWeight(kernels.pack_panels(w), None, w.shape[0])
+    return PanelWeight(kernels.pack_panels(w), None, None, w.shape[0])
 
 
 def pack_params(params: dict) -> dict:
