@@ -11,6 +11,10 @@ pages_per_block copies of one block signal the same semaphore and are waited one
 Statistics. The running max m and normaliser l are carried as f32[R, 128] (every lane holds the
 same value) rather than f32[R, 1], the layout TPU vector registers hold natively; column 0 is
 sliced off where a [R, 1] operand is needed.
+
+Room for later features: sliding windows and logit soft-capping belong in `masked_scores` (the one
+place scores are formed and masked), int8 KV scales where `pipelined_kv_loop` converts a block to
+float32; each would arrive as a keyword-only argument of the entry point.
 """
 
 from __future__ import annotations
