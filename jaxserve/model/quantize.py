@@ -34,6 +34,11 @@ class Int8Weight:
     scale: np.ndarray
     offset: np.ndarray
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """[..., out, in], as a float weight's."""
+        return self.q_t.shape
+
     def matmul(self, x):
         """x f[T, in] @ W -> f[T, out], dequantized group by group in x's dtype: XLA's CPU
         backend fuses that into a decode step's matrix-vector product (the f32 weight is never
