@@ -1,20 +1,24 @@
 """The GPU (Triton) ragged_paged_attention against the float64 oracle and the jnp reference:
 interpreted on a CPU, compiled where the default backend is a GPU (scripts/device_check.py runs
-this file there). Cases and tolerances: tests/attention_cases.py."""
+this file there), and lowered for CUDA either way. Cases and tolerances: tests/attention_cases.py.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 from attention_cases import (EXTREME_TOL, F64_TOL, RAGGED_SHAPES, TOL, assert_close, call,
                              dense_f64, extreme_case, make_case, mixed_rows, ragged_case)
 from pallas_kernels.gpu import GpuBlockSizes, check_supported, ragged_paged_attention
-from pallas_kernels.gpu.ragged_paged_attention import _num_splits
+from pallas_kernels.gpu.block_sizes import MAX_SPLITS, plan
 from pallas_kernels.reference import ref_ragged_paged_attention
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -47,21 +51,42 @@ def test_matches_float64_and_reference_on_mixed_rows(page_size, head_dim, num_kv
     np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)  # padding tokens
 
 
+def _plan(num_tokens, num_seqs, num_kv_heads, group, table_width, page_size=16, **sizes):
+    return plan(num_tokens=num_tokens, num_seqs=num_seqs, group=group, num_kv_heads=num_kv_heads,
+                page_size=page_size, table_width=table_width,
+                block_sizes=GpuBlockSizes(**sizes))
+
+
+def test_split_rule_fills_the_gpu_for_small_batches_only():
+    """The examples of block_sizes' docstring."""
+    bench = _plan(64, 64, 8, 4, 128)  # 64 decode rows x 2048 context
+    assert (bench.block_q, bench.rows, bench.splits, bench.pages_per_split) == (4, 16, 2, 64)
+    one_long = _plan(1, 1, 8, 1, 2048)  # one decode row, 32k context
+    assert (one_long.splits, one_long.pages_per_split) == (MAX_SPLITS, 64)
+    assert _plan(256, 256, 8, 4, 128).splits == 1
+    prefill = _plan(2048, 1, 8, 1, 128)
+    assert (prefill.block_q, prefill.num_blocks, prefill.splits) == (64, 33, 4)
+    assert _plan(4, 4, 1, 1, 2).splits == 1  # never a split without a page block
+    tiny_pages = _plan(4, 4, 1, 3, 1, page_size=8)  # Triton's 16: 2 pages x 8, 4 tokens x Gp 4
+    assert (tiny_pages.pages_per_block, tiny_pages.block_q, tiny_pages.group_pad) == (2, 4, 4)
+
+
 def test_split_k_changes_nothing():
     """Few rows over long contexts: the automatic rule splits each row's pages; one split and
     several give the same output."""
     case = ragged_case(11, [(300, 1), (0, 0), (97, 1), (260, 5)], page_size=16, num_kv_heads=2,
                        group=4, head_dim=64)
-    assert _num_splits(num_blocks=8, num_kv_heads=2, table_width=19, pages_per_block=4) > 1
-    assert _num_splits(num_blocks=512, num_kv_heads=8, table_width=19, pages_per_block=4) == 1
+    auto = _plan(case["q"].shape[0], 4, 2, 4, case["page_tables"].shape[1])
+    assert auto.splits > 1
     outs = [attend(case, 0.125, block_sizes=GpuBlockSizes(splits=s, pages_per_block=2))
-            for s in (1, 3, 10)]
+            for s in (1, 10)] + [attend(case, 0.125)]
     for out in outs:
         assert_close(out, dense_f64(case, 0.125), F64_TOL)
-    np.testing.assert_allclose(np.asarray(outs[1]), np.asarray(outs[0]), atol=2e-6, rtol=2e-6)
+    for out in outs[1:]:
+        np.testing.assert_allclose(np.asarray(out), np.asarray(outs[0]), atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("block_q", [1, 2, 8])
+@pytest.mark.parametrize("block_q", [1, 8])
 def test_query_blocks_and_chunked_prefill(block_q):
     """A 37-token prompt at once, and as chunks 21 + 16 (the second reads the first's pages),
     with several query-block sizes: identical rows."""
@@ -76,6 +101,7 @@ def test_query_blocks_and_chunked_prefill(block_q):
                                rtol=2e-6)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # the peer is deprecated in jax 0.11
 def test_pure_decode_batch_matches_jax_paged_attention():
     """A decode-only batch (T == S) against JAX's own Triton paged_attention (decode only, same
     head-major pool), a peer written independently."""
@@ -124,12 +150,26 @@ def test_unsupported_shapes_name_the_xla_fallback(head_dim, page_size):
         attend(case, 1.0)
 
 
+def test_supported_dtypes_and_pool_size():
+    check_supported(head_dim=64, page_size=16, dtype=jnp.bfloat16)
+    check_supported(head_dim=128, page_size=8, dtype="float32")
+    with pytest.raises(ValueError, match="float16 is not float32 or bfloat16.*'xla'"):
+        check_supported(head_dim=64, page_size=16, dtype=jnp.float16)
+    case = make_case(15, seq_lens=[5], q_lens=[5], page_size=16, num_kv_heads=1, group=1,
+                     head_dim=16)
+    huge = jax.ShapeDtypeStruct((1, 2**23, 16, 16), jnp.bfloat16)  # 2^31 elements, never built
+    with pytest.raises(ValueError, match="int32 offsets.*'xla'"):
+        ragged_paged_attention(case["q"].astype(jnp.bfloat16), huge, huge, case["page_tables"],
+                               case["seq_lens"], case["query_start"], sm_scale=1.0)
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda c: c.update(page_tables=c["page_tables"].at[1, 1].set(999)), "outside the pool"),
     (lambda c: c.update(query_start=jnp.array([0, 6, 5], jnp.int32)), "non-decreasing"),
     (lambda c: c.update(query_start=jnp.array([0, 7, 9], jnp.int32)), "seq_lens must include"),
     (lambda c: c.update(q=c["q"][:, :3]), "multiple of KV heads"),
     (lambda: GpuBlockSizes(block_q=3), "power of two"),
+    (lambda: GpuBlockSizes(splits=0), "positive int"),
 ])
 def test_bad_inputs(change, message):
     case = make_case(7, seq_lens=[5, 9], q_lens=[5, 2], page_size=8, num_kv_heads=2, group=2,
@@ -142,13 +182,33 @@ def test_bad_inputs(change, message):
             attend(case, 1.0)
 
 
+def _cuda_target():
+    """Off a GPU, jax >= 0.11 lowers Triton calls only for a named GPU: an abstract H200."""
+    if jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None,
+                                         platform="cuda")
+    return jax.sharding.use_abstract_mesh(
+        jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_for_cuda_without_host_callbacks(dtype):
-    """Lowered for CUDA on this CPU-only jaxlib: one Triton call, no host callback (jax.export
-    refuses Triton calls, so this goes through trace/lower). Compiling needs a GPU."""
+def test_lowers_for_cuda_without_host_callbacks_or_tf32(dtype, monkeypatch, capsys):
+    """Lowered for CUDA (on a CPU-only jaxlib too): one Triton call, no host callback (jax.export
+    refuses Triton calls, so this goes through trace/lower), and in the Triton IR (printed by
+    pallas_call's debug flag) float32 dots are IEEE: Triton marks others `inputPrecision = tf32`.
+    Compiling needs a GPU."""
     case = ragged_case(16, mixed_rows(16, long=64), page_size=16, num_kv_heads=2, group=3,
                        head_dim=128, dtype=dtype)
-    text = jax.jit(lambda c: call(ragged_paged_attention, c, sm_scale=0.1)).trace(case).lower(
-        lowering_platforms=("cuda",)).as_text()
+    monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
+    jax.clear_caches()  # the kernel must be traced again, with debug on
+    with _cuda_target():
+        lowered = jax.jit(lambda c: call(ragged_paged_attention, c, sm_scale=0.1)).trace(
+            case).lower(lowering_platforms=("cuda",))
+    text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "callback" not in text
+    dots = [line for line in capsys.readouterr().out.splitlines() if "tt.dot " in line]
+    operand = "f32" if dtype == jnp.float32 else "bf16"
+    assert len(dots) == 2 and all(f"x{operand}> * tensor<" in d for d in dots), dots
+    assert not any("tf32" in d for d in dots), dots
