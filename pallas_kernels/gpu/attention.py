@@ -136,6 +136,14 @@ def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *, sm_sc
     return to_tokens(out, query_start, block_start, num_tokens, num_q_heads, p).astype(q.dtype)
 
 
+def _segment_of(starts, x):
+    """i32[S+1] cumulative starts, i32[X] -> i32[X]: the last s with starts[s] <= x (skipping
+    empty segments), clipped into [0, S). A broadcast compare, so no loop on the device (the
+    default binary search is a while loop: several tiny kernels per call on a GPU)."""
+    s = jnp.searchsorted(starts, x, side="right", method="compare_all") - 1
+    return jnp.clip(s, 0, starts.shape[0] - 2).astype(jnp.int32)
+
+
 def block_metadata(query_start, seq_lens, num_tokens: int, p: Plan):
     """Per query block b (i32[blocks] each): its row, first token and token count (0 for a spare
     block), the kernel's i32[blocks, META_FIELDS] (first query position, tokens, KV length of the
@@ -145,7 +153,7 @@ def block_metadata(query_start, seq_lens, num_tokens: int, p: Plan):
     block_start = jnp.concatenate([jnp.zeros(1, jnp.int32),
                                    jnp.cumsum(pl.cdiv(q_lens, p.block_q), dtype=jnp.int32)])
     b = jnp.arange(p.num_blocks, dtype=jnp.int32)
-    row = jnp.clip(jnp.searchsorted(block_start, b, side="right") - 1, 0, num_seqs - 1)
+    row = _segment_of(block_start, b)
     index = b - block_start[row]
     count = jnp.where(b < block_start[num_seqs],
                       jnp.clip(q_lens[row] - index * p.block_q, 0, p.block_q), 0)
@@ -185,7 +193,7 @@ def to_tokens(out, query_start, block_start, num_tokens: int, num_q_heads: int, 
     num_seqs = query_start.shape[0] - 1
     out = out.reshape(num_blocks, num_kv_heads, p.block_q, p.group_pad, head_dim)
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    owner = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, num_seqs - 1)
+    owner = _segment_of(query_start, t)
     offset = t - query_start[owner]
     tb = jnp.minimum(block_start[owner] + offset // p.block_q, num_blocks - 1)
     group = num_q_heads // num_kv_heads
