@@ -24,7 +24,8 @@ accumulate in float32; q is cast to the pool's dtype.
 
 What has run: Pallas interpret mode on a CPU under jax 0.10.2 and 0.11.2 (the tests), and
 lowering for CUDA on CPU-only jaxlibs (one Triton call, no host callback, float32 dots without
-TF32 in the Triton IR). Compiled and timed on a GPU only through scripts/device_check.py.
+TF32 in the Triton IR). Not yet compiled by Triton nor timed on a GPU: scripts/device_check.py
+does both on a lent device (its results and any tuning belong in docs/).
 """
 
 from __future__ import annotations
