@@ -175,7 +175,8 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* sc
   constexpr int kG = PassVecs(kM, kAll);
   constexpr int kPanelVecs = std::min(kG, kVecs);  // a pass's vectors within one panel
   static_assert(kAll % kG == 0 && (kG % kVecs == 0 || kVecs % kG == 0));
-  constexpr bool kWeightsFirst = kG + 1 + kM * kG <= kRegisters;
+  constexpr int kScales = sizeof(W) == 1 ? 2 * kG : 0;  // int8: a group's scales and offsets
+  constexpr bool kWeightsFirst = kScales + kG + 1 + kM * kG <= kRegisters;
   const int64_t steps = kAll / kG * k_dim;
   int64_t issued = 0;
   for (int g = 0; g < kAll; g += kG) {
@@ -184,11 +185,11 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* sc
       const int v = g + j;
       return panels + (v / kVecs) * k_dim * kPanel + k * kPanel + kLanes * (v % kVecs);
     };
+    // Int8: the scales and offsets of the current group of 32 k, loaded once per group.
+    Vec sv[kG], ov[kG];
     const auto weight = [&](int j, int64_t k) {
       if constexpr (sizeof(W) == 1) {
-        const int v = g + j;
-        const int64_t at = ((v / kVecs) * k_dim + k) / kGroup * kPanel + kLanes * (v % kVecs);
-        return Fma(Load(weights(j, k)), Load(scale + at), Load(offset + at));
+        return Fma(Load(weights(j, k)), sv[j], ov[j]);
       } else {
         return Load(weights(j, k));
       }
@@ -198,6 +199,16 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* sc
       for (int j = 0; j < kG; ++j) acc[m][j] = Zero();
     }
     for (int64_t k = 0; k < k_dim; ++k) {
+      if constexpr (sizeof(W) == 1) {
+        if (k % kGroup == 0) {
+          for (int j = 0; j < kG; ++j) {
+            const int v = g + j;
+            const int64_t at = ((v / kVecs) * k_dim + k) / kGroup * kPanel + kLanes * (v % kVecs);
+            sv[j] = Load(scale + at);
+            ov[j] = Load(offset + at);
+          }
+        }
+      }
       const int64_t step = g / kG * k_dim + k;
       for (; issued * steps < (step + 1) * pf_lines; ++issued) PrefetchL2(pf + 64 * issued);
       if constexpr (kM > 1 || sizeof(W) == 1) {  // see kPrefetchK
