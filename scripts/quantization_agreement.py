@@ -48,12 +48,16 @@ def greedy(loaded, prompts, quantization: str) -> list[list[int]]:
 
 def dense_logprobs(cfg, params, token_ids):
     """Log-softmax of the next-token logits at every position of one sequence, f32[T, V]:
-    llama's layer without pages (causal attention over the sequence itself), for scoring."""
+    llama's layer without pages (causal attention over the sequence itself), for scoring. The
+    sequence is padded to a multiple of 64 at its end (causal: no earlier row sees it), so
+    that few shapes are compiled."""
     import jax
     import jax.numpy as jnp
 
     from jaxserve.model import llama
 
+    n = len(token_ids)
+    token_ids = list(token_ids) + [0] * (-n % 64)
     t, d = len(token_ids), cfg.head_dim
     hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
     cos, sin = llama.rope_tables(jnp.arange(t), d, cfg.rope_theta)
@@ -74,7 +78,7 @@ def dense_logprobs(cfg, params, token_ids):
                                           lp["w_gate_up"]), 2, axis=-1)
         x = x + llama.matmul(jax.nn.silu(gate) * up, lp["w_down"])
     hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
+    return jax.nn.log_softmax(llama.logits(params, hidden[:n]), axis=-1)
 
 
 def mean_kl(loaded, sequences, quantization: str, reference) -> float:
