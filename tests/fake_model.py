@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
@@ -178,3 +179,23 @@ def run_to_completion(scheduler: Scheduler, requests, *, abort_at: dict[int, lis
         outputs={r.request_id: [s.output_token_ids for s in r.sequences] for r in all_requests},
         finish_reasons={r.request_id: [s.status.finish_reason for s in r.sequences] for r in all_requests},
         plans=plans, steps=step, preemptions=st["num_preempted_total"])
+
+
+# ---- helpers for scheduler tests ------------------------------------------------------------
+
+def make_sched(num_pages=64, max_model_len=256, eos=(), **cfg):
+    cfg.setdefault("page_size", 4)
+    cfg.setdefault("max_num_seqs", 8)
+    cfg.setdefault("max_num_batched_tokens", 32)
+    cfg.setdefault("watermark", 0.0)
+    return Scheduler(EngineConfig(**cfg), num_pages=num_pages, max_model_len=max_model_len,
+                     eos_token_ids=tuple(eos), model_fingerprint="fake-model")
+
+
+def expected(requests, **kw):
+    return {r.request_id: reference_outputs(r.prompt_token_ids, r.sampling_params, **kw)
+            for r in requests}
+
+
+def chunk_shape(plan):
+    return [(c.seq.request.request_id, c.seq.fork_index, c.start, c.num_tokens) for c in plan.chunks]

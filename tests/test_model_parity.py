@@ -1,6 +1,7 @@
 """The model through the paged pool matches Hugging Face transformers (the reference) on tiny
 random Llama and Qwen2 configs: prefill logits and several decode steps, f32, within 1e-4, for
-the XLA attention path and the C++ CPU kernel."""
+the XLA attention path and the C++ CPU kernel; and a numpy forward over the default model's
+params reproduces transformers' logits (the params layout's semantics)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.core.sequence import Request, Sequence  # noqa: E402
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
@@ -85,3 +87,57 @@ def test_prefill_and_decode_logits_match_transformers(kind, page_size, chunks, b
         ref = model(torch.tensor([prompt + decode_tokens])).logits[0].numpy()
     expected = ref[len(prompt) - 1:]
     np.testing.assert_allclose(np.stack(all_logits), expected, atol=1e-4, rtol=1e-4)
+
+
+def _numpy_forward(params: dict, c: ModelConfig, ids: list[int]) -> np.ndarray:
+    """Plain numpy reference of the layout's semantics (HF rotate_half rotary, GQA, SwiGLU)."""
+    T, D = len(ids), c.head_dim
+    x = params["embed"][ids].astype(np.float64)
+    inv = 1.0 / (c.rope_theta ** (np.arange(0, D, 2) / D))
+    ang = np.arange(T)[:, None] * inv[None, :]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rope(v):  # [T, heads, D]
+        rot = np.concatenate([-v[..., D // 2:], v[..., :D // 2]], -1)
+        return v * cos[:, None] + rot * sin[:, None]
+
+    def norm(v, w):
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + c.rms_norm_eps) * w
+
+    lay = params["layers"]
+    mask = np.triu(np.full((T, T), -np.inf), 1)
+    for i in range(c.num_layers):
+        h = norm(x, lay["attn_norm"][i])
+        q, k, v = h @ lay["wq"][i], h @ lay["wk"][i], h @ lay["wv"][i]
+        if c.attention_bias:
+            q, k, v = q + lay["bq"][i], k + lay["bk"][i], v + lay["bv"][i]
+        q = rope(q.reshape(T, c.num_heads, D))
+        k = rope(k.reshape(T, c.num_kv_heads, D))
+        v = v.reshape(T, c.num_kv_heads, D)
+        rep = c.num_heads // c.num_kv_heads
+        k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(D) + mask
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        x = x + np.einsum("hts,shd->thd", p, v).reshape(T, -1) @ lay["wo"][i]
+        h = norm(x, lay["mlp_norm"][i])
+        g = h @ lay["w_gate"][i]
+        x = x + (g / (1 + np.exp(-g)) * (h @ lay["w_up"][i])) @ lay["w_down"][i]
+    x = norm(x, params["final_norm"])
+    head = params["embed"].T if c.tie_word_embeddings else params["lm_head"]
+    return x @ head
+
+
+@pytest.mark.slow
+def test_default_model_logits_match_transformers(default_loaded, hf_smollm2):
+    """The layout's semantics: a numpy forward over our params reproduces transformers' logits."""
+    import torch
+
+    tok = default_loaded.tokenizer
+    ids = tok.encode(tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]))[-24:]
+    ours = _numpy_forward(default_loaded.params, default_loaded.config, ids)
+    with torch.no_grad():
+        ref = hf_smollm2.model(torch.tensor([ids])).logits[0].double().numpy()
+    np.testing.assert_allclose(ours, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
