@@ -16,7 +16,8 @@ import pytest
 from jax.experimental import pallas as pl
 
 from attention_cases import (EXTREME_TOL, F64_TOL, RAGGED_SHAPES, TOL, assert_close, call,
-                             dense_f64, extreme_case, make_case, mixed_rows, ragged_case)
+                             dense_f64, extreme_case, make_case, mixed_rows, quantize_case,
+                             ragged_case)
 from pallas_kernels.gpu import GpuBlockSizes, check_supported, ragged_paged_attention
 from pallas_kernels.gpu.block_sizes import MAX_SPLITS, plan
 from pallas_kernels.reference import ref_ragged_paged_attention
@@ -55,6 +56,29 @@ def _plan(num_tokens, num_seqs, num_kv_heads, group, table_width, page_size=16, 
     return plan(num_tokens=num_tokens, num_seqs=num_seqs, group=group, num_kv_heads=num_kv_heads,
                 page_size=page_size, table_width=table_width,
                 block_sizes=GpuBlockSizes(**sizes))
+
+
+@pytest.mark.parametrize("page_size,head_dim,num_kv_heads,group,dtype", [
+    (8, 64, 2, 3, jnp.float32),
+    (16, 128, 1, 4, jnp.float32),
+    (16, 64, 2, 4, jnp.bfloat16),  # bf16 q: int8 read as bf16 (exact), bf16 dots
+])
+def test_int8_pages_with_scales_match_float64(page_size, head_dim, num_kv_heads, group, dtype):
+    """int8 pages with per-token, per-head scales (quantize_case: int8 garbage and NaN scales in
+    page 0, unused pages and tails) on mixed rows over several splits, against the float64
+    oracle of the dequantized pool."""
+    case = quantize_case(ragged_case(17, mixed_rows(page_size, long=120), page_size=page_size,
+                                     num_kv_heads=num_kv_heads, group=group, head_dim=head_dim,
+                                     dtype=dtype))
+    assert case["k_pages"].dtype == jnp.int8 and np.isnan(np.asarray(case["v_scale"])).any()
+    num_seqs, width = case["page_tables"].shape
+    assert _plan(case["q"].shape[0], num_seqs, num_kv_heads, group, width,
+                 page_size=page_size).splits > 1
+    scale = 1 / math.sqrt(head_dim)
+    out = attend(case, scale)
+    assert out.shape == case["q"].shape and out.dtype == dtype
+    assert_close(out, dense_f64(case, scale), TOL[dtype])
+    np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)  # padding tokens
 
 
 def test_split_rule_fills_the_gpu_for_small_batches_only():
@@ -153,7 +177,8 @@ def test_unsupported_shapes_name_the_xla_fallback(head_dim, page_size):
 def test_supported_dtypes_and_pool_size():
     check_supported(head_dim=64, page_size=16, dtype=jnp.bfloat16)
     check_supported(head_dim=128, page_size=8, dtype="float32")
-    with pytest.raises(ValueError, match="float16 is not float32 or bfloat16.*'xla'"):
+    check_supported(head_dim=128, page_size=16, dtype=jnp.int8)
+    with pytest.raises(ValueError, match="float16 is not float32, bfloat16 or int8.*'xla'"):
         check_supported(head_dim=64, page_size=16, dtype=jnp.float16)
     case = make_case(15, seq_lens=[5], q_lens=[5], page_size=16, num_kv_heads=1, group=1,
                      head_dim=16)
@@ -168,6 +193,9 @@ def test_supported_dtypes_and_pool_size():
     (lambda c: c.update(query_start=jnp.array([0, 6, 5], jnp.int32)), "non-decreasing"),
     (lambda c: c.update(query_start=jnp.array([0, 7, 9], jnp.int32)), "seq_lens must include"),
     (lambda c: c.update(q=c["q"][:, :3]), "multiple of KV heads"),
+    (lambda c: c.update(k_pages=c["k_pages"].astype(jnp.int8),
+                        v_pages=c["v_pages"].astype(jnp.int8)), "int8 pages need k_scale"),
+    (lambda c: c.update(quantize_case(c), v_scale=None), "go together"),
     (lambda: GpuBlockSizes(block_q=3), "power of two"),
     (lambda: GpuBlockSizes(splits=0), "positive int"),
 ])
@@ -192,14 +220,17 @@ def _cuda_target():
         jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_lowers_for_cuda_without_host_callbacks_or_tf32(dtype, monkeypatch, capsys):
+@pytest.mark.parametrize("dtype,quantized", [(jnp.float32, False), (jnp.bfloat16, False),
+                                             (jnp.float32, True), (jnp.bfloat16, True)])
+def test_lowers_for_cuda_without_host_callbacks_or_tf32(dtype, quantized, monkeypatch, capsys):
     """Lowered for CUDA (on a CPU-only jaxlib too): one Triton call, no host callback (jax.export
     refuses Triton calls, so this goes through trace/lower), and in the Triton IR (printed by
     pallas_call's debug flag) float32 dots are IEEE: Triton marks others `inputPrecision = tf32`.
-    Compiling needs a GPU."""
+    An int8 pool (dtype is then q's) is loaded as int8 pages (not dequantized outside the
+    kernel) beside its f32 scales, and multiplied in q's dtype. Compiling needs a GPU."""
     case = ragged_case(16, mixed_rows(16, long=64), page_size=16, num_kv_heads=2, group=3,
                        head_dim=128, dtype=dtype)
+    case = quantize_case(case) if quantized else case
     monkeypatch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
     jax.clear_caches()  # the kernel must be traced again, with debug on
     with _cuda_target():
@@ -208,7 +239,12 @@ def test_lowers_for_cuda_without_host_callbacks_or_tf32(dtype, monkeypatch, caps
     text = lowered.as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1
     assert "callback" not in text
-    dots = [line for line in capsys.readouterr().out.splitlines() if "tt.dot " in line]
+    ir = capsys.readouterr().out.splitlines()
+    dots = [line for line in ir if "tt.dot " in line]
     operand = "f32" if dtype == jnp.float32 else "bf16"
     assert len(dots) == 2 and all(f"x{operand}> * tensor<" in d for d in dots), dots
     assert not any("tf32" in d for d in dots), dots
+    loads = [line for line in ir if "tt.load " in line]
+    # K and V blocks [pages, B, D], and the int8 pool's scales [pages, B]
+    assert sum("x16x128x!tt.ptr<i8>>" in line for line in loads) == (2 if quantized else 0)
+    assert sum("x16x!tt.ptr<f32>>" in line for line in loads) == (2 if quantized else 0)

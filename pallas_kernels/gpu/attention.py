@@ -18,14 +18,17 @@ visible key gives zeros.
 
 Supported (`check_supported`; other shapes raise ValueError naming attention_backend='xla'):
 head dim a power of two >= 16, page size a power of two (Triton's tensors have power-of-two
-sides), a float32 or bfloat16 pool, and a pool of fewer than 2^31 elements (Triton's pointer
-offsets are int32). float32 dots are IEEE f32 (no TF32), bf16 pools multiply in bf16 and
-accumulate in float32; q is cast to the pool's dtype.
+sides), a float32, bfloat16 or int8 pool, and pool and scale arrays of fewer than 2^31 elements
+(Triton's pointer offsets are int32). float32 dots are IEEE f32 (no TF32), bf16 ones multiply in
+bf16 and accumulate in float32. q is cast to a float pool's dtype; an int8 pool (with float32
+scales per token and KV head, k_scale/v_scale f32[Hkv, N, B]) is read in q's dtype, bfloat16 for
+bf16 q and float32 otherwise, and its scales are applied in float32 (`kernel`).
 
 What has run: Pallas interpret mode on a CPU under jax 0.10.2 and 0.11.2 (the tests), and
 lowering for CUDA on CPU-only jaxlibs (one Triton call, no host callback, float32 dots without
-TF32 in the Triton IR). Not yet compiled by Triton nor timed on a GPU: scripts/device_check.py
-does both on a lent device (its results and any tuning belong in docs/).
+TF32 in the Triton IR). int8 pools: interpreted and lowered under jax 0.10.2 only so far. Not
+yet compiled by Triton nor timed on a GPU: scripts/device_check.py does both on a lent device
+(its results and any tuning belong in docs/).
 """
 
 from __future__ import annotations
@@ -41,21 +44,21 @@ from pallas_kernels.gpu.block_sizes import GpuBlockSizes, Plan, is_pow2, plan
 from pallas_kernels.gpu.kernel import META_FIELDS, attention_kernel
 from pallas_kernels.validation import validate_inputs
 
-SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16)
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.int8)
 MAX_POOL_ELEMENTS = 2**31 - 1
 
 
 def check_supported(*, head_dim: int, page_size: int, dtype=None) -> None:
     """Raise ValueError, naming the XLA fallback, for a model the Triton kernel cannot serve:
-    head dim and page size must be powers of two (head dim >= 16), the pool float32 or bfloat16
-    (dtype None: not checked). Cheap; the engine calls it at start-up."""
+    head dim and page size must be powers of two (head dim >= 16), the pool float32, bfloat16 or
+    int8 (dtype None: not checked). Cheap; the engine calls it at start-up."""
     problems = []
     if not is_pow2(head_dim) or head_dim < 16:
         problems.append(f"head dim {head_dim} is not a power of two >= 16")
     if not is_pow2(page_size):
         problems.append(f"page size {page_size} is not a power of two")
     if dtype is not None and jnp.dtype(dtype) not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
-        problems.append(f"KV dtype {jnp.dtype(dtype).name} is not float32 or bfloat16")
+        problems.append(f"KV dtype {jnp.dtype(dtype).name} is not float32, bfloat16 or int8")
     if problems:
         raise ValueError("the GPU Pallas kernel needs Triton-friendly shapes: "
                          + "; ".join(problems) + " (use attention_backend='xla')")
@@ -63,8 +66,8 @@ def check_supported(*, head_dim: int, page_size: int, dtype=None) -> None:
 
 def ragged_paged_attention(
     q: jax.Array,  # f[T, Hq, D], flat query tokens of all rows, then padding
-    k_pages: jax.Array,  # f[Hkv, N, B, D] head-major, this step's K already written
-    v_pages: jax.Array,  # f[Hkv, N, B, D] head-major, this step's V already written
+    k_pages: jax.Array,  # f[Hkv, N, B, D] (or i8) head-major, this step's K already written
+    v_pages: jax.Array,  # f[Hkv, N, B, D] (or i8) head-major, this step's V already written
     page_tables: jax.Array,  # i32[S, P]
     seq_lens: jax.Array,  # i32[S], KV length of each row after this step; 0 = padding row
     query_start: jax.Array,  # i32[S+1], cumulative; s owns tokens query_start[s]:query_start[s+1]
@@ -72,24 +75,36 @@ def ragged_paged_attention(
     sm_scale: float,
     interpret: bool = False,
     block_sizes: GpuBlockSizes | None = None,
+    k_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages: K means k_pages * k_scale
+    v_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; tokens >= query_start[S] are zeros
     """Causal paged attention for a ragged batch; see `ref_ragged_paged_attention`. Inputs are
     checked (values too, outside jit); unsupported shapes raise ValueError naming the XLA
     fallback. interpret=True runs the kernel in Pallas's interpreter (any backend, for tests)."""
-    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start)
+    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale)
     check_supported(head_dim=q.shape[-1], page_size=k_pages.shape[2], dtype=k_pages.dtype)
-    if k_pages.size > MAX_POOL_ELEMENTS:
+    # The scale arrays are D times smaller than the pages, but checked all the same.
+    largest = max(a.size for a in (k_pages, k_scale) if a is not None)
+    if largest > MAX_POOL_ELEMENTS:
         raise ValueError(f"the GPU Pallas kernel addresses the pool with int32 offsets: "
-                         f"{k_pages.size} elements >= 2^31 (shard the pool over KV heads, or "
+                         f"{largest} elements >= 2^31 (shard the pool over KV heads, or "
                          "use attention_backend='xla')")
-    return _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start,
+    return _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale,
                       sm_scale=float(sm_scale), interpret=interpret,
                       block_sizes=block_sizes or GpuBlockSizes())
 
 
+def compute_dtype(q_dtype, pool_dtype):
+    """The dtype of the kernel's dots: a float pool's own; for an int8 pool q's (bf16 or, for
+    any other q, float32), into which int8 converts exactly."""
+    if jnp.dtype(pool_dtype) != jnp.int8:
+        return jnp.dtype(pool_dtype)
+    return jnp.dtype(jnp.bfloat16 if jnp.dtype(q_dtype) == jnp.bfloat16 else jnp.float32)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_sizes"))
-def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *, sm_scale: float,
-               interpret: bool, block_sizes: GpuBlockSizes):
+def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale, *,
+               sm_scale: float, interpret: bool, block_sizes: GpuBlockSizes):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs, table_width = page_tables.shape
@@ -103,13 +118,18 @@ def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *, sm_sc
     used = jnp.arange(table_width)[None, :] < pl.cdiv(seq_lens, page_size)[:, None]
     table = jnp.where(used, jnp.clip(page_tables, 0, num_pages - 1), 0)
     table = jnp.pad(table, ((0, 0), (0, p.table_width - table_width)))[row]
-    qb = query_blocks(q, first_token, count, num_kv_heads, p).astype(k_pages.dtype)
+    qb = query_blocks(q, first_token, count, num_kv_heads, p)
+    qb = qb.astype(compute_dtype(q.dtype, k_pages.dtype))
 
+    quantized = k_scale is not None
     kernel = functools.partial(attention_kernel, sm_scale=sm_scale, group_pad=p.group_pad,
                                pages_per_block=p.pages_per_block,
-                               pages_per_split=p.pages_per_split)
+                               pages_per_split=p.pages_per_split, quantized=quantized)
     part = (p.splits, p.num_blocks, num_kv_heads, p.rows)
+    # Each program sees its KV head's whole pool (pages, and scales if int8) and gathers pages.
     pool_block = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, k: (h, 0, 0, 0))
+    scale_block = pl.BlockSpec((None, num_pages, page_size), lambda b, h, k: (h, 0, 0))
+    scale_specs, scale_args = ([scale_block] * 2, (k_scale, v_scale)) if quantized else ([], ())
     acc, m, l = pl.pallas_call(
         kernel,
         grid=(p.num_blocks, num_kv_heads, p.splits),
@@ -119,6 +139,7 @@ def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *, sm_sc
             pl.BlockSpec((None, None, p.rows, head_dim), lambda b, h, k: (b, h, 0, 0)),
             pool_block,
             pool_block,
+            *scale_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, p.rows, head_dim), lambda b, h, k: (k, b, h, 0, 0)),
@@ -132,7 +153,7 @@ def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *, sm_sc
                                              num_stages=block_sizes.num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(meta, table, qb, k_pages, v_pages)
+    )(meta, table, qb, k_pages, v_pages, *scale_args)
     out = merge_splits(acc, m, l)  # f32[blocks, Hkv, rows, D]
     return to_tokens(out, query_start, block_start, num_tokens, num_q_heads, p).astype(q.dtype)
 

@@ -11,7 +11,14 @@ pool gathered through the page table, and keeps an online softmax in float32:
 
 Masked scores take a finite MASK_VALUE (no inf - inf), and it writes the unnormalised (acc, m, l)
 of its split for `attention.merge_splits`. Scores are formed and masked only in `_scores`: sliding
-windows and logit soft-capping belong there, int8 KV scales beside the K/V loads.
+windows and logit soft-capping belong there.
+
+int8 pages (`quantized`) come with float32 scales per token, loaded beside the K/V block. The
+int8 block is cast to the compute dtype of q (exact: |x| <= 127 fits bf16's 8-bit significand)
+and the scales are applied to the [M, L] side, never to the [L, D] block: K's per key column of
+the scores, V's folded into p before the PV dot (p_j v_scale_j v_j). Garbage slots hold finite
+int8 but may hold NaN scales: the scores' select drops K's, and V's are selected to 0 before the
+fold (p_j = 0 there, but 0 * NaN is NaN).
 """
 
 from __future__ import annotations
@@ -33,11 +40,13 @@ def _dot(a, b, *, trans_b: bool = False):
     return out.astype(jnp.float32)
 
 
-def _scores(q, k, key_pos, query_pos, kv_len, *, sm_scale: float):
+def _scores(q, k, key_pos, query_pos, kv_len, *, sm_scale: float, k_scale=None):
     """The one place scores are formed and masked. q f[M, D], k f[L, D], key_pos i32[L],
-    query_pos i32[M] -> (f32[M, L] scores with masked entries at MASK_VALUE, bool[M, L] valid):
-    a key counts if it is below the row's KV length and not after the query's position."""
-    s = _dot(q, k, trans_b=True) * sm_scale
+    query_pos i32[M], k_scale f32[L] or None -> (f32[M, L] scores with masked entries at
+    MASK_VALUE, bool[M, L] valid): a key counts if it is below the row's KV length and not after
+    the query's position. Masking is a select, so NaN scales of masked keys are dropped."""
+    s = _dot(q, k, trans_b=True)
+    s = s * sm_scale if k_scale is None else s * (k_scale * sm_scale)[None, :]
     valid = (key_pos[None, :] < kv_len) & (key_pos[None, :] <= query_pos[:, None])
     return jnp.where(valid, s, MASK_VALUE), valid
 
@@ -46,17 +55,20 @@ def attention_kernel(
     meta_ref,  # i32[META_FIELDS] of this query block
     table_ref,  # i32[splits * pages_per_split]: this block's row of the page table, padded
     q_ref,  # f[M, D]: the block's tokens x padded head group of this KV head
-    k_ref,  # f[N, B, D]: this KV head's pages
-    v_ref,  # f[N, B, D]
-    acc_ref,  # f32[M, D] out: unnormalised sum of p V over this split's keys
-    m_ref,  # f32[M] out: running max of the scores (MASK_VALUE if no key was seen)
-    l_ref,  # f32[M] out: sum of p
-    *,
+    k_ref,  # f[N, B, D] (i8 if quantized): this KV head's pages
+    v_ref,  # f[N, B, D] (i8 if quantized)
+    *refs,  # if quantized: ks_ref, vs_ref f32[N, B], their scales; then the outputs:
+    #   acc_ref f32[M, D]: unnormalised sum of p V over this split's keys
+    #   m_ref f32[M]: running max of the scores (MASK_VALUE if no key was seen)
+    #   l_ref f32[M]: sum of p
     sm_scale: float,
     group_pad: int,
     pages_per_block: int,
     pages_per_split: int,
+    quantized: bool,
 ):
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    acc_ref, m_ref, l_ref = refs[-3:]
     q_pos0, count, kv_len = meta_ref[0], meta_ref[1], meta_ref[2]
     split = pl.program_id(2)
     rows, head_dim = q_ref.shape
@@ -75,16 +87,22 @@ def attention_kernel(
         acc, m, l = carry
         page0 = first_page + i * pages_per_block
         pages = table_ref[pl.ds(page0, pages_per_block)]
-        k = k_ref[pages].reshape(block_k, head_dim)
-        v = v_ref[pages].reshape(block_k, head_dim)
+        k = k_ref[pages].reshape(block_k, head_dim).astype(q.dtype)  # i8 -> q's dtype: exact
+        v = v_ref[pages].reshape(block_k, head_dim).astype(q.dtype)
         key_pos = page0 * page_size + jnp.arange(block_k, dtype=jnp.int32)
-        s, valid = _scores(q, k, key_pos, query_pos, kv_len, sm_scale=sm_scale)
+        in_row = key_pos < kv_len  # bool[L]: slots past the length hold garbage
+        k_scale = ks_ref[pages].reshape(block_k) if quantized else None  # f32[L]
+        s, valid = _scores(q, k, key_pos, query_pos, kv_len, sm_scale=sm_scale, k_scale=k_scale)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
-        v = jnp.where((key_pos < kv_len)[:, None], v, jnp.zeros_like(v))  # 0 * NaN is NaN
+        l_new = alpha * l + jnp.sum(p, axis=1)
+        if quantized:  # int8 is finite; its scale may be NaN (0 * NaN is NaN)
+            p = p * jnp.where(in_row, vs_ref[pages].reshape(block_k), 0.0)[None, :]
+        else:  # float garbage may be NaN (0 * NaN is NaN)
+            v = jnp.where(in_row[:, None], v, jnp.zeros_like(v))
         pv = _dot(p.astype(v.dtype), v)
-        return alpha[:, None] * acc + pv, m_new, alpha * l + jnp.sum(p, axis=1)
+        return alpha[:, None] * acc + pv, m_new, l_new
 
     init = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
