@@ -1,7 +1,8 @@
 """The C++ CPU kernels against pure-jnp references: paged attention (decode rows, ragged causal
-prefill, GQA groups, padding tokens, odd head dims, out-of-range page ids), the f32 and int8
-panel matmuls and the greedy argmax; every instruction set's branch of the sources compiling;
-the choice of the backend."""
+prefill, GQA groups, padding tokens, odd head dims, out-of-range page ids; float32, bfloat16 and
+int8 pages with per-token scales, NaN in unused slots), the f32 and int8 panel matmuls and the
+greedy argmax; every instruction set's branch of the sources compiling; the choice of the
+backend."""
 
 import os
 import re
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxserve.backends.cpu import kernels as cpu_kernels
+from jaxserve.model.kv_cache import quantize_kv
 from jaxserve.model.quantize import quantize_weight
 from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 
@@ -40,33 +42,56 @@ def _tables(rng, lens, n, b, width):
     return jnp.asarray(tables)
 
 
+def _as_dtype(k, v, tables, lens, dtype):
+    """The pool (k, v f32[Hkv, N, B, D]) in `dtype`, with NaN (int8: NaN scales) in every slot
+    no row's keys occupy -> (k, v, scales: {} or {"k_scale", "v_scale"} f32[Hkv, N, B])."""
+    b = k.shape[2]
+    used = np.zeros(k.shape[1:3], bool)  # [N, B]
+    for s, length in enumerate(lens):
+        j = np.arange(length)
+        used[np.asarray(tables)[s, j // b], j % b] = True
+    if dtype == "int8":
+        (k, ks), (v, vs) = quantize_kv(k), quantize_kv(v)
+        ks, vs = (jnp.where(used, s, jnp.nan) for s in (ks, vs))
+        return k, v, {"k_scale": ks, "v_scale": vs}
+    k, v = (jnp.where(used[..., None], x, jnp.nan).astype(dtype) for x in (k, v))
+    return k, v, {}
+
+
+DTYPES = ["float32", "bfloat16", "int8"]
+
+
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d,b", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 2, 128, 16),
                                         (6, 2, 40, 4)])
-def test_decode_matches_reference(hq, hkv, d, b):
+def test_decode_matches_reference(hq, hkv, d, b, dtype):
     rng = np.random.default_rng(0)
     lens = [1, 5, b, b + 1, 3 * b + 7, 0, 50]  # 0: a padding row
     n, width = 64, -(-max(lens) // b)
     k, v = _pool(rng, hkv, n, b, d)
     tables = _tables(rng, lens, n, b, width)
+    k, v, scales = _as_dtype(k, v, tables, lens, dtype)
     seq_lens = jnp.asarray(lens, jnp.int32)
     q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.float32)
     rows = jnp.where(seq_lens > 0, jnp.arange(len(lens)), len(lens)).astype(jnp.int32)
     got = cpu_kernels.paged_attention(q, k, v, tables, seq_lens, rows,
-                                            jnp.maximum(seq_lens - 1, 0), sm_scale=d ** -0.5)
-    want = ref_paged_decode_attention(q, k, v, tables, seq_lens, sm_scale=d ** -0.5)
+                                      jnp.maximum(seq_lens - 1, 0), sm_scale=d ** -0.5, **scales)
+    want = ref_paged_decode_attention(q, k, v, tables, seq_lens, sm_scale=d ** -0.5, **scales)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert not np.asarray(got)[5].any()  # the padding row is zeros
 
 
 @needs_kernels
-def test_prefill_matches_reference_with_padding_tokens():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_matches_reference_with_padding_tokens(dtype):
     """Chunks of several rows back to back (one continues a cached prefix), then padding."""
     rng = np.random.default_rng(1)
     hq, hkv, d, b = 9, 3, 64, 16
     kv_lens, q_lens = [40, 17, 70], [40, 9, 30]  # row 1 and 2 have cached keys before the chunk
     k, v = _pool(rng, hkv, 64, b, d)
     tables = _tables(rng, kv_lens, 64, b, 8)
+    k, v, scales = _as_dtype(k, v, tables, kv_lens, dtype)
     query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     t = int(query_start[-1]) + 5
     token_row = np.full(t, len(kv_lens), np.int32)
@@ -77,31 +102,77 @@ def test_prefill_matches_reference_with_padding_tokens():
     q = jnp.asarray(rng.standard_normal((t, hq, d)), jnp.float32)
     seq_lens = jnp.asarray(kv_lens, jnp.int32)
     got = cpu_kernels.paged_attention(q, k, v, tables, seq_lens, token_row, positions,
-                                            sm_scale=0.125)
+                                      sm_scale=0.125, **scales)
     want = ref_ragged_paged_attention(q, k, v, tables, seq_lens, jnp.asarray(query_start),
-                                        sm_scale=0.125)
+                                      sm_scale=0.125, **scales)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert not np.asarray(got)[-5:].any()
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,lens", [(9, 3, [300]), (9, 3, [250, 3]), (4, 1, [400, 0]),
                                          (8, 2, [17, 130])])
-def test_few_rows_split_their_pages_and_match(hq, hkv, lens):
+def test_few_rows_split_their_pages_and_match(hq, hkv, lens, dtype):
     """Too few (token, head) units for the threads: each unit's pages are split over them and
-    the splits' softmax states merged (splits past a short row's pages are empty)."""
+    the splits' softmax states merged (splits past a short row's pages are empty). int8 pages
+    split too: 300 keys of 3 heads are over the 64 KB the split needs."""
     rng = np.random.default_rng(len(lens) + hkv)
     d, b = 64, 16
     k, v = _pool(rng, hkv, 64, b, d)
     tables = _tables(rng, lens, 64, b, 26)
+    k, v, scales = _as_dtype(k, v, tables, lens, dtype)
     seq_lens = jnp.asarray(lens, jnp.int32)
     q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.float32)
     rows = jnp.where(seq_lens > 0, jnp.arange(len(lens)), len(lens)).astype(jnp.int32)
     got = jax.jit(lambda q: cpu_kernels.paged_attention(
-        q, k, v, tables, seq_lens, rows, jnp.maximum(seq_lens - 1, 0), sm_scale=0.125))(q)
-    want = ref_paged_decode_attention(q, k, v, tables, seq_lens, sm_scale=0.125)
+        q, k, v, tables, seq_lens, rows, jnp.maximum(seq_lens - 1, 0), sm_scale=0.125,
+        **scales))(q)
+    want = ref_paged_decode_attention(q, k, v, tables, seq_lens, sm_scale=0.125, **scales)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
     assert np.isfinite(np.asarray(got)).all()
+
+
+@needs_kernels
+def test_int8_pages_are_read_in_place_and_match_the_dequantized_f32_pool():
+    """The int8 call passes the pool and its scales to the kernel as they are (no converted
+    copy: the jitted program has no convert of the pool), and equals the f32 kernel on the
+    dequantized pool."""
+    rng = np.random.default_rng(9)
+    hq, hkv, d, b, lens = 9, 3, 64, 16, [70, 1, 33]
+    k, v = _pool(rng, hkv, 64, b, d)
+    tables = _tables(rng, lens, 64, b, 5)
+    kq, vq, scales = _as_dtype(k, v, tables, lens, "int8")
+    q = jnp.asarray(rng.standard_normal((len(lens), hq, d)), jnp.float32)
+    attend = jax.jit(lambda k, v, scales: _attend(q, k, v, tables, lens, **scales))
+    hlo = attend.lower(kq, vq, scales).as_text()
+    assert "jaxserve_paged_attention_int8" in hlo
+    assert not re.search(r"convert.*tensor<3x64x16x64xi8>", hlo)
+    dequantized = {name: jnp.nan_to_num(x.astype(jnp.float32) * scales[f"{name}_scale"][..., None])
+                   for name, x in (("k", kq), ("v", vq))}
+    np.testing.assert_allclose(np.asarray(attend(kq, vq, scales)),
+                               np.asarray(_attend(q, dequantized["k"], dequantized["v"], tables,
+                                                  lens)), atol=2e-5, rtol=2e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k_dtype,v_dtype,scales,match", [
+    ("float16", "float16", False, "float32, bfloat16 or int8"),
+    ("int32", "int32", False, "float32, bfloat16 or int8"),
+    ("float32", "bfloat16", False, "k float32, v bfloat16"),
+    ("int8", "int8", False, "need k_scale and v_scale"),
+    ("float32", "float32", True, "float pages take none"),
+])
+def test_unsupported_pools_are_a_value_error(k_dtype, v_dtype, scales, match):
+    k = jnp.zeros((1, 4, 4, 8), k_dtype)
+    v = jnp.zeros((1, 4, 4, 8), v_dtype)
+    kw = {"k_scale": jnp.ones((1, 4, 4)), "v_scale": jnp.ones((1, 4, 4))} if scales else {}
+    with pytest.raises(ValueError, match=match):
+        _attend(jnp.zeros((1, 1, 8)), k, v, [[1]], [3], **kw)
+    if k_dtype == "int8":  # scales of the wrong shape
+        with pytest.raises(ValueError, match=r"want \(1, 4, 4\)"):
+            _attend(jnp.zeros((1, 1, 8)), k, v, [[1]], [3], k_scale=jnp.ones((1, 4)),
+                    v_scale=jnp.ones((1, 4, 4)))
 
 
 @needs_kernels
@@ -136,13 +207,13 @@ def test_extreme_scores_stay_finite():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4, rtol=1e-4)
 
 
-def _attend(q, k, v, tables, lens, sm_scale=0.125):
+def _attend(q, k, v, tables, lens, sm_scale=0.125, **scales):
     """Decode rows: row s's token at position lens[s] - 1 (padding where lens[s] is 0)."""
     seq_lens = jnp.asarray(lens, jnp.int32)
     rows = jnp.where(seq_lens > 0, jnp.arange(len(lens)), len(lens)).astype(jnp.int32)
     return jax.block_until_ready(cpu_kernels.paged_attention(
         q, k, v, jnp.asarray(tables, jnp.int32), seq_lens, rows, jnp.maximum(seq_lens - 1, 0),
-        sm_scale=sm_scale))
+        sm_scale=sm_scale, **scales))
 
 
 @needs_kernels

@@ -2,7 +2,8 @@
 
   paged_attention     (paged_attention.cc) XLA's CPU lowering of paged attention gathers
                       every page into a new buffer before reading it; this reads pages in place
-                      through the page table, so each key and value is read once.
+                      through the page table, so each key and value is read once. Pages of
+                      float32, bfloat16, or int8 with per-token scales, widened as read.
   matmul_*            (matmul.cc) f32 and weight-only int8 matmuls against weights
                       packed in 48-column panels (`pack_panels`): a register-tiled GEMM that
                       streams each weight from memory once however many rows there are (a
@@ -44,6 +45,8 @@ SOURCES = tuple(Path(__file__).with_name(n)
 HEADERS = (Path(__file__).with_name("parallel.h"),)
 # FFI target name -> the handler symbol the sources export.
 _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
+            "jaxserve_paged_attention_bf16": "JaxservePagedAttentionBf16",
+            "jaxserve_paged_attention_int8": "JaxservePagedAttentionInt8",
             "jaxserve_matmul_f32": "JaxserveMatmulF32",
             "jaxserve_matmul_int8": "JaxserveMatmulInt8",
             "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
@@ -190,17 +193,39 @@ def _f32(*shape) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(shape, jnp.float32)
 
 
-def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_scale: float):
-    """q f32[T, Hq, D]; k, v f32[Hkv, N, B, D]; page_tables i32[S, P]; seq_lens i32[S];
-    token_row i32[T] (S or more: a padding token, output zeros); positions i32[T]. Token t
-    attends positions j <= positions[t], j < seq_lens[token_row[t]] of its row. -> f32[T, Hq, D].
-    A row's seq_len over its table's P * B keys, or a page id outside [0, N) among the pages its
-    keys occupy, fails the call (a JaxRuntimeError naming the row) instead of reading outside
-    the pool."""
+# The page dtypes paged_attention reads, and the FFI target of each.
+_ATTENTION_TARGETS = {jnp.dtype(jnp.float32): "jaxserve_paged_attention",
+                      jnp.dtype(jnp.bfloat16): "jaxserve_paged_attention_bf16",
+                      jnp.dtype(jnp.int8): "jaxserve_paged_attention_int8"}
+
+
+def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_scale: float,
+                    k_scale=None, v_scale=None):
+    """q f32[T, Hq, D]; k, v [Hkv, N, B, D] of float32 or bfloat16, or int8 with k_scale, v_scale
+    f32[Hkv, N, B] (a key is k * k_scale[..., None]; kv_cache.quantize_kv); page_tables
+    i32[S, P]; seq_lens i32[S]; token_row i32[T] (S or more: a padding token, output zeros);
+    positions i32[T]. Token t attends positions j <= positions[t], j < seq_lens[token_row[t]]
+    of its row. -> f32[T, Hq, D]. The pages are read in place in their dtype (never converted:
+    that would copy the pool each call); any other dtype, or scales missing for int8 pages or
+    given for float ones, is a ValueError. A row's seq_len over its table's P * B keys, or a
+    page id outside [0, N) among the pages its keys occupy, fails the call (a JaxRuntimeError
+    naming the row) instead of reading outside the pool."""
+    target = _ATTENTION_TARGETS.get(jnp.dtype(k.dtype))
+    if target is None or v.dtype != k.dtype:
+        raise ValueError(f"paged_attention reads float32, bfloat16 or int8 pages (k and v alike), "
+                         f"not k {k.dtype}, v {v.dtype}")
+    scaled = k.dtype == jnp.int8
+    if scaled != (k_scale is not None) or scaled != (v_scale is not None):
+        raise ValueError("int8 pages need k_scale and v_scale [Hkv, N, B]; float pages take none")
+    scales = ()
+    if scaled:
+        if k_scale.shape != k.shape[:3] or v_scale.shape != v.shape[:3]:
+            raise ValueError(f"k_scale {k_scale.shape}, v_scale {v_scale.shape}: want "
+                             f"{k.shape[:3]} ([Hkv, N, B] of k {k.shape})")
+        scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    return _call("jaxserve_paged_attention", _f32(*q.shape), q.astype(jnp.float32),
-                 k.astype(jnp.float32), v.astype(jnp.float32), i32(page_tables), i32(seq_lens),
-                 i32(token_row), i32(positions), sm_scale=np.float32(sm_scale))
+    return _call(target, _f32(*q.shape), q.astype(jnp.float32), k, v, *scales, i32(page_tables),
+                 i32(seq_lens), i32(token_row), i32(positions), sm_scale=np.float32(sm_scale))
 
 
 def pack_panels(w_out_in: np.ndarray) -> np.ndarray:

@@ -3,26 +3,33 @@
 // table. XLA's own lowering gathers every page into a new buffer first: a copy of every row's
 // whole context each step, written and read again, where this reads each key and value once.
 //
-// Shapes (the letters of jaxserve/model/attention.py): q f32[T, Hq, D]; k, v f32[Hkv, N, B, D];
-// page_tables i32[S, P]; seq_lens i32[S]; token_row i32[T] (S or more: padding, output zeros);
-// positions i32[T]. Query head h * G + g reads KV head h (G = Hq / Hkv). Token t attends key
-// positions j <= positions[t] and j < seq_lens[token_row[t]]. A row's seq_len must fit its page
-// table (P pages of B keys) and the pages holding its keys must be in the pool (0 <= id < N):
-// both are checked once per call, before any key is read, and fail the call with an
-// InvalidArgument error. Entries past a row's keys are not read (padding rows: seq_len 0, page
-// tables of 0s; page 0 is the pool's scratch page).
+// Shapes (the letters of jaxserve/model/attention.py): q f32[T, Hq, D]; k, v [Hkv, N, B, D] of
+// float32, bfloat16, or int8 with k_scale, v_scale f32[Hkv, N, B] (key = k * k_scale, one scale
+// per token and KV head: kv_cache.py's quantize_kv); page_tables i32[S, P]; seq_lens i32[S];
+// token_row i32[T] (S or more: padding, output zeros); positions i32[T]. Query head h * G + g
+// reads KV head h (G = Hq / Hkv). Token t attends key positions j <= positions[t] and
+// j < seq_lens[token_row[t]]. A row's seq_len must fit its page table (P pages of B keys) and
+// the pages holding its keys must be in the pool (0 <= id < N): both are checked once per call,
+// before any key is read, and fail the call with an InvalidArgument error. Entries past a row's
+// keys are not read (padding rows: seq_len 0, page tables of 0s; page 0 is the pool's scratch
+// page), nor are those slots' scales (garbage, even NaN).
 //
 // Work is split into (token, KV head) units over the kernels' worker threads (parallel.h).
 // Each unit walks its pages once with an online float32 softmax, all G query heads of the group
 // together, so a KV page is read once per token. A step of too few units for the threads (one
 // decode row: 3) splits each unit's pages and merges the splits' softmax states. With many
 // decode rows the kernel is bound by reading scattered pages from memory, not by its
-// arithmetic, hence the software prefetch of each next page (Prefetch).
+// arithmetic, hence the software prefetch of each next page (Prefetch). Narrow pages (int8, a
+// quarter of the bytes; bfloat16, half) are widened to float32 a row at a time as they are read:
+// the pool is never converted or copied.
 
 #include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -53,15 +60,39 @@ inline float exp_nonpositive(float x) {
 
 // Pulls `bytes` at `p` toward the cache. A page of one head is a few KB wherever the page table
 // points, so the hardware prefetcher cannot see the next one coming.
-inline void Prefetch(const float* p, int64_t bytes) {
+inline void Prefetch(const void* p, int64_t bytes) {
   const char* c = reinterpret_cast<const char*>(p);
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
+// The page element types: float, int8_t (with scales) and bfloat16, held as its bits.
+using Bf16Bits = uint16_t;
+template <typename T>
+constexpr bool kScaled = std::is_same_v<T, int8_t>;
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+// A bfloat16 is the top half of the float32 of the same value.
+inline float ToFloat(Bf16Bits x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+
+// A row of d elements of a page as float32: float rows in place, others widened into `buf` (in
+// L1, then read by every query head of the group; the loop vectorizes).
+template <typename T>
+inline const float* Widen(const T* row, int64_t d, float* buf) {
+  if constexpr (std::is_same_v<T, float>) {
+    return row;
+  } else {
+    for (int64_t e = 0; e < d; ++e) buf[e] = ToFloat(row[e]);
+    return buf;
+  }
+}
+
 struct Problem {
   const float* q;
-  const float* k;
-  const float* v;
+  const void* k;  // the page type's elements: AttendUnit<T> casts
+  const void* v;
+  const float* k_scale;  // int8 pages' scales [Hkv, N, B]; null for float pages
+  const float* v_scale;
   const int32_t* page_tables;
   const int32_t* seq_lens;
   const int32_t* token_row;
@@ -115,7 +146,9 @@ ffi::Error CheckPages(const Problem& p) {
 // unnormalized state (m[G], l[G], acc[G, D]) goes to `partial` for MergeSplits. kG, kD > 0 fix
 // the group size and head dim at compile time (the common shapes: loops unroll and the
 // accumulators stay in registers, which the run-time loops cannot); 0 reads them at run time.
-template <int kG, int kD>
+// int8 pages' scales are folded in rather than multiplied into each element: a key's score is
+// k_scale * (q . k_int8), and its value's weight p * v_scale, one multiply per key.
+template <typename T, int kG, int kD>
 void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split,
                 int64_t num_splits, float* partial, std::vector<float>& scratch) {
   const int64_t d = kD > 0 ? kD : d_runtime;
@@ -133,40 +166,51 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split
   const float* q = p.q + (t * p.num_q_heads + h * g_size) * d;
   const int32_t* table = p.page_tables + (len > 0 ? p.token_row[t] * p.table_width : 0);
   const int64_t page_elems = b * d;
-  const float* k_head = p.k + h * p.num_pages * page_elems;
-  const float* v_head = p.v + h * p.num_pages * page_elems;
+  const T* k_head = static_cast<const T*>(p.k) + h * p.num_pages * page_elems;
+  const T* v_head = static_cast<const T*>(p.v) + h * p.num_pages * page_elems;
+  const float* ks_head = kScaled<T> ? p.k_scale + h * p.num_pages * b : nullptr;
+  const float* vs_head = kScaled<T> ? p.v_scale + h * p.num_pages * b : nullptr;
 
   // One pass over the pages with an online softmax: a page's keys and values are read
   // together, then never again. m, l: running max and sum per query head; acc in `out`.
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(float));
+  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
   constexpr bool kStatic = kG > 0 && kD > 0;
   alignas(64) float acc_static[kStatic ? kG * kD : 1];
-  scratch.resize(g_size * (b + 2) + (kStatic ? 0 : g_size * d));
+  // A widened row on the stack, not in `scratch`: the compiler then knows that the int8 page
+  // (a char type, which may alias anything) is not written through it, and checks nothing.
+  alignas(64) float row_static[kStatic ? kD : 1];
+  scratch.resize(g_size * (b + 2) + (kStatic ? 0 : g_size * d + d));
   float* scores = scratch.data();  // [G, B]
   float* m = scores + g_size * b;
   float* l = m + g_size;
   float* acc = kStatic ? acc_static : l + g_size;  // [G, D]
+  float* row = kStatic ? row_static : acc + g_size * d;  // [D]: a narrow row widened (Widen)
   std::fill(m, m + g_size, -1e30f);
   std::fill(l, l + g_size, 0.0f);
   std::fill(acc, acc + g_size * d, 0.0f);
   for (int64_t first = begin; first < end; first += b) {
     const int64_t page = table[first / b];
-    const float* kp = k_head + page * page_elems;
-    const float* vp = v_head + page * page_elems;
+    const T* kp = k_head + page * page_elems;
+    const T* vp = v_head + page * page_elems;
     const int64_t n = std::min(b, end - first);
     if (first + b < end) {  // see Prefetch
-      const int64_t next = table[first / b + 1] * page_elems;
-      const int64_t bytes = std::min(b, end - first - b) * row_bytes;
-      Prefetch(k_head + next, bytes);
-      Prefetch(v_head + next, bytes);
+      const int64_t next = table[first / b + 1];
+      const int64_t rows = std::min(b, end - first - b);
+      Prefetch(k_head + next * page_elems, rows * row_bytes);
+      Prefetch(v_head + next * page_elems, rows * row_bytes);
+      if constexpr (kScaled<T>) {
+        Prefetch(ks_head + next * b, rows * static_cast<int64_t>(sizeof(float)));
+        Prefetch(vs_head + next * b, rows * static_cast<int64_t>(sizeof(float)));
+      }
     }
     for (int64_t i = 0; i < n; ++i) {
-      const float* key = kp + i * d;
+      const float* key = Widen(kp + i * d, d, row);
+      const float scale = kScaled<T> ? ks_head[page * b + i] * p.sm_scale : p.sm_scale;
       for (int64_t g = 0; g < g_size; ++g) {
         const float* qg = q + g * d;
         float dot = 0.0f;
         for (int64_t e = 0; e < d; ++e) dot += qg[e] * key[e];
-        scores[g * b + i] = dot * p.sm_scale;
+        scores[g * b + i] = dot * scale;
       }
     }
     for (int64_t g = 0; g < g_size; ++g) {
@@ -185,9 +229,10 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split
       for (int64_t e = 0; e < d; ++e) o[e] *= rescale;
     }
     for (int64_t i = 0; i < n; ++i) {
-      const float* value = vp + i * d;
+      const float* value = Widen(vp + i * d, d, row);
+      const float scale = kScaled<T> ? vs_head[page * b + i] : 1.0f;
       for (int64_t g = 0; g < g_size; ++g) {
-        const float w = scores[g * b + i];
+        const float w = scores[g * b + i] * scale;
         float* o = acc + g * d;
         for (int64_t e = 0; e < d; ++e) o[e] += w * value[e];
       }
@@ -207,27 +252,28 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split
 
 // Work items [begin, end) of `num_splits` per unit (item = unit * num_splits + split); each
 // split's state goes to partials + item * (G * (D + 2)) when there is more than one.
-template <int kG, int kD>
+template <typename T, int kG, int kD>
 void AttendItems(const Problem& p, int64_t d, int64_t num_splits, float* partials,
                  int64_t begin, int64_t end) {
   thread_local std::vector<float> scratch;
   const int64_t stride = SplitStateSize(p, d);
   for (int64_t i = begin; i < end; ++i) {
-    AttendUnit<kG, kD>(p, i / num_splits, d, i % num_splits, num_splits,
-                       num_splits > 1 ? partials + i * stride : nullptr, scratch);
+    AttendUnit<T, kG, kD>(p, i / num_splits, d, i % num_splits, num_splits,
+                          num_splits > 1 ? partials + i * stride : nullptr, scratch);
   }
 }
 
+template <typename T>
 void AttendRange(const Problem& p, int64_t d, int64_t num_splits, float* partials,
                  int64_t begin, int64_t end) {
   const int64_t g = p.num_q_heads / p.num_kv_heads;
 #define JAXSERVE_CASE(G, D) \
-  if (g == G && d == D) return AttendItems<G, D>(p, d, num_splits, partials, begin, end);
+  if (g == G && d == D) return AttendItems<T, G, D>(p, d, num_splits, partials, begin, end);
   JAXSERVE_CASE(1, 64) JAXSERVE_CASE(2, 64) JAXSERVE_CASE(3, 64) JAXSERVE_CASE(4, 64)
   JAXSERVE_CASE(5, 64) JAXSERVE_CASE(6, 64) JAXSERVE_CASE(7, 64) JAXSERVE_CASE(8, 64)
   JAXSERVE_CASE(1, 128) JAXSERVE_CASE(2, 128) JAXSERVE_CASE(4, 128) JAXSERVE_CASE(8, 128)
 #undef JAXSERVE_CASE
-  AttendItems<0, 0>(p, d, num_splits, partials, begin, end);
+  AttendItems<T, 0, 0>(p, d, num_splits, partials, begin, end);
 }
 
 // out = the softmax-weighted merge of each unit's split states.
@@ -257,23 +303,32 @@ void MergeSplits(const Problem& p, int64_t d, int64_t units, int64_t num_splits,
   }
 }
 
-ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                          ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> page_tables,
-                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> token_row,
-                          ffi::Buffer<ffi::S32> positions, float sm_scale,
-                          ffi::ResultBuffer<ffi::F32> out) {
+// The handlers' common part, for pages of dtype kPage (scales: int8 pages', else null).
+template <ffi::DataType kPage>
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kPage> k,
+                  ffi::Buffer<kPage> v, const ffi::Buffer<ffi::F32>* k_scale,
+                  const ffi::Buffer<ffi::F32>* v_scale, ffi::Buffer<ffi::S32> page_tables,
+                  ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> token_row,
+                  ffi::Buffer<ffi::S32> positions, float sm_scale,
+                  ffi::ResultBuffer<ffi::F32> out) {
+  using T = ffi::NativeType<kPage>;  // float, int8_t, or bfloat16's bits (Bf16Bits)
   const auto qd = q.dimensions(), kd = k.dimensions(), td = page_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || !(v.dimensions() == kd) ||
       qd[2] != kd[3] || kd[0] == 0 || kd[2] == 0 || qd[1] % kd[0] != 0 ||
+      (k_scale != nullptr && !(k_scale->dimensions() == kd.first(3) &&
+                               v_scale->dimensions() == kd.first(3))) ||
       !(out->dimensions() == qd) ||
       seq_lens.element_count() != static_cast<size_t>(td[0]) ||
       token_row.element_count() != static_cast<size_t>(qd[0]) ||
       positions.element_count() != static_cast<size_t>(qd[0])) {
     return ffi::Error::InvalidArgument(
         "paged attention: q [T, Hq, D], k and v [Hkv, N, B > 0, D] (Hkv divides Hq), page_tables "
-        "[S, P], seq_lens [S], token_row and positions [T] -> out [T, Hq, D]");
+        "[S, P], seq_lens [S], token_row and positions [T] -> out [T, Hq, D]; int8 pages' "
+        "k_scale and v_scale [Hkv, N, B]");
   }
-  Problem p{q.typed_data(), k.typed_data(), v.typed_data(), page_tables.typed_data(),
+  Problem p{q.typed_data(), k.typed_data(), v.typed_data(),
+            k_scale != nullptr ? k_scale->typed_data() : nullptr,
+            v_scale != nullptr ? v_scale->typed_data() : nullptr, page_tables.typed_data(),
             seq_lens.typed_data(), token_row.typed_data(), positions.typed_data(),
             out->typed_data(), qd[0], qd[1], kd[0], kd[1], kd[2], td[0], td[1], sm_scale};
   if (auto e = CheckPages(p); e.failure()) return e;
@@ -284,46 +339,85 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Bu
     const int64_t num_chunks = std::min<int64_t>(units, 8 * threads);
     const int64_t per_chunk = (units + num_chunks - 1) / num_chunks;
     jaxserve::RunChunks(pool, num_chunks, [p, d, units, per_chunk](int64_t c) {
-      AttendRange(p, d, 1, nullptr, c * per_chunk, std::min(units, (c + 1) * per_chunk));
+      AttendRange<T>(p, d, 1, nullptr, c * per_chunk, std::min(units, (c + 1) * per_chunk));
     });
     return ffi::Error::Success();
   }
   // Few units (a decode step of one or two rows): split each unit's pages so that every thread
-  // has work, where there are enough keys (64 KB of them) to pay for the hand-off.
+  // has work, where there are enough keys (64 KB of pages) to pay for the hand-off.
   int64_t keys = 0, longest = 0;
   for (int64_t t = 0; t < p.num_tokens; ++t) {
     const int64_t n = KeysOf(p, t);
     keys += n;
     longest = std::max(longest, n);
   }
-  const int64_t kv_bytes = keys * p.num_kv_heads * d * 2 * static_cast<int64_t>(sizeof(float));
+  const int64_t kv_bytes = keys * p.num_kv_heads * d * 2 * static_cast<int64_t>(sizeof(T));
   const int64_t num_splits = std::min((4 * threads + units - 1) / std::max<int64_t>(units, 1),
                                       (longest + p.page_size - 1) / p.page_size);
   if (threads == 1 || kv_bytes < (64 << 10) || num_splits < 2) {
-    AttendRange(p, d, 1, nullptr, 0, units);
+    AttendRange<T>(p, d, 1, nullptr, 0, units);
     return ffi::Error::Success();
   }
   thread_local std::vector<float> partials;
   partials.resize(units * num_splits * SplitStateSize(p, d));
   float* parts = partials.data();
   jaxserve::RunChunks(pool, units * num_splits, [p, d, num_splits, parts](int64_t i) {
-    AttendRange(p, d, num_splits, parts, i, i + 1);
+    AttendRange<T>(p, d, num_splits, parts, i, i + 1);
   });
   MergeSplits(p, d, units, num_splits, parts);
   return ffi::Error::Success();
 }
 
+// Float pages (F32, BF16): no scales.
+template <ffi::DataType kPage>
+ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kPage> k,
+                          ffi::Buffer<kPage> v, ffi::Buffer<ffi::S32> page_tables,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> token_row,
+                          ffi::Buffer<ffi::S32> positions, float sm_scale,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  return Attend<kPage>(pool, q, k, v, nullptr, nullptr, page_tables, seq_lens, token_row,
+                       positions, sm_scale, out);
+}
+
+ffi::Error PagedAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                              ffi::Buffer<ffi::S8> k, ffi::Buffer<ffi::S8> v,
+                              ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                              ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> seq_lens,
+                              ffi::Buffer<ffi::S32> token_row, ffi::Buffer<ffi::S32> positions,
+                              float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
+  return Attend<ffi::S8>(pool, q, k, v, &k_scale, &v_scale, page_tables, seq_lens, token_row,
+                         positions, sm_scale, out);
+}
+
+// The handlers' arguments: q, then k and v of dtype kPage (then int8's scales: see below) ...
+template <ffi::DataType kPage>
+auto BindPages() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()          // q
+      .Arg<ffi::Buffer<kPage>>()             // k
+      .template Arg<ffi::Buffer<kPage>>();  // v
+}
+
+// ... then the rest, common to all three.
+template <typename Binding>
+auto BindRest(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S32>>()  // page_tables
+      .template Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()  // token_row
+      .template Arg<ffi::Buffer<ffi::S32>>()  // positions
+      .template Attr<float>("sm_scale")
+      .template Ret<ffi::Buffer<ffi::F32>>();
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // k
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // v
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // page_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // token_row
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // positions
-                                  .Attr<float>("sm_scale")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttention, PagedAttention<ffi::F32>,
+                              BindRest(BindPages<ffi::F32>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionBf16, PagedAttention<ffi::BF16>,
+                              BindRest(BindPages<ffi::BF16>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxservePagedAttentionInt8, PagedAttentionInt8,
+                              BindRest(BindPages<ffi::S8>()
+                                           .Arg<ffi::Buffer<ffi::F32>>()    // k_scale
+                                           .Arg<ffi::Buffer<ffi::F32>>()));  // v_scale
