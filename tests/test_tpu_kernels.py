@@ -1,7 +1,8 @@
 """The TPU (Mosaic) ragged_paged_attention: references against hand values and float64 numpy,
 then the entry point and each of its two paths against the float64 oracle and the jnp reference
-(Pallas interpret mode on a CPU, compiled where the default backend is a TPU), extreme logits,
-validation, jit, and lowering to Mosaic for "tpu" with no host callback.
+(Pallas interpret mode on a CPU, compiled where the default backend is a TPU), int8 pages with
+per-token scales, extreme logits, validation, jit, and lowering to Mosaic for "tpu" with no host
+callback.
 
 Cases and tolerances: tests/attention_cases.py.
 """
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 
 from attention_cases import (EXTREME_TOL, F64_TOL, RAGGED_SHAPES, TOL, assert_close, call,
-                             dense_f64, extreme_case, make_case, mixed_rows, ragged_case)
+                             dense_f64, extreme_case, make_case, mixed_rows, quantize_case,
+                             ragged_case)
 from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 from pallas_kernels.tpu import TpuBlockSizes, ragged_paged_attention, validate_inputs
 from pallas_kernels.tpu.attention import uses_decode_path
@@ -204,19 +206,59 @@ def test_runs_under_jit():
     assert_close(fn(decode), dense_f64(decode, 0.125), F64_TOL)
 
 
+@pytest.mark.parametrize("pool", ["float", "int8"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("path", ["decode", "prefill"])
-def test_paths_lower_to_mosaic(path, dtype):
+def test_paths_lower_to_mosaic(path, dtype, pool):
     """Pallas -> Mosaic lowering for platform "tpu" runs without a TPU (jax.export): it catches
     ops with no Mosaic rule and illegal block shapes, and shows no host callback is left. Mosaic
     compilation itself (layouts, VMEM limits) needs a TPU."""
     case = ragged_case(8, [(5, 5), (40, 8), (0, 0), (17, 1)], page_size=16, num_kv_heads=2,
                        group=4, head_dim=128, dtype=dtype)
+    if pool == "int8":
+        case = quantize_case(case)
     run = decode_path if path == "decode" else prefill_path
     fn = jax.jit(lambda c: run(c, 0.1, pages_per_block=2, interpret=False))
     text = jax.export.export(fn, platforms=["tpu"])(case).mlir_module()
     assert "tpu_custom_call" in text
     assert "callback" not in text
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 pages with per-token, per-head float32 scales (NaN scales and int8 garbage in unused slots).
+
+
+@pytest.mark.parametrize("path,page_size,group,dtype", [
+    ("decode", 16, 4, jnp.float32),
+    ("prefill", 8, 3, jnp.float32),
+    ("prefill", 16, 2, jnp.bfloat16),
+])
+def test_int8_pages_match_float64(path, page_size, group, dtype):
+    """Through the entry point: a pure decode batch (T == S) or mixed rows (the ragged path),
+    against the float64 oracle on the same int8 pages and scales."""
+    if path == "decode":
+        case = decode_case(14, [9, 1, 2 * page_size + 3, 0, page_size, 40], page_size=page_size,
+                           num_kv_heads=2, group=group, head_dim=64, dtype=dtype)
+    else:
+        case = ragged_case(15, mixed_rows(page_size, long=3 * page_size + 1), page_size=page_size,
+                           num_kv_heads=2, group=group, head_dim=64, dtype=dtype)
+    case = quantize_case(case)
+    assert case["k_pages"].dtype == jnp.int8 and np.isnan(np.asarray(case["k_scale"])).any()
+    assert uses_decode_path(case["q"].shape[0], case["page_tables"].shape[0]) == (path == "decode")
+    sizes = TpuBlockSizes(block_q=16, pages_per_block=2)
+    out = attend(case, 0.125, block_sizes=sizes)
+    assert out.shape == case["q"].shape and out.dtype == dtype
+    assert_close(out, dense_f64(case, 0.125), TOL[dtype])
+    if path == "prefill":
+        np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)  # padding tokens
+
+
+def test_int8_decode_path_on_multi_token_rows():
+    """The token-at-a-time kernel reads int8 pages for prefill chunks too."""
+    case = quantize_case(ragged_case(16, [(20, 20), (0, 0), (13, 4), (9, 1)], page_size=8,
+                                     num_kv_heads=1, group=2, head_dim=64))
+    assert_close(decode_path(case, 0.125, pages_per_block=2), dense_f64(case, 0.125),
+                 TOL[jnp.float32])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +298,7 @@ def _small():
     (lambda c: c.update(q=c["q"][:, :3]), "multiple of KV heads"),
     (lambda c: c.update(q=c["q"][..., :8]), "head dim"),
     (lambda c: c.update(v_pages=c["v_pages"][:, :3]), "shapes differ"),
-    (lambda c: c.update(v_pages=c["v_pages"].astype(jnp.bfloat16)), "one floating dtype"),
+    (lambda c: c.update(v_pages=c["v_pages"].astype(jnp.bfloat16)), "one floating or int8"),
     (lambda c: c.update(page_tables=c["page_tables"].astype(jnp.float32)), "page_tables"),
     (lambda c: c.update(seq_lens=c["seq_lens"][:1]), "seq_lens must be i32"),
     (lambda c: c.update(page_tables=c["page_tables"].at[1, 1].set(999)), "outside the pool"),
@@ -273,6 +315,21 @@ def test_validation_errors(change, message):
     change(case)
     with pytest.raises(ValueError, match=message):
         validate_inputs(**case)
+    with pytest.raises(ValueError, match=message):
+        attend(case, 1.0)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda c: [c.pop("k_scale"), c.pop("v_scale")], "int8 pages need k_scale and v_scale"),
+    (lambda c: c.pop("v_scale"), "go together"),
+    (lambda c: c.update(k_scale=c["k_scale"][:, :, :4]), "k_scale must be f32"),
+    (lambda c: c.update(k_pages=c["k_pages"].astype(jnp.float32),
+                        v_pages=c["v_pages"].astype(jnp.float32)), "only int8 pages take them"),
+])
+def test_int8_validation_errors(change, message):
+    case = quantize_case(_small())
+    validate_inputs(**case)  # valid as built
+    change(case)
     with pytest.raises(ValueError, match=message):
         attend(case, 1.0)
 

@@ -40,19 +40,23 @@ def ragged_paged_attention(
     sm_scale: float,
     interpret: bool = False,
     block_sizes: TpuBlockSizes | None = None,
+    k_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
+    v_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; tokens >= query_start[S] are zeros
     """Causal paged attention for a ragged batch; see `ref_ragged_paged_attention`.
 
     The query of row s at position p = seq_lens[s] - q_len + i (its i-th token) attends to KV
     positions 0..p; position j of KV head h is k_pages[h, page_tables[s, j // B], j % B].
+    int8 pages i8[Hkv, N, B, D] come with k_scale/v_scale and mean pages * scale[..., None]
+    (`pallas_kernels.reference.dequantize_pages`); float pages take no scales.
     interpret=True runs in Pallas TPU interpret mode (`pltpu.InterpretParams()`, any backend);
     False compiles with Mosaic, which needs a TPU.
     """
-    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start)
+    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale)
     bs = block_sizes or TpuBlockSizes()
     args = (q, k_pages, v_pages, page_tables, seq_lens, query_start)
+    kw = dict(sm_scale=sm_scale, pages_per_block=bs.pages_per_block, interpret=interpret,
+              k_scale=k_scale, v_scale=v_scale)
     if uses_decode_path(q.shape[0], page_tables.shape[0]):
-        return decode_attention(*args, sm_scale=sm_scale, pages_per_block=bs.pages_per_block,
-                                interpret=interpret)
-    return prefill_attention(*args, sm_scale=sm_scale, block_q=bs.block_q,
-                             pages_per_block=bs.pages_per_block, interpret=interpret)
+        return decode_attention(*args, **kw)
+    return prefill_attention(*args, block_q=bs.block_q, **kw)

@@ -1,5 +1,6 @@
 """Pieces both TPU attention paths share: the page table in SMEM, the double-buffered key-block
-loop, the one place scores are masked, and the online softmax with lane-broadcast statistics.
+loop (with int8 dequantization), the one place scores are masked, and the online softmax with
+lane-broadcast statistics.
 
 Double buffering. K and V each get a VMEM buffer [2, pages_per_block, B, D] and a DMA semaphore
 per slot. Before the loop the copies of key block 0 start into slot 0; iteration i starts the
@@ -12,9 +13,21 @@ Statistics. The running max m and normaliser l are carried as f32[R, 128] (every
 same value) rather than f32[R, 1], the layout TPU vector registers hold natively; column 0 is
 sliced off where a [R, 1] operand is needed.
 
+int8 pages. The scales f32[Hkv, N, B] are viewed as f32[Hkv, N, 1, B] (`pool_operands`), so a
+page's scales are one [1, B] block copied exactly like its K/V block (whole tiled dims, only
+untiled dims indexed) into VMEM [2, pages_per_block, 1, B], double buffered alongside. After the
+wait a block is dequantized in VMEM as the reference does it, k = int8 * scale in float32 (one
+rounding), with the scales turned into a column f32[L, 1] that broadcasts along D; scores and
+the online softmax are then those of float pages. A NaN scale (garbage slot) only makes its own
+K/V row NaN: that key's score is dropped by the select in `masked_scores` and its V row by the
+select in `online_softmax_step`. Unverified on hardware: Mosaic compiling `scale_column`'s shape
+casts; the view may cost a relayout copy of the scale pool per call on TPU if XLA tiles
+[.., N, B] and [.., 1, B] differently (storing the scales as [Hkv, N, 1, B] avoids it); each
+[1, B] VMEM block is padded to a whole tile.
+
 Room for later features: sliding windows and logit soft-capping belong in `masked_scores` (the one
-place scores are formed and masked), int8 KV scales where `pipelined_kv_loop` converts a block to
-float32; each would arrive as a keyword-only argument of the entry point.
+place scores are formed and masked); each would arrive as a keyword-only argument of the entry
+point.
 """
 
 from __future__ import annotations
@@ -52,26 +65,58 @@ def prepare_page_tables(page_tables, seq_lens, *, num_pages: int, page_size: int
     return table.reshape(num_seqs * padded)
 
 
-def kv_scratch(pages_per_block: int, page_size: int, head_dim: int, dtype) -> list:
-    """Scratch for `pipelined_kv_loop`: K and V buffers [2, pages, B, D], DMA semaphores (2, 2)."""
+def pool_operands(k_pages, v_pages, k_scale, v_scale) -> tuple:
+    """The pool as the kernels take it (all left in HBM): (K, V) pages, then for int8 pages their
+    scales viewed as f32[Hkv, N, 1, B], so one page's scales are a whole [1, B] block."""
+    if k_scale is None:
+        return k_pages, v_pages
+    scale_shape = (*k_scale.shape[:2], 1, k_scale.shape[2])
+    return k_pages, v_pages, k_scale.reshape(scale_shape), v_scale.reshape(scale_shape)
+
+
+def split_refs(refs, *, quantized: bool):
+    """A kernel's refs after q_ref -> (pool refs in HBM, o_ref, VMEM buffers, DMA semaphores).
+    Pool refs and buffers are (K, V), or (K, V, K scale, V scale) for int8 pages."""
+    n = 4 if quantized else 2
+    return refs[:n], refs[n], refs[n + 1:2 * n + 1], refs[2 * n + 1]
+
+
+def kv_scratch(pages_per_block: int, page_size: int, head_dim: int, dtype, *,
+               quantized: bool) -> list:
+    """Scratch for `pipelined_kv_loop`: K and V buffers [2, pages, B, D], for int8 pages K and V
+    scale buffers f32[2, pages, 1, B], and DMA semaphores (one row per buffer, one column per
+    slot)."""
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), dtype)
-    return [buf, buf, pltpu.SemaphoreType.DMA((2, 2))]
+    bufs = [buf, buf]
+    if quantized:
+        bufs += [pltpu.VMEM((2, pages_per_block, 1, page_size), jnp.float32)] * 2
+    return bufs + [pltpu.SemaphoreType.DMA((len(bufs), 2))]
 
 
-def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_head, k_hbm, v_hbm,
-                      k_buf, v_buf, sems):
+def scale_column(buf, slot) -> jax.Array:
+    """f32[L, 1] scales of the block in `slot` of buf f32[2, pages, 1, B]. Written as steps Mosaic
+    has layout rules for: a [pages, B] load, each page's lanes to a column [pages, B, 1], pages
+    folded into sublanes (B a multiple of 8)."""
+    pages_per_block, _, page_size = buf.shape[1:]
+    return buf[slot, :, 0, :][:, :, None].reshape(pages_per_block * page_size, 1)
+
+
+def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_head, pool, bufs,
+                      sems):
     """carry = body(block, k f32[L, D], v f32[L, D], carry) for block < num_blocks, double buffered.
 
     first_entry(block): index in table_ref of the block's first page; L = pages_per_block * B.
+    pool, bufs: (K, V) or, for int8 pages, (K, V, K scale, V scale) refs in HBM and VMEM
+    (`split_refs`); int8 blocks reach body dequantized.
     """
-    pages_per_block, page_size, head_dim = k_buf.shape[1:]
+    pages_per_block, page_size, head_dim = bufs[0].shape[1:]
 
     def copies(block, slot):
         entry = first_entry(block)
         out = []
         for i in range(pages_per_block):
             page = table_ref[entry + i]
-            for kind, (hbm, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
+            for kind, (hbm, buf) in enumerate(zip(pool, bufs)):
                 out.append(pltpu.make_async_copy(hbm.at[kv_head, page], buf.at[slot, i],
                                                  sems.at[kind, slot]))
         return out
@@ -91,8 +136,12 @@ def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_hea
 
         for copy in copies(block, slot):
             copy.wait()
-        k = k_buf[slot].reshape(pages_per_block * page_size, head_dim).astype(jnp.float32)
-        v = v_buf[slot].reshape(pages_per_block * page_size, head_dim).astype(jnp.float32)
+        # Convert first, then fold pages into sublanes: a float32 fold is layout-free for B a
+        # multiple of 8, an int8 (32-row tiles) or bf16 (16-row tiles) one need not be.
+        k, v = (buf[slot].astype(jnp.float32).reshape(pages_per_block * page_size, head_dim)
+                for buf in bufs[:2])
+        if len(bufs) == 4:  # int8 * scale in float32, as `dequantize_pages` rounds it
+            k, v = k * scale_column(bufs[2], slot), v * scale_column(bufs[3], slot)
         return body(block, k, v, carry)
 
     return jax.lax.fori_loop(0, num_blocks, step, carry)

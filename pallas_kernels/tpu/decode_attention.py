@@ -10,6 +10,9 @@ token at position p sees keys 0..p, so the path is exact for every input the rag
 allows; it is the fast one when rows have one token each (decode), since a row of n tokens has
 its pages read n times.
 
+int8 pages (k_scale/v_scale given) have their scale pages copied alongside and are dequantized
+in VMEM after the copy (common.py, "int8 pages").
+
 What has been run: Pallas TPU interpret mode on CPU (`pltpu.InterpretParams()`), jax 0.10.2, and
 Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU (tested). Nothing here has been
 compiled by the Mosaic/TPU compiler, run on a TPU, or timed. Known gaps for real hardware: one
@@ -30,8 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu.common import (finish, init_carry, kv_scratch, masked_scores,
-                                       online_softmax_step, pipelined_kv_loop, prepare_page_tables,
-                                       resolve_interpret)
+                                       online_softmax_step, pipelined_kv_loop, pool_operands,
+                                       prepare_page_tables, resolve_interpret, split_refs)
 
 
 def token_rows_and_positions(seq_lens, query_start, num_tokens: int):
@@ -48,14 +51,14 @@ def token_rows_and_positions(seq_lens, query_start, num_tokens: int):
 
 def _decode_kernel(row_ref, position_ref, table_ref,  # scalar prefetch: i32[T] x2, i32[S * P']
                    q_ref,  # [G, D] query heads of token t that share KV head h
-                   k_hbm, v_hbm,  # [Hkv, N, B, D], left in HBM
-                   o_ref,  # [G, D]
-                   k_buf, v_buf,  # VMEM [2, pages_per_block, B, D]
-                   sems,  # DMA semaphores (2, 2): K/V x slot
-                   *, sm_scale: float, table_width: int):
+                   *refs,  # pool in HBM: K, V [Hkv, N, B, D] (+ K, V scales f32[Hkv, N, 1, B]);
+                   # o_ref [G, D]; VMEM buffers K, V [2, pages_per_block, B, D] (+ scales
+                   # f32[2, pages_per_block, 1, B]); DMA semaphores (buffers, 2 slots)
+                   sm_scale: float, table_width: int, quantized: bool):
+    pool, o_ref, bufs, sems = split_refs(refs, quantized=quantized)
     t, h = pl.program_id(0), pl.program_id(1)
     row, position = row_ref[t], position_ref[t]
-    pages_per_block, page_size = k_buf.shape[1:3]
+    pages_per_block, page_size = bufs[0].shape[1:3]
     block_len = pages_per_block * page_size
     q = q_ref[...].astype(jnp.float32)
     group, head_dim = q.shape
@@ -69,13 +72,14 @@ def _decode_kernel(row_ref, position_ref, table_ref,  # scalar prefetch: i32[T] 
 
     carry = pipelined_kv_loop(
         pl.cdiv(position + 1, block_len), lambda block: row * table_width + block * pages_per_block,
-        body, init_carry(group, head_dim), table_ref=table_ref, kv_head=h, k_hbm=k_hbm,
-        v_hbm=v_hbm, k_buf=k_buf, v_buf=v_buf, sems=sems)
+        body, init_carry(group, head_dim), table_ref=table_ref, kv_head=h, pool=pool, bufs=bufs,
+        sems=sems)
     o_ref[...] = finish(carry).astype(o_ref.dtype)
 
 
 def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *, sm_scale: float,
-                     pages_per_block: int, interpret: bool) -> jax.Array:
+                     pages_per_block: int, interpret: bool, k_scale=None,
+                     v_scale=None) -> jax.Array:
     """Inputs and output as `ragged_paged_attention` (validated there); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -86,21 +90,22 @@ def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
                                 pages_per_block=pages_per_block)
     row, position = token_rows_and_positions(seq_lens, query_start, num_tokens)
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda t, h, *_: (t, h, 0, 0))
+    pool = pool_operands(k_pages, v_pages, k_scale, v_scale)
+    quantized = len(pool) == 4
     kernel = functools.partial(_decode_kernel, sm_scale=float(sm_scale),
-                               table_width=table.shape[0] // num_seqs)
+                               table_width=table.shape[0] // num_seqs, quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_tokens, num_kv_heads),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pool),
             out_specs=q_spec,
-            scratch_shapes=kv_scratch(pages_per_block, page_size, head_dim, k_pages.dtype),
+            scratch_shapes=kv_scratch(pages_per_block, page_size, head_dim, k_pages.dtype,
+                                      quantized=quantized),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), q.dtype),
         interpret=resolve_interpret(interpret),
-    )(row, position, table, q.reshape(num_tokens, num_kv_heads, group, head_dim), k_pages,
-      v_pages)
+    )(row, position, table, q.reshape(num_tokens, num_kv_heads, group, head_dim), *pool)
     return out.reshape(num_tokens, num_q_heads, head_dim)

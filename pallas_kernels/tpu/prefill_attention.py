@@ -12,6 +12,9 @@ past the block's last query position are not visited. Scores of other rows' toke
 V rows at positions >= seq_lens[s] are zeroed with a select, and tokens with no valid key
 (padding) give zeros.
 
+int8 pages (k_scale/v_scale given) have their scale pages copied alongside and are dequantized
+in VMEM after the copy (common.py, "int8 pages").
+
 What has been run: Pallas TPU interpret mode on CPU (`pltpu.InterpretParams()`), jax 0.10.2, and
 Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU (tested). Nothing here has been
 compiled by the Mosaic/TPU compiler, run on a TPU, or timed. Known gaps for real hardware: one
@@ -33,22 +36,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu.common import (finish, init_carry, kv_scratch, masked_scores,
-                                       online_softmax_step, pipelined_kv_loop, prepare_page_tables,
-                                       resolve_interpret)
+                                       online_softmax_step, pipelined_kv_loop, pool_operands,
+                                       prepare_page_tables, resolve_interpret, split_refs)
 
 
 def _prefill_kernel(seq_lens_ref, table_ref, query_start_ref, first_seq_ref, last_seq_ref,
                     # scalar prefetch (SMEM): i32[S], i32[S * P'], i32[S+1], i32[T'/block_q] x2
                     q_ref,  # [block_q, G, D] queries of this token block sharing KV head h
-                    k_hbm, v_hbm,  # [Hkv, N, B, D], left in HBM
-                    o_ref,  # [block_q, G, D]
-                    k_buf, v_buf,  # VMEM [2, pages_per_block, B, D]
-                    sems,  # DMA semaphores (2, 2): K/V x slot
-                    *, sm_scale: float, table_width: int):
+                    *refs,  # pool in HBM: K, V [Hkv, N, B, D] (+ K, V scales f32[Hkv, N, 1, B]);
+                    # o_ref [block_q, G, D]; VMEM buffers K, V [2, pages_per_block, B, D] (+
+                    # scales f32[2, pages_per_block, 1, B]); DMA semaphores (buffers, 2 slots)
+                    sm_scale: float, table_width: int, quantized: bool):
+    pool, o_ref, bufs, sems = split_refs(refs, quantized=quantized)
     qb, h = pl.program_id(0), pl.program_id(1)
     block_q, group, head_dim = q_ref.shape
     rows = block_q * group
-    pages_per_block, page_size = k_buf.shape[1:3]
+    pages_per_block, page_size = bufs[0].shape[1:3]
     block_len = pages_per_block * page_size
     q = q_ref[...].astype(jnp.float32).reshape(rows, head_dim)
     first_token = qb * block_q
@@ -72,8 +75,7 @@ def _prefill_kernel(seq_lens_ref, table_ref, query_start_ref, first_seq_ref, las
 
         return pipelined_kv_loop(
             num_blocks, lambda block: s * table_width + block * pages_per_block, body, carry,
-            table_ref=table_ref, kv_head=h, k_hbm=k_hbm, v_hbm=v_hbm, k_buf=k_buf, v_buf=v_buf,
-            sems=sems)
+            table_ref=table_ref, kv_head=h, pool=pool, bufs=bufs, sems=sems)
 
     carry = jax.lax.fori_loop(first_seq_ref[qb], last_seq_ref[qb] + 1, seq_body,
                               init_carry(rows, head_dim))
@@ -94,8 +96,8 @@ def _rows_per_block(query_start, num_tokens: int, block_q: int):
 
 
 def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
-                      sm_scale: float, block_q: int, pages_per_block: int,
-                      interpret: bool) -> jax.Array:
+                      sm_scale: float, block_q: int, pages_per_block: int, interpret: bool,
+                      k_scale=None, v_scale=None) -> jax.Array:
     """Inputs and output as `ragged_paged_attention` (validated there); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -109,20 +111,22 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
     q4 = q4.reshape(padded_tokens, num_kv_heads, group, head_dim)
     first_seq, last_seq = _rows_per_block(query_start, padded_tokens, block_q)
     q_spec = pl.BlockSpec((block_q, None, group, head_dim), lambda i, h, *_: (i, h, 0, 0))
+    pool = pool_operands(k_pages, v_pages, k_scale, v_scale)
+    quantized = len(pool) == 4
     kernel = functools.partial(_prefill_kernel, sm_scale=float(sm_scale),
-                               table_width=table.shape[0] // num_seqs)
+                               table_width=table.shape[0] // num_seqs, quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(padded_tokens // block_q, num_kv_heads),
-            in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY),
-                      pl.BlockSpec(memory_space=pl.ANY)],
+            in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pool),
             out_specs=q_spec,
-            scratch_shapes=kv_scratch(pages_per_block, page_size, head_dim, k_pages.dtype),
+            scratch_shapes=kv_scratch(pages_per_block, page_size, head_dim, k_pages.dtype,
+                                      quantized=quantized),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         interpret=resolve_interpret(interpret),
-    )(seq_lens, table, query_start, first_seq, last_seq, q4, k_pages, v_pages)
+    )(seq_lens, table, query_start, first_seq, last_seq, q4, *pool)
     return out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]
