@@ -40,9 +40,11 @@ class ModelConfig:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """2 (K and V) * layers * KV heads * head dim * bytes per scalar."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
+        """2 (K and V) * layers * KV heads * (head dim * bytes per scalar + bytes of the scale
+        an int8 slot keeps per KV head)."""
+        return 2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes
+                                                          + scale_bytes)
 
     def flops_per_token(self) -> float:
         """Matmul FLOPs per token for the weights (2 per multiply-add), attention excluded."""
@@ -60,7 +62,19 @@ PRIORITY_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas")
 PALLAS_KERNELS = ("auto", "tpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 QUANTIZATIONS = ("none", "int8", "bf16")
+# Bytes of a KV slot's scalar, and of the float32 scale an int8 slot keeps per KV head.
+KV_SCALAR_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+KV_SCALE_BYTES = {"int8": 4}
+
+
+def kv_slot_bytes(kv_cache_dtype: str) -> tuple[int, int]:
+    """(bytes per KV scalar, bytes of the scale per KV head and token) for a resolved dtype."""
+    if kv_cache_dtype not in KV_SCALAR_BYTES:
+        raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_SCALAR_BYTES)} once "
+                         f"resolved, got {kv_cache_dtype!r}")
+    return KV_SCALAR_BYTES[kv_cache_dtype], KV_SCALE_BYTES.get(kv_cache_dtype, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +85,10 @@ class EngineConfig:
     # Weights, activations and KV pool. auto: bfloat16 on GPU and TPU (softmax statistics stay
     # float32 inside the kernels), float32 on CPU (jaxserve.backends.resolve_dtype).
     dtype: str = "auto"
-    # "int8": weight-only, per-output-channel scales. "bf16": weights and matmul inputs rounded to
+    # The KV pool's pages. auto: the same as dtype. "int8": symmetric, a float32 scale per token
+    # and KV head beside the pages (about 4x the tokens of a float32 pool in the same bytes).
+    kv_cache_dtype: str = "auto"
+    # "int8": weight-only, a scale and an offset per group of 32 input channels. "bf16": weights and matmul inputs rounded to
     # bfloat16, products summed in f32 on AMX tiles (CPUs with AMX-BF16, the "cpu" backend).
     quantization: str = "none"
     # auto: the Pallas kernels on TPU and GPU; on CPU the C++ kernels, else xla (backends.resolve)
@@ -104,6 +121,8 @@ class EngineConfig:
                 raise ValueError(msg)
 
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         check(self.quantization in QUANTIZATIONS,
               f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         check(self.attention_backend in ATTENTION_BACKENDS,
@@ -141,17 +160,23 @@ class EngineConfig:
         return cls(**options)
 
     @property
-    def dtype_bytes(self) -> int:
-        if self.dtype == "auto":
+    def resolved_kv_cache_dtype(self) -> str:
+        """kv_cache_dtype with auto meaning dtype (which must be resolved already)."""
+        kv = self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+        if kv == "auto":
             raise ValueError("dtype 'auto' is resolved per device (backends.resolve_dtype) first")
-        return 4 if self.dtype == "float32" else 2
+        return kv
+
+    def kv_bytes_per_token(self, model: ModelConfig) -> int:
+        """One token's KV bytes over all layers, scales included."""
+        return model.kv_bytes_per_token(*kv_slot_bytes(self.resolved_kv_cache_dtype))
 
     def resolve_num_pages(self, model: ModelConfig, max_model_len: int) -> int:
         """Total pages (scratch page 0 included) from num_pages, a byte budget, or a default
         that holds max_num_seqs sequences of min(max_model_len, 512) tokens each."""
         if self.num_pages is not None:
             return self.num_pages
-        page_bytes = model.kv_bytes_per_token(self.dtype_bytes) * self.page_size
+        page_bytes = self.kv_bytes_per_token(model) * self.page_size
         if self.kv_cache_bytes is not None:
             pages = self.kv_cache_bytes // page_bytes
             if pages < 2:

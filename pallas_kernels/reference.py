@@ -13,6 +13,10 @@ head h is k_pages[h, page_tables[s, j // B], j % B], so one head's page is a con
 block. Entries past a sequence's length, and the scratch page 0, may hold garbage or NaN: scores
 are masked with a select (not an add) and V rows outside the valid length are zeroed with a
 select, so nothing from them reaches the output (0 * NaN would be NaN).
+
+Quantized pools: int8 pages i8[Hkv, N, B, D] come with a scale per token and KV head,
+k_scale/v_scale f32[Hkv, N, B], and mean k_pages * k_scale[..., None] (`dequantize_pages`);
+float pages have no scales. Scales of unused slots may be garbage or NaN too.
 """
 
 from __future__ import annotations
@@ -24,11 +28,20 @@ import numpy as np
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
-def _gather_kv(pages: jax.Array, page_tables: jax.Array) -> jax.Array:
-    """pages: f[Hkv, N, B, D]; page_tables: i32[S, P] -> f32[S, Hkv, P*B, D]."""
+def dequantize_pages(pages: jax.Array, scale: jax.Array | None) -> jax.Array:
+    """Pages as float32: int8 pages i8[Hkv, N, B, D] times their scales f32[Hkv, N, B]; float
+    pages (scale None) converted."""
+    if scale is None:
+        return pages.astype(jnp.float32)
+    return pages.astype(jnp.float32) * scale[..., None].astype(jnp.float32)
+
+
+def _gather_kv(pages: jax.Array, page_tables: jax.Array, scale=None) -> jax.Array:
+    """pages: f[Hkv, N, B, D] (or i8 with scale f32[Hkv, N, B]); page_tables: i32[S, P]
+    -> f32[S, Hkv, P*B, D]."""
     num_seqs, pages_per_seq = page_tables.shape
     num_kv_heads, _, page_size, head_dim = pages.shape
-    gathered = pages[:, page_tables]  # [Hkv, S, P, B, D]
+    gathered = dequantize_pages(pages, scale)[:, page_tables]  # [Hkv, S, P, B, D]
     gathered = gathered.reshape(num_kv_heads, num_seqs, pages_per_seq * page_size, head_dim)
     return jnp.swapaxes(gathered, 0, 1).astype(jnp.float32)
 
@@ -59,13 +72,15 @@ def ref_paged_decode_attention(
     seq_lens: jax.Array,  # i32[S], KV length including the query token; 0 = padding row
     *,
     sm_scale: float,
+    k_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # f[S, Hq, D] in q.dtype
     """Query of row s (position seq_lens[s]-1) attends to KV positions 0..seq_lens[s]-1."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_q_heads // num_kv_heads
-    k = _gather_kv(k_pages, page_tables)
-    v = _gather_kv(v_pages, page_tables)
+    k = _gather_kv(k_pages, page_tables, k_scale)
+    v = _gather_kv(v_pages, page_tables, v_scale)
     positions = jnp.arange(k.shape[2], dtype=jnp.int32)
     valid = positions[None, :] < seq_lens[:, None]  # [S, P*B]
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
@@ -82,6 +97,8 @@ def ref_ragged_paged_attention(
     query_start: jax.Array,  # i32[S+1], cumulative; s owns rows query_start[s]:query_start[s+1]
     *,
     sm_scale: float,
+    k_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; padding rows are zeros
     """The semantics of every platform's `ragged_paged_attention`: rows in any order, each a
     decode row (one query token), a prefill chunk (many) or padding (none); row s's queries are
@@ -97,8 +114,8 @@ def ref_ragged_paged_attention(
     is_query = rows < query_start[num_seqs]
     q_lens = query_start[1:] - query_start[:-1]
     position = seq_lens[owner] - q_lens[owner] + (rows - query_start[owner])  # [T]
-    k = _gather_kv(k_pages, page_tables)[owner]  # [T, Hkv, P*B, D]
-    v = _gather_kv(v_pages, page_tables)[owner]
+    k = _gather_kv(k_pages, page_tables, k_scale)[owner]  # [T, Hkv, P*B, D]
+    v = _gather_kv(v_pages, page_tables, v_scale)[owner]
     key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
     valid = is_query[:, None] & (key_pos[None, :] <= position[:, None])  # [T, P*B]
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
@@ -107,13 +124,17 @@ def ref_ragged_paged_attention(
 
 
 def ref_ragged_paged_attention_f64(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
-                                   sm_scale: float) -> np.ndarray:
+                                   sm_scale: float, k_scale=None, v_scale=None) -> np.ndarray:
     """The same semantics in float64 numpy, written independently (each row's pages concatenated
     into a contiguous KV, a plain causal softmax per query head): the oracle the kernels and the
     jnp reference are both measured against. Returns f64[T, Hq, D]."""
+
+    def f64(pages, scale):
+        pages = np.asarray(jnp.asarray(pages, jnp.float32), np.float64)
+        return pages if scale is None else pages * np.asarray(scale, np.float64)[..., None]
+
     q = np.asarray(jnp.asarray(q, jnp.float32), np.float64)
-    k_pages = np.asarray(jnp.asarray(k_pages, jnp.float32), np.float64)
-    v_pages = np.asarray(jnp.asarray(v_pages, jnp.float32), np.float64)
+    k_pages, v_pages = f64(k_pages, k_scale), f64(v_pages, v_scale)
     table, seq_lens = np.asarray(page_tables), np.asarray(seq_lens)
     query_start = np.asarray(query_start)
     group = q.shape[1] // k_pages.shape[0]

@@ -13,7 +13,23 @@ def is_concrete(*arrays) -> bool:
     return not any(isinstance(a, jax.core.Tracer) for a in arrays)
 
 
-def check_pool(q, k_pages, v_pages, page_tables, seq_lens) -> None:
+def check_scales(k_pages, v_pages, k_scale, v_scale) -> None:
+    """int8 pages come with float32 scales [Hkv, N, B] for both K and V; float pages with none."""
+    quantized = k_pages.dtype == jnp.int8
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale go together")
+    if quantized != (k_scale is not None):
+        raise ValueError(f"int8 pages need k_scale and v_scale, and only int8 pages take them "
+                         f"(pages {k_pages.dtype}, scales "
+                         f"{'given' if k_scale is not None else 'absent'})")
+    if quantized:
+        for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if scale.shape != k_pages.shape[:3] or scale.dtype != jnp.float32:
+                raise ValueError(f"{name} must be f32[Hkv, N, B] = f32{list(k_pages.shape[:3])}, "
+                                 f"got {scale.dtype}{list(scale.shape)}")
+
+
+def check_pool(q, k_pages, v_pages, page_tables, seq_lens, k_scale=None, v_scale=None) -> None:
     if q.ndim != 3:
         raise ValueError(f"q must be f[T, Hq, D], got shape {q.shape}")
     if not jnp.issubdtype(q.dtype, jnp.floating):
@@ -23,9 +39,11 @@ def check_pool(q, k_pages, v_pages, page_tables, seq_lens) -> None:
                          f"{k_pages.shape}")
     if k_pages.shape != v_pages.shape:
         raise ValueError(f"k_pages and v_pages shapes differ: {k_pages.shape} vs {v_pages.shape}")
-    if k_pages.dtype != v_pages.dtype or not jnp.issubdtype(k_pages.dtype, jnp.floating):
-        raise ValueError(f"k_pages and v_pages must share one floating dtype, got "
+    pool_dtype_ok = jnp.issubdtype(k_pages.dtype, jnp.floating) or k_pages.dtype == jnp.int8
+    if k_pages.dtype != v_pages.dtype or not pool_dtype_ok:
+        raise ValueError(f"k_pages and v_pages must share one floating or int8 dtype, got "
                          f"{k_pages.dtype} and {v_pages.dtype}")
+    check_scales(k_pages, v_pages, k_scale, v_scale)
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads, _, _, head_dim_kv = k_pages.shape
     if head_dim != head_dim_kv:
@@ -58,9 +76,10 @@ def check_page_values(page_tables, seq_lens, num_pages: int, page_size: int) -> 
                          f"{int(seq_lens[s])}")
 
 
-def validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start) -> None:
+def validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale=None,
+                    v_scale=None) -> None:
     """Every check of the ragged contract; call outside jit to check values too."""
-    check_pool(q, k_pages, v_pages, page_tables, seq_lens)
+    check_pool(q, k_pages, v_pages, page_tables, seq_lens, k_scale, v_scale)
     num_seqs = page_tables.shape[0]
     if query_start.shape != (num_seqs + 1,) or query_start.dtype != jnp.int32:
         raise ValueError(f"query_start must be i32[S+1] with S={num_seqs}, got "

@@ -11,11 +11,12 @@ Bounds are computed in the same run, from measurements, never hard-coded:
   measured at the start and again before each single-stream f32 run (the best of all is the
   bound; each run is also shown against the rate measured just before it).
 Reported: offline total throughput (prompt + output tokens/s) vs the compute bound, single-stream
-decode for f32 and int8 weights vs the bandwidth bound (and, where the CPU has AMX-BF16, for
+decode for f32 and int8 weights and for int8 KV pages vs the bandwidth bound (and, where the CPU has AMX-BF16, for
 `--quantization=bf16`: single-stream and offline, next to f32), and, where `llama_cpp` is importable
 (scripts/install_llama_cpp.sh builds it), llama.cpp on the same GGUF in the same run;
 host work per step at 64 running requests (and how much of it overlapped a device step: async
-scheduling plans step N+1 while step N runs), and compilations after warm-up.
+scheduling plans step N+1 while step N runs), compilations after warm-up, and the pages a fixed
+KV budget holds for each KV dtype (the scales of int8 pages counted).
 """
 
 from __future__ import annotations
@@ -101,10 +102,16 @@ def drain(engine) -> dict:
     return outs
 
 
-def single_stream(loaded, quantization: str) -> float:
+# Single-stream variants: weight quantization and KV pool dtype.
+VARIANTS = {"none": {}, "int8": {"quantization": "int8"}, "int8_kv": {"kv_cache_dtype": "int8"},
+            "bf16": {"quantization": "bf16"}}
+KV_BUDGET_BYTES = 1 << 30
+
+
+def single_stream(loaded, variant: str) -> float:
     from jaxserve.core.sampling_params import SamplingParams
 
-    engine = make_engine(loaded, quantization=quantization, max_num_seqs=1, num_pages=64,
+    engine = make_engine(loaded, **VARIANTS[variant], max_num_seqs=1, num_pages=64,
                          enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=FLAGS.decode_tokens, ignore_eos=True)
     prompt = {"prompt_token_ids": list(range(100, 132))}
@@ -179,6 +186,15 @@ def offline(loaded, num_prompts: int, max_num_seqs: int, quantization: str = "no
             "compilations_after_warmup": engine.stats()["compilations"] - compiled}
 
 
+def pages_per_budget(cfg, budget: int) -> dict:
+    """Pages of 16 slots (scratch page 0 included) that `budget` bytes of KV hold per dtype."""
+    from jaxserve.config import EngineConfig
+
+    return {kv: EngineConfig(kv_cache_bytes=budget, dtype="float32",
+                             kv_cache_dtype=kv).resolve_num_pages(cfg, 2048)
+            for kv in ("float32", "bfloat16", "int8")}
+
+
 def main(argv):
     del argv
     import jax
@@ -198,7 +214,7 @@ def main(argv):
     # formats, repeat, and report the best and the median of each.
     gguf_path = resolve_model_path("smollm2-135m")
     llama_cpp_run = llama_cpp_single_stream(gguf_path)
-    formats = ("none", "int8") + (("bf16",) if cpu_kernels.amx_bf16_available() else ())
+    formats = ("none", "int8", "int8_kv") + (("bf16",) if cpu_kernels.amx_bf16_available() else ())
     runs = {**{q: [] for q in formats}, "llama_cpp": []}
     # Each f32 run is also compared with a read rate measured just before it (the machine's
     # bandwidth drifts within a run too); the headline bound uses the best rate of them all.
@@ -215,7 +231,9 @@ def main(argv):
     per_run = [r / b for r, b in zip(runs["none"], run_bounds)]
     f32, int8 = max(runs["none"]), max(runs["int8"])
     f32_median, int8_median = float(np.median(runs["none"])), float(np.median(runs["int8"]))
+    int8_kv = max(runs["int8_kv"])
     lc = max(runs["llama_cpp"]) if runs["llama_cpp"] else None
+    pages = pages_per_budget(cfg, KV_BUDGET_BYTES)
     run = offline(loaded, FLAGS.num_prompts, FLAGS.max_num_seqs)
     at64 = offline(loaded, 64, 64)  # 64 running requests: the host-overhead target
     bf16 = max(runs["bf16"]) if "bf16" in runs else None
@@ -237,11 +255,14 @@ def main(argv):
                           "llama_cpp_gguf": os.path.basename(gguf_path),
                           "llama_cpp_tokens_per_s": lc, "llama_cpp_runs": runs["llama_cpp"],
                           "int8_vs_llama_cpp": int8 / lc if lc else None,
+                          "int8_kv_tokens_per_s": int8_kv, "int8_kv_runs": runs["int8_kv"],
+                          "int8_kv_vs_llama_cpp": int8_kv / lc if lc else None,
                           "bf16_tokens_per_s": bf16, "bf16_runs": runs.get("bf16"),
                           "bf16_vs_its_bound": bf16 / bf16_bound if bf16 else None},
         "offline": {**run, "vs_compute_bound": run["total_tokens_per_s"] / compute_bound},
         "host_at_64_running": at64,
         "bf16_offline": bf16_offline,
+        "kv_pages_per_gib": pages,
     }
     rows = [
         ("f32 matmul (measured)", f"{gflops:.0f} GFLOP/s"),
@@ -257,6 +278,9 @@ def main(argv):
          ", ".join(f"{r:.1f}/{b:.1f} = {r / b:.0%}" for r, b in zip(runs["none"], run_bounds))),
         ("single-stream decode int8, best", f"{int8:.1f} tok/s ({int8 / f32:.2f}x f32;"
          f" median {int8_median:.1f})"),
+        ("single-stream decode int8 KV (f32 weights), best",
+         f"{int8_kv:.1f} tok/s ({int8_kv / f32:.2f}x f32; median "
+         f"{np.median(runs['int8_kv']):.1f})"),
         (f"llama.cpp on {os.path.basename(gguf_path)}, best",
          f"{lc:.1f} tok/s (jaxserve int8 / llama.cpp = {int8 / lc:.2f}x)" if lc
          else "skipped (llama_cpp not importable)"),
@@ -276,6 +300,8 @@ def main(argv):
         ("host work per step, 64 running", f"{at64['host_ms_per_step']:.2f} ms of "
          f"{at64['step_ms']:.1f} ms ({at64['host_share']:.1%}; {at64['host_overlapped_share']:.0%}"
          f" overlapped a device step, {at64['host_exposed_share']:.1%} exposed)"),
+        ("KV pages of 16 slots in 1 GiB", ", ".join(f"{kv} {n}" for kv, n in pages.items())
+         + f" (int8 / float32 = {pages['int8'] / pages['float32']:.2f}x)"),
         ("compilations after warm-up", f"{run['compilations_after_warmup']} "
          f"(64 running: {at64['compilations_after_warmup']})"),
     ]

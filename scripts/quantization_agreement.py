@@ -1,11 +1,13 @@
-"""How closely each weight format follows the f32 model, on sixteen fixed prompts: greedy outputs
+"""How closely each weight format, and int8 KV pages, follow the f32 model, on sixteen fixed
+prompts: greedy outputs
 identical to f32's, tokens generated before each output's first difference, and the mean KL
 divergence KL(f32 || format) of the next-token distributions along the f32 model's greedy
 tokens (teacher-forced, full vocabulary). On the default model (a Q4_1 GGUF: group-wise int8
 holds it exactly) and on a seeded f32 checkpoint of SmolLM2's shape, built here, whose weights
 are not 4-bit.
 
-  python scripts/quantization_agreement.py                 # int8, and bf16 where AMX allows
+  python scripts/quantization_agreement.py                 # int8 weights, int8 KV, and bf16
+                                                            # where AMX allows
   python scripts/quantization_agreement.py --models=seeded --max_tokens=32
 """
 
@@ -31,13 +33,20 @@ QUESTIONS = (
     "What does a CPU do?")
 
 
-def greedy(loaded, prompts, quantization: str) -> list[list[int]]:
+# format -> (weight quantization, KV pool dtype)
+FORMATS = {"f32": ("none", "auto"), "int8": ("int8", "auto"), "int8-kv": ("none", "int8"),
+           "bf16": ("bf16", "auto")}
+
+
+def greedy(loaded, prompts, fmt: str) -> list[list[int]]:
     from jaxserve.config import EngineConfig
     from jaxserve.core.sampling_params import SamplingParams
     from jaxserve.engine import LLMEngine
 
+    quantization, kv = FORMATS[fmt]
     engine = LLMEngine(EngineConfig.from_options(num_pages=256, max_num_seqs=len(prompts),
-                                                 quantization=quantization), loaded)
+                                                 quantization=quantization, kv_cache_dtype=kv),
+                       loaded)
     params = SamplingParams(temperature=0, max_tokens=FLAGS.max_tokens)
     ids = [engine.add_request(p, params).request_id for p in prompts]
     done = {}
@@ -46,15 +55,23 @@ def greedy(loaded, prompts, quantization: str) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
-def dense_logprobs(cfg, params, token_ids):
+def dense_logprobs(cfg, params, token_ids, int8_kv: bool = False):
     """Log-softmax of the next-token logits at every position of one sequence, f32[T, V]:
-    llama's layer without pages (causal attention over the sequence itself), for scoring. The
+    llama's layer without pages (causal attention over the sequence itself), for scoring; with
+    int8_kv, keys and values round-trip through the engine's int8 KV format first. The
     sequence is padded to a multiple of 64 at its end (causal: no earlier row sees it), so
     that few shapes are compiled."""
     import jax
     import jax.numpy as jnp
 
     from jaxserve.model import llama
+    from jaxserve.model.kv_cache import quantize_kv
+
+    def stored(x):  # [T, Hkv, D] as attention reads it back from the pool
+        if not int8_kv:
+            return x
+        q, scale = quantize_kv(x)
+        return q.astype(jnp.float32) * scale[..., None]
 
     n = len(token_ids)
     token_ids = list(token_ids) + [0] * (-n % 64)
@@ -69,6 +86,7 @@ def dense_logprobs(cfg, params, token_ids):
         q = llama.apply_rope(qkv[:, :hq].reshape(t, cfg.num_heads, d), cos, sin)
         k = llama.apply_rope(qkv[:, hq:hq + hkv].reshape(t, cfg.num_kv_heads, d), cos, sin)
         v = qkv[:, hq + hkv:].reshape(t, cfg.num_kv_heads, d)
+        k, v = stored(k), stored(v)
         rep = cfg.num_heads // cfg.num_kv_heads
         k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
         s = jnp.where(causal[None], jnp.einsum("qhd,khd->hqk", q, k) * d ** -0.5, -jnp.inf)
@@ -81,17 +99,19 @@ def dense_logprobs(cfg, params, token_ids):
     return jax.nn.log_softmax(llama.logits(params, hidden[:n]), axis=-1)
 
 
-def mean_kl(loaded, sequences, quantization: str, reference) -> float:
-    """Mean over the scored positions (each f32 greedy token's) of KL(f32 || quantization)."""
+def mean_kl(loaded, sequences, fmt: str, reference) -> float:
+    """Mean over the scored positions (each f32 greedy token's) of KL(f32 || format)."""
     import numpy as np
 
     from jaxserve.model import llama
     from jaxserve.model.quantize import quantize
 
+    quantization, kv = FORMATS[fmt]
     params = llama.per_layer_params(quantize(loaded.params, quantization))
     kls = []
     for (ids, first), p in zip(sequences, reference, strict=True):
-        q = np.asarray(dense_logprobs(loaded.config, params, ids))[first - 1:-1]
+        q = np.asarray(dense_logprobs(loaded.config, params, ids, int8_kv=kv == "int8"))
+        q = q[first - 1:-1]
         kls.extend(np.sum(np.exp(p) * (p - q), axis=-1))
     return float(np.mean(kls))
 
@@ -125,23 +145,23 @@ def main(argv):
     from jaxserve.model import llama
     from jaxserve.tools.bench.report import greedy_agreement
 
-    formats = ["int8"] + (["bf16"] if cpu_kernels.amx_bf16_available() else [])
-    print(f"{'model':<14}{'format':<8}{'identical':>11}{'tokens before the first difference':>38}"
+    formats = ["int8", "int8-kv"] + (["bf16"] if cpu_kernels.amx_bf16_available() else [])
+    print(f"{'model':<14}{'format':<9}{'identical':>11}{'tokens before the first difference':>38}"
           f"{'mean KL (nats)':>16}")
     for name in FLAGS.models:
         loaded, prompts = load(name)
-        reference = greedy(loaded, prompts, "none")
+        reference = greedy(loaded, prompts, "f32")
         total = sum(map(len, reference))
         sequences = [(p["prompt_token_ids"] + list(r), len(p["prompt_token_ids"]))
                      for p, r in zip(prompts, reference)]
         f32 = llama.per_layer_params(loaded.params)
         ref_lp = [np.asarray(dense_logprobs(loaded.config, f32, ids))[first - 1:-1]
                   for ids, first in sequences]
-        for quantization in formats:
-            a = greedy_agreement(reference, greedy(loaded, prompts, quantization))
+        for fmt in formats:
+            a = greedy_agreement(reference, greedy(loaded, prompts, fmt))
             same, agreed = f"{a['identical_requests']}/{a['requests']}", a["matching_prefix_tokens"]
-            kl = mean_kl(loaded, sequences, quantization, ref_lp)
-            print(f"{name:<14}{quantization:<8}{same:>11}"
+            kl = mean_kl(loaded, sequences, fmt, ref_lp)
+            print(f"{name:<14}{fmt:<9}{same:>11}"
                   f"{f'{agreed}/{total} ({agreed / total:.0%})':>38}{kl:>16.2e}", flush=True)
 
 

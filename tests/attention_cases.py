@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model.kv_cache import quantize_kv
 from pallas_kernels.reference import ref_ragged_paged_attention_f64
 
 TOL = {jnp.float32: dict(atol=2e-5, rtol=2e-5), jnp.bfloat16: dict(atol=1.6e-2, rtol=1.6e-2)}
@@ -61,18 +62,38 @@ def make_case(seed, *, seq_lens, q_lens=None, page_size, num_kv_heads, group, he
     return case
 
 
+def quantize_case(case):
+    """The case with int8 pages and their scales f32[Hkv, N, B] (kv_cache.quantize_kv): the
+    garbage slots (NaN in the float case) hold int8 garbage and NaN scales."""
+    out = dict(case)
+    for name in ("k", "v"):
+        pages = np.asarray(jnp.asarray(case[f"{name}_pages"], jnp.float32))
+        garbage = np.isnan(pages).any(-1)
+        q, scale = quantize_kv(jnp.asarray(np.nan_to_num(pages)))
+        q, scale = np.array(q), np.array(scale)
+        q[garbage] = np.random.default_rng(0).integers(-127, 128, (int(garbage.sum()), q.shape[-1]))
+        scale[garbage] = np.nan
+        out[f"{name}_pages"], out[f"{name}_scale"] = jnp.asarray(q), jnp.asarray(scale)
+    return out
+
+
+def scales(case) -> dict:
+    """The case's k_scale/v_scale keyword arguments ({} for float pages)."""
+    return {k: case[k] for k in ("k_scale", "v_scale") if k in case}
+
+
 def dense_f64(case, sm_scale):
     """The float64 oracle on a case; a decode case (no query_start) has one query per row with
     seq_len > 0 and zeros for padding rows."""
     if "query_start" in case:
         return ref_ragged_paged_attention_f64(
             case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
-            case["query_start"], sm_scale=sm_scale)
+            case["query_start"], sm_scale=sm_scale, **scales(case))
     seq_lens = np.asarray(case["seq_lens"])
     query_start = np.arange(len(seq_lens) + 1, dtype=np.int32)
     out = ref_ragged_paged_attention_f64(
         case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
-        query_start, sm_scale=sm_scale)
+        query_start, sm_scale=sm_scale, **scales(case))
     out[seq_lens == 0] = 0
     return out
 
@@ -136,6 +157,7 @@ def ragged_case(seed, rows, *, page_size, num_kv_heads, group, head_dim, dtype=j
 
 
 def call(fn, case, **kw):
-    """fn(q, k_pages, v_pages, page_tables, seq_lens, query_start, **kw) on a ragged case."""
+    """fn(q, k_pages, v_pages, page_tables, seq_lens, query_start, **kw) on a ragged case (with
+    k_scale and v_scale for int8 pages)."""
     return fn(case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
-              case["query_start"], **kw)
+              case["query_start"], **kw, **scales(case))

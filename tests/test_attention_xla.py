@@ -1,7 +1,7 @@
 """The engine's XLA attention path (jaxserve.model.attention) against the kernels' pure-jnp
 references: mixed decode + ragged prefill steps, permuted pages, lengths around page boundaries,
-GQA, a page table wider than any sequence (the blocked loop stops at the longest row), and
-extreme logits against a float64 softmax."""
+GQA, int8 pages with their scales, a page table wider than any sequence (the blocked loop stops
+at the longest row), and extreme logits against a float64 softmax."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxserve.model.attention import AttentionMetadata, attend
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import KVCache, quantize_kv
 from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
 
 
@@ -43,21 +43,31 @@ def _step(rng, page_size, decode_lens, prefill, hkv, g, d, width):
     return q, KVCache(k=jnp.asarray(k), v=jnp.asarray(v)), md
 
 
+def _quantized(cache: KVCache) -> KVCache:
+    (k, k_scale), (v, v_scale) = quantize_kv(cache.k), quantize_kv(cache.v)
+    return KVCache(k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+
+
 @pytest.mark.parametrize("page_size", [4, 16])
-@pytest.mark.parametrize("hkv,g,d", [(1, 1, 8), (3, 3, 64), (2, 8, 16)])
-def test_xla_path_matches_references(page_size, hkv, g, d):
+@pytest.mark.parametrize("hkv,g,d,kv_dtype", [(1, 1, 8, "float32"), (3, 3, 64, "float32"),
+                                              (2, 8, 16, "float32"), (3, 3, 64, "int8"),
+                                              (2, 8, 16, "int8")])
+def test_xla_path_matches_references(page_size, hkv, g, d, kv_dtype):
     rng = np.random.default_rng(page_size * 100 + g)
     b = page_size
     decode_lens = [1, b - 1, b, b + 1, 5 * b + 3]
     prefill = [(b + 1, 3 * b + 2), (1, 1), (7, 7), (2 * b, 2 * b)]  # chunk after earlier pages
     q, cache, md = _step(rng, b, decode_lens, prefill, hkv, g, d, width=12)
+    if kv_dtype == "int8":
+        cache = _quantized(cache)
     out = np.asarray(attend("xla", q, cache, md, sm_scale=d ** -0.5))
     sd = len(decode_lens)
+    scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     ref_decode = ref_paged_decode_attention(q[:sd], cache.k, cache.v, md.page_tables[:sd],
-                                            md.seq_lens[:sd], sm_scale=d ** -0.5)
+                                            md.seq_lens[:sd], sm_scale=d ** -0.5, **scales)
     ref_prefill = ref_ragged_paged_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
                                                md.seq_lens[sd:], md.query_start[sd:] - sd,
-                                               sm_scale=d ** -0.5)
+                                               sm_scale=d ** -0.5, **scales)
     real = int(md.query_start[-1])
     np.testing.assert_allclose(out[:sd], np.asarray(ref_decode), atol=2e-5, rtol=2e-5)
     np.testing.assert_allclose(out[sd:real], np.asarray(ref_prefill)[:real - sd], atol=2e-5,

@@ -1,7 +1,8 @@
 """End-to-end generation on the real default model (SmolLM2-135M-Instruct, f32).
 
 Greedy output equals Hugging Face transformers token for token, and no engine mechanism (batching,
-prefix caching, chunked prefill, preemption, forks, aborts) changes a greedy output."""
+prefix caching, chunked prefill, preemption, forks, aborts) changes a greedy output; prefix
+caching, chunked prefill and preemption also keep it over int8 KV pages."""
 
 from __future__ import annotations
 
@@ -83,7 +84,8 @@ def test_batched_equals_one_at_a_time(llm, prompts):
     assert together == alone
 
 
-def test_prefix_caching_does_not_change_outputs(default_loaded):
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_prefix_caching_does_not_change_outputs(default_loaded, kv):
     tok = default_loaded.tokenizer
     base = tok.encode(LONG_PROMPT)[:200]
     page = 16
@@ -95,32 +97,34 @@ def test_prefix_caching_does_not_change_outputs(default_loaded):
         {"prompt_token_ids": base[:page * 8]},  # fully cached, page-aligned
     ]
     params = SamplingParams(temperature=0, max_tokens=8)
-    cached = make_llm(default_loaded, num_pages=200, max_num_seqs=4, enable_prefix_caching=True)
+    cached = make_llm(default_loaded, kv_cache_dtype=kv, num_pages=200, max_num_seqs=4, enable_prefix_caching=True)
     first = _ids(cached.generate(prompts[:1], params))
     rest = _ids(cached.generate(prompts[1:], params))
     stats = cached.stats()
     # The later prompts reuse the first one's full base pages, never their own last token:
     # 9 pages (147 tokens), 9 (151), 12 (base, 200 tokens) and 7 (base[:128], page-aligned).
     assert stats["prefix_cache_hits"] == (9 + 9 + 12 + 7) * page
-    plain = make_llm(default_loaded, num_pages=200, max_num_seqs=4, enable_prefix_caching=False)
+    plain = make_llm(default_loaded, kv_cache_dtype=kv, num_pages=200, max_num_seqs=4, enable_prefix_caching=False)
     assert first + rest == _ids(plain.generate(prompts, params))
     assert plain.stats()["prefix_cache_hits"] == 0
 
 
-def test_chunked_prefill_with_unaligned_chunks(default_loaded, prompts):
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_chunked_prefill_with_unaligned_chunks(default_loaded, kv, prompts):
     params = SamplingParams(temperature=0, max_tokens=12)
-    whole = make_llm(default_loaded, num_pages=200, max_num_seqs=4, max_num_batched_tokens=1024)
-    chunked = make_llm(default_loaded, num_pages=200, max_num_seqs=4, max_num_batched_tokens=37,
+    whole = make_llm(default_loaded, kv_cache_dtype=kv, num_pages=200, max_num_seqs=4, max_num_batched_tokens=1024)
+    chunked = make_llm(default_loaded, kv_cache_dtype=kv, num_pages=200, max_num_seqs=4, max_num_batched_tokens=37,
                        enable_prefix_caching=False)
     assert _ids(chunked.generate(prompts, params)) == _ids(whole.generate(prompts, params))
 
 
-def test_forced_preemption_keeps_outputs(default_loaded, prompts):
+@pytest.mark.parametrize("kv", ["float32", "int8"])
+def test_forced_preemption_keeps_outputs(default_loaded, kv, prompts):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     short = prompts[:4]
-    ample = make_llm(default_loaded, num_pages=200, max_num_seqs=4)
+    ample = make_llm(default_loaded, kv_cache_dtype=kv, num_pages=200, max_num_seqs=4)
     # 4 sequences of ~40-60 tokens need ~16 pages; 9 pages force repeated preemption.
-    tight = make_llm(default_loaded, num_pages=10, max_num_seqs=4, page_size=16,
+    tight = make_llm(default_loaded, kv_cache_dtype=kv, num_pages=10, max_num_seqs=4, page_size=16,
                      enable_prefix_caching=False)
     expected = _ids(ample.generate(short, params))
     assert _ids(tight.generate(short, params)) == expected

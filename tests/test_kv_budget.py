@@ -166,6 +166,7 @@ def test_cli_table_default_and_fp32_default():
     (LLAMA3 + ["--uniform_max=1024", "--reserve=512"], "--reserve=512"),
     (LLAMA3 + ["--uniform_max=0"], "--uniform_max"),
     (LLAMA3, "--lengths"),
+    (LLAMA3 + ["--kv_cache_dtype=int8", "--lengths=5"], "--kv_cache_dtype"),
 ])
 def test_cli_bad_input(args, message):
     p = run_cli(*args)
@@ -242,6 +243,9 @@ main.run(["jaxserve"] + sys.argv[1:])
     assert out["architecture"]["name"] == "model smol"
     assert out["bytes_per_token"] == 2 * 30 * 3 * 64 * 4
     assert run("--dtype_bytes=2")["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    # int8 pages: one byte per scalar plus a float32 scale per token and KV head.
+    assert run("--kv_cache_dtype=int8")["bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
+    assert run("--kv_cache_dtype=bfloat16")["bytes_per_token"] == 2 * 30 * 3 * 64 * 2
     assert run("--num_layers=32", "--num_kv_heads=8", "--head_dim=128",
                "--dtype_bytes=2")["lengths"]["kv_gib"] == 0.5
 

@@ -32,8 +32,9 @@ log = logging.getLogger("jaxserve.backends")
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
-    # (q f[T, Hq, D], k_pages f[Hkv, N, B, D], v_pages f[Hkv, N, B, D], md: AttentionMetadata,
-    #  *, sm_scale) -> f[T, Hq, D]: each token attends its row's pages causally.
+    # (q f[T, Hq, D], cache: KVCache (pages f[Hkv, N, B, D], or int8 with scales),
+    #  md: AttentionMetadata, *, sm_scale) -> f[T, Hq, D]: each token attends its row's pages
+    #  causally.
     attention: Callable
     # Prefill chunks start at multiples of this many tokens (see AttentionMetadata).
     query_block: int = 1
@@ -73,17 +74,20 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def resolve(name: str, dtype: str = "float32", quantization: str = "none", *,
-            pallas_kernels: str = "auto", head_dim: int | None = None,
-            page_size: int | None = None) -> str:
+            kv_cache_dtype: str | None = None, pallas_kernels: str = "auto",
+            head_dim: int | None = None, page_size: int | None = None) -> str:
     """"auto" -> the Pallas kernels compiled for this device on TPU and GPU (on a GPU when the
     Triton kernels take the model's head dim and page size, else xla, logged); on CPU, the C++
     kernels for a float32 pool where they have a vector path (their portable fallback is far
     slower than XLA's dot) and build, else xla. An explicit name is checked against this
     machine: "cpu" may be asked for on any CPU; "pallas" on a CPU runs in interpret mode (for
     tests and debugging; logged), with the family `pallas_kernels` names (tpu by default).
-    Interpret mode is never chosen on an accelerator."""
+    Interpret mode is never chosen on an accelerator. kv_cache_dtype: the pool's pages (None:
+    dtype)."""
+    from jaxserve.backends import cpu
     from jaxserve.backends.cpu import kernels
 
+    kv = kv_cache_dtype or dtype
     platform = jax.default_backend()
     on_cpu = platform == "cpu"
     device_family = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
@@ -94,7 +98,7 @@ def resolve(name: str, dtype: str = "float32", quantization: str = "none", *,
             from pallas_kernels import gpu
 
             try:
-                gpu.check_supported(head_dim=head_dim, page_size=page_size)
+                gpu.check_supported(head_dim=head_dim, page_size=page_size, dtype=kv)
                 name = "pallas"
             except ValueError as e:
                 log.warning("the GPU Pallas kernels do not take this model (%s); serving with "
@@ -106,14 +110,17 @@ def resolve(name: str, dtype: str = "float32", quantization: str = "none", *,
             name = "xla"
         else:
             fast = kernels.has_vector_path() and kernels.available()
-            name = "cpu" if dtype == "float32" and fast else "xla"
+            takes = dtype == "float32" and kv in cpu.KV_CACHE_DTYPES
+            name = "cpu" if takes and fast else "xla"
     if name == "pallas":
         name = _resolve_pallas(platform, device_family, pallas_kernels)
     get(name)  # unknown names fail here
     if name == "cpu":
-        if not on_cpu or dtype != "float32":
-            raise ValueError("attention_backend='cpu' runs on the CPU with a float32 KV pool "
-                             f"(this is {platform}, {dtype})")
+        if not on_cpu or dtype != "float32" or kv not in cpu.KV_CACHE_DTYPES:
+            raise ValueError(f"attention_backend='cpu' runs on the CPU with float32 weights and "
+                             f"a KV pool of {' or '.join(cpu.KV_CACHE_DTYPES)} (this is "
+                             f"{platform}, dtype {dtype}, kv_cache_dtype {kv}); "
+                             "attention_backend='xla' takes any")
         if not kernels.available():
             raise ValueError(f"the CPU kernels are unavailable: {kernels.unavailable_reason()}")
     if quantization == "bf16":

@@ -19,9 +19,10 @@ def backend(family: str, *, interpret: bool) -> Backend:
     else:
         raise ValueError(f"no Pallas kernel family {family!r} (gpu or tpu)")
 
-    def attention(q, k_pages, v_pages, md, *, sm_scale: float):
-        return ragged_paged_attention(q, k_pages, v_pages, md.page_tables, md.seq_lens,
-                                      md.query_start, sm_scale=sm_scale, interpret=interpret)
+    def attention(q, cache, md, *, sm_scale: float):
+        return ragged_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
+                                      md.query_start, sm_scale=sm_scale, interpret=interpret,
+                                      k_scale=cache.k_scale, v_scale=cache.v_scale)
 
     name = f"pallas-{family}" + ("-interpret" if interpret else "")
     return Backend(name=name, attention=attention, packed=True)

@@ -61,23 +61,26 @@ def _over_page_blocks(page_tables, seq_lens, pages_per_block: int, page_size: in
     return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
-def _gather_block(k_pages, v_pages, pages):
-    """Keys and values of `pages` (i32[R, ppb]) -> f32[Hkv, R, ppb*B, D] each. Gathers whole
-    [B, D] page rows of the cache viewed as [Hkv*N, B*D] (a free reshape), in the output's
-    order: XLA's CPU gather is paid per index, so whole rows in place beat indexing the 4-d
-    cache and transposing (scripts/bench_attention.py)."""
+def _gather_block(cache, pages):
+    """Keys and values of `pages` (i32[R, ppb]) -> f32[Hkv, R, ppb*B, D] each, dequantized for
+    int8 pages. Gathers whole [B, D] page rows of the cache viewed as [Hkv*N, B*D] (a free
+    reshape), in the output's order: XLA's CPU gather is paid per index, so whole rows in place
+    beat indexing the 4-d cache and transposing (scripts/bench_attention.py)."""
     r, ppb = pages.shape
-    hkv, n, b, d = k_pages.shape
+    hkv, n, b, d = cache.k.shape
     rows = jnp.arange(hkv)[:, None, None] * n + pages[None]  # [Hkv, R, ppb]
 
-    def take(x):
+    def take(x, scale):
         block = x.reshape(hkv * n, b * d)[rows]  # [Hkv, R, ppb, B*D]
-        return block.reshape(hkv, r, ppb * b, d).astype(jnp.float32)
+        block = block.reshape(hkv, r, ppb * b, d).astype(jnp.float32)
+        if scale is None:
+            return block
+        return block * scale.reshape(hkv * n, b)[rows].reshape(hkv, r, ppb * b, 1)
 
-    return take(k_pages), take(v_pages)
+    return take(cache.k, cache.k_scale), take(cache.v, cache.v_scale)
 
 
-def _rows_attention(q, k_pages, v_pages, page_tables, seq_lens, q_pos, *,
+def _rows_attention(q, cache, page_tables, seq_lens, q_pos, *,
                     pages_per_block: int, rows_per_chunk: int, sm_scale: float):
     """Each row's queries attend that row's pages causally. q f[R, Qb, Hq, D]: Qb query tokens
     per row (1 for decode; a block of one prefill chunk otherwise); page_tables i32[R, P];
@@ -89,7 +92,7 @@ def _rows_attention(q, k_pages, v_pages, page_tables, seq_lens, q_pos, *,
     memory."""
     r, qb, hq, d = q.shape
     if r <= rows_per_chunk:
-        return _rows_attention_block(q, k_pages, v_pages, page_tables, seq_lens, q_pos,
+        return _rows_attention_block(q, cache, page_tables, seq_lens, q_pos,
                                      pages_per_block=pages_per_block, sm_scale=sm_scale)
     c = rows_per_chunk
     n = -(-r // c)
@@ -99,7 +102,7 @@ def _rows_attention(q, k_pages, v_pages, page_tables, seq_lens, q_pos, *,
 
     def chunk(i, out):
         rows = lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=0)  # noqa: E731
-        o = _rows_attention_block(rows(q), k_pages, v_pages, rows(page_tables), rows(seq_lens),
+        o = _rows_attention_block(rows(q), cache, rows(page_tables), rows(seq_lens),
                                   rows(q_pos), pages_per_block=pages_per_block, sm_scale=sm_scale)
         return jax.lax.dynamic_update_slice_in_dim(out, o, i * c * qb, axis=0)
 
@@ -107,18 +110,18 @@ def _rows_attention(q, k_pages, v_pages, page_tables, seq_lens, q_pos, *,
     return out[:r * qb]
 
 
-def _rows_attention_block(q, k_pages, v_pages, page_tables, seq_lens, q_pos, *,
+def _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, *,
                           pages_per_block: int, sm_scale: float):
     """_rows_attention for one chunk of rows, all at once."""
     r, qb, hq, d = q.shape
-    hkv, _, page_size, _ = k_pages.shape
+    hkv, _, page_size, _ = cache.k.shape
     g = hq // hkv
     qg = q.reshape(r, qb, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(hkv, r, qb * g, d)
     qg = qg.astype(jnp.float32) * sm_scale
     pos = jnp.repeat(q_pos, g, axis=1)[None, :, :, None]  # [1, R, Qb*G, 1]
 
     def block(first, pages, carry):
-        k, v = _gather_block(k_pages, v_pages, pages)  # [Hkv, R, ppb*B, D]
+        k, v = _gather_block(cache, pages)  # [Hkv, R, ppb*B, D]
         s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [Hkv, R, Q, C]
         key_pos = first + jnp.arange(k.shape[2])
         s = jnp.where(key_pos[None, None, None, :] <= pos, s, _MASKED)
@@ -130,13 +133,13 @@ def _rows_attention_block(q, k_pages, v_pages, page_tables, seq_lens, q_pos, *,
     return out.reshape(r * qb, hq, d).astype(q.dtype)
 
 
-def attention(q, k_pages, v_pages, md, *, sm_scale: float):
+def attention(q, cache, md, *, sm_scale: float):
     """Decode rows attend as rows of one query; prefill tokens as blocks of md.query_block
     tokens, each block inside one row (the batch builder aligns every chunk to the block)."""
     sd, t = md.num_decode, q.shape[0]
     parts = []
     if sd:
-        parts.append(_rows_attention(q[:sd, None], k_pages, v_pages, md.page_tables[:sd],
+        parts.append(_rows_attention(q[:sd, None], cache, md.page_tables[:sd],
                                      md.seq_lens[:sd], md.positions[:sd, None],
                                      pages_per_block=DECODE_PAGES_PER_BLOCK,
                                      rows_per_chunk=DECODE_ROWS_PER_CHUNK, sm_scale=sm_scale))
@@ -146,7 +149,7 @@ def attention(q, k_pages, v_pages, md, *, sm_scale: float):
         real = first_rows < sp
         rows = jnp.where(real, first_rows, 0) + sd
         parts.append(_rows_attention(
-            q[sd:].reshape(-1, qb, *q.shape[1:]), k_pages, v_pages, md.page_tables[rows],
+            q[sd:].reshape(-1, qb, *q.shape[1:]), cache, md.page_tables[rows],
             jnp.where(real, md.seq_lens[rows], 0), md.positions[sd:].reshape(-1, qb),
             pages_per_block=PREFILL_PAGES_PER_BLOCK, rows_per_chunk=PREFILL_ROWS_PER_CHUNK,
             sm_scale=sm_scale))

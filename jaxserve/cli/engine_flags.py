@@ -4,15 +4,18 @@ from __future__ import annotations
 
 from absl import flags
 
-from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, PALLAS_KERNELS, PRIORITY_POLICIES,
-                             QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig)
+from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PALLAS_KERNELS,
+                             PRIORITY_POLICIES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig)
 
 _D = EngineConfig()
 flags.DEFINE_string("model", _D.model, "Model name (smollm2-135m), GGUF file, HF or orbax directory.")
 flags.DEFINE_enum("dtype", _D.dtype, DTYPES,
                   "Weights, activations and KV dtype; auto: bfloat16 on GPU/TPU, float32 on CPU.")
+flags.DEFINE_enum("kv_cache_dtype", _D.kv_cache_dtype, KV_CACHE_DTYPES,
+                  "KV pages; auto: as --dtype. int8: a float32 scale per token and KV head.")
 flags.DEFINE_enum("quantization", _D.quantization, QUANTIZATIONS,
-                  "int8: weight-only int8; bf16: bfloat16 weights and matmuls on AMX (CPU).")
+                  "int8: weight-only, groups of 32 inputs; bf16: bfloat16 weights and matmuls "
+                  "on AMX (CPU).")
 flags.DEFINE_enum("attention_backend", _D.attention_backend, ATTENTION_BACKENDS,
                   "auto: the Pallas kernels on TPU/GPU; on CPU the C++ kernels, else xla. "
                   "pallas on a CPU interprets (tests and debugging).")
@@ -39,7 +42,7 @@ flags.DEFINE_integer("seed", _D.seed, "Engine seed for unseeded requests.")
 flags.DEFINE_integer("max_waiting", None, "Refuse new requests beyond this many waiting.")
 
 FLAGS = flags.FLAGS
-_NAMES = ("model", "dtype", "quantization", "attention_backend", "pallas_kernels", "page_size",
+_NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels", "page_size",
           "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
           "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting")

@@ -1,7 +1,8 @@
 """`jaxserve kv_budget`: analytic KV-cache memory accounting (DESIGN.md, "KV memory accounting").
 
-Architecture from --num_layers/--num_kv_heads/--head_dim/--dtype_bytes, or from --model (explicit
-flags override the model's values). Lengths from --lengths (comma list) and/or --uniform_max=M
+Architecture from --num_layers/--num_kv_heads/--head_dim/--dtype_bytes (or --kv_cache_dtype,
+which counts an int8 pool's scales too), or from --model (explicit flags override the model's
+values). Lengths from --lengths (comma list) and/or --uniform_max=M
 (lengths uniform on 1..M, analysed exactly). Prints a table, or JSON with --json; --plot_dir writes
 kv_gib_vs_context.{png,svg,csv} and tail_waste_vs_page_size.{png,svg,csv}.
 
@@ -17,6 +18,7 @@ import sys
 
 from absl import flags
 
+from jaxserve.config import KV_SCALAR_BYTES, kv_slot_bytes
 from jaxserve.tools import kv_budget as kvb
 
 FLAGS = flags.FLAGS
@@ -27,6 +29,9 @@ flags.DEFINE_integer("num_kv_heads", None, "KV heads H_kv (grouped-query attenti
 flags.DEFINE_integer("head_dim", None, "Head dimension d_head.")
 flags.DEFINE_integer("dtype_bytes", None, "Bytes per KV scalar (4 float32, the engine default; "
                      "2 bfloat16/float16; 1 int8).")
+flags.DEFINE_enum("kv_cache_dtype", None, sorted(KV_SCALAR_BYTES),
+                  "The engine's KV pool dtype (instead of --dtype_bytes): int8 adds a float32 "
+                  "scale per token and KV head.")
 flags.DEFINE_string("model", None, "Model name or path; its config gives L, H_kv and d_head "
                     "(loaded with jaxserve.weights.load_model only when this flag is given).")
 flags.DEFINE_list("lengths", None, "Comma list of retained lengths (tokens per request).")
@@ -96,8 +101,15 @@ def _architecture() -> kvb.KVArchitecture:
     if missing:
         raise _Usage(f"missing architecture flag(s) {', '.join(missing)} "
                      "(or give --model to read them from a model's config)")
-    dtype_bytes = kvb.DEFAULT_DTYPE_BYTES if FLAGS.dtype_bytes is None else FLAGS.dtype_bytes
-    return kvb.KVArchitecture(dtype_bytes=dtype_bytes, name=name, **fields)
+    if FLAGS.kv_cache_dtype is not None and FLAGS.dtype_bytes is not None:
+        raise _Usage("give --dtype_bytes or --kv_cache_dtype, not both")
+    if FLAGS.kv_cache_dtype is not None:
+        dtype_bytes, scale_bytes = kv_slot_bytes(FLAGS.kv_cache_dtype)
+    else:
+        dtype_bytes = kvb.DEFAULT_DTYPE_BYTES if FLAGS.dtype_bytes is None else FLAGS.dtype_bytes
+        scale_bytes = 0
+    return kvb.KVArchitecture(dtype_bytes=dtype_bytes, scale_bytes=scale_bytes, name=name,
+                              **fields)
 
 
 def _human_bytes(n: float) -> str:
@@ -116,8 +128,9 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 def _render(result: dict) -> str:
     a = result["architecture"]
+    scales = f" + {a['scale_bytes']} scale bytes" if a["scale_bytes"] else ""
     out = [f"KV accounting ({a['name']}): {a['num_layers']} layers x {a['num_kv_heads']} KV heads "
-           f"x head dim {a['head_dim']} x {a['dtype_bytes']} bytes x 2 (K and V)",
+           f"x (head dim {a['head_dim']} x {a['dtype_bytes']} bytes{scales}) x 2 (K and V)",
            f"bytes per token: {result['bytes_per_token']} ({_human_bytes(result['bytes_per_token'])})"]
     if "lengths" in result:
         s = result["lengths"]
@@ -156,7 +169,8 @@ def _plot(result: dict, arch: kvb.KVArchitecture, lengths, uniform_max, page_siz
     from jaxserve.tools import plots  # matplotlib only when plotting
 
     archs = kvb.load_architectures(FLAGS.architectures)
-    shape = lambda a: (a.num_layers, a.num_kv_heads, a.head_dim, a.dtype_bytes)  # noqa: E731
+    shape = lambda a: (a.num_layers, a.num_kv_heads, a.head_dim, a.dtype_bytes,  # noqa: E731
+                       a.scale_bytes)
     same = [i for i, a in enumerate(archs) if shape(a) == shape(arch)]
     if same:  # the run's architecture is already a named one: mark it, don't draw it twice
         i = same[0]
@@ -164,7 +178,7 @@ def _plot(result: dict, arch: kvb.KVArchitecture, lengths, uniform_max, page_siz
     else:
         label = arch.name[6:] if arch.name.startswith("model ") else "this run"
         archs.append(kvb.KVArchitecture(arch.num_layers, arch.num_kv_heads, arch.head_dim,
-                                        arch.dtype_bytes,
+                                        arch.dtype_bytes, scale_bytes=arch.scale_bytes,
                                         name=f"{label}: L{arch.num_layers} H{arch.num_kv_heads} "
                                              f"d{arch.head_dim} {arch.dtype_bytes}B"))
     _positive(FLAGS.plot_max_context, "plot_max_context")

@@ -48,7 +48,9 @@ class _Launched:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
+        dtype = backends.resolve_dtype(config.dtype)
+        config = dataclasses.replace(config, dtype=dtype, kv_cache_dtype=(
+            dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype))
         self.config = config
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.model_config = loaded.config
@@ -59,9 +61,12 @@ class LLMEngine:
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.scheduler = Scheduler(
             config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
-            model_fingerprint=f"{loaded.fingerprint}:{config.dtype}:{config.quantization}")
+            # A cached page is reused only under the weights and KV format that wrote it.
+            model_fingerprint=(f"{loaded.fingerprint}:{config.dtype}:{config.quantization}:"
+                               f"kv-{config.kv_cache_dtype}"))
         self.backend = backends.resolve(
             config.attention_backend, config.dtype, config.quantization,
+            kv_cache_dtype=config.kv_cache_dtype,
             pallas_kernels=config.pallas_kernels, head_dim=loaded.config.head_dim,
             page_size=config.page_size)
         backend = backends.get(self.backend)
@@ -71,6 +76,7 @@ class LLMEngine:
             query_block=backend.query_block, packed=backend.packed)
         self.runner = ModelRunner(loaded.config, loaded.params, num_pages=self.num_pages,
                                   page_size=config.page_size, dtype=config.dtype,
+                                  kv_cache_dtype=config.kv_cache_dtype,
                                   backend=self.backend, quantization=config.quantization,
                                   max_sample_rows=2 * self.buckets.seqs[-1],  # decode + prefill
                                   huge_pages=config.huge_pages)
@@ -286,7 +292,7 @@ class LLMEngine:
     def kv_usage(self) -> dict:
         """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
         return {**self.scheduler.kv_usage(),
-                "bytes_per_slot": self.model_config.kv_bytes_per_token(self.config.dtype_bytes)}
+                "bytes_per_slot": self.config.kv_bytes_per_token(self.model_config)}
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())

@@ -35,4 +35,4 @@ class AttentionMetadata:
 def attend(backend: str, q, cache: KVCache, md: AttentionMetadata, sm_scale: float):
     """q f[T, Hq, D] -> f[T, Hq, D] over one layer's cache; this step's KV must already be
     written to it."""
-    return backends.get(backend).attention(q, cache.k, cache.v, md, sm_scale=sm_scale)
+    return backends.get(backend).attention(q, cache, md, sm_scale=sm_scale)

@@ -1,5 +1,10 @@
 """The paged KV pool as the model sees it: one KVCache per layer, and the write of a step's keys
-and values into their slots."""
+and values into their slots.
+
+A pool holds float pages (the serving dtype or bfloat16) or int8 pages with a float32 scale per
+token and KV head beside them: each written key (and value) vector maps its absolute maximum to
+127, symmetric, so a slot is stored as D int8 values and one scale and every attention backend
+dequantizes as it reads (pallas_kernels/reference.py states the semantics)."""
 
 from __future__ import annotations
 
@@ -14,12 +19,18 @@ class KVCache:
     """One layer's paged keys and values, head-major so that one head's page is a contiguous
     [B, D] block. Page 0 is scratch: padded slots write there and no valid position reads it."""
 
-    k: jax.Array  # f[Hkv, N, B, D]
-    v: jax.Array  # f[Hkv, N, B, D]
+    k: jax.Array  # f[Hkv, N, B, D], or i8 with scales
+    v: jax.Array  # f[Hkv, N, B, D], or i8 with scales
+    k_scale: jax.Array | None = None  # f32[Hkv, N, B] for int8 pages, else None
+    v_scale: jax.Array | None = None
 
     @property
     def page_size(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
 
 
 @pytree_dataclass
@@ -33,13 +44,30 @@ class KVPool:
     @classmethod
     def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
               head_dim: int, dtype) -> "KVPool":
+        """dtype: the pages' dtype; int8 pages get float32 scales [Hkv, N, B] (ones)."""
         shape = (num_kv_heads, num_pages, page_size, head_dim)
-        return cls(tuple(KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-                         for _ in range(num_layers)))
+
+        def layer():
+            pages = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            if jnp.dtype(dtype) != jnp.int8:
+                return KVCache(*pages)
+            return KVCache(*pages, jnp.ones(shape[:-1], jnp.float32),
+                           jnp.ones(shape[:-1], jnp.float32))
+
+        return cls(tuple(layer() for _ in range(num_layers)))
 
     @property
     def nbytes(self) -> int:
-        return sum(c.k.nbytes + c.v.nbytes for c in self.layers)
+        return sum(a.nbytes for a in jax.tree_util.tree_leaves(self.layers))
+
+
+def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x f[..., D] -> (i8[..., D], f32[...]): each vector's absolute maximum maps to 127 (a zero
+    vector gets scale 0 and zeros), so every element is within half a step (scale / 2)."""
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    q = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None])
+    return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
 def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
@@ -49,6 +77,12 @@ def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
     # Adjacent advanced indices after a slice keep their place: the update is [Hkv, T, D].
     # Slots are in bounds by construction; promising it lets XLA scatter in place.
     mode = "promise_in_bounds"
-    return KVCache(
-        k=cache.k.at[:, page, offset].set(k.swapaxes(0, 1).astype(cache.k.dtype), mode=mode),
-        v=cache.v.at[:, page, offset].set(v.swapaxes(0, 1).astype(cache.v.dtype), mode=mode))
+    k, v = k.swapaxes(0, 1), v.swapaxes(0, 1)  # [Hkv, T, D]
+    if not cache.quantized:
+        return KVCache(k=cache.k.at[:, page, offset].set(k.astype(cache.k.dtype), mode=mode),
+                       v=cache.v.at[:, page, offset].set(v.astype(cache.v.dtype), mode=mode))
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    return KVCache(k=cache.k.at[:, page, offset].set(kq, mode=mode),
+                   v=cache.v.at[:, page, offset].set(vq, mode=mode),
+                   k_scale=cache.k_scale.at[:, page, offset].set(ks, mode=mode),
+                   v_scale=cache.v_scale.at[:, page, offset].set(vs, mode=mode))

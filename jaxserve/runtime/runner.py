@@ -29,7 +29,8 @@ from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.sampling import sample
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+          "int8": jnp.int8}  # int8: KV pages only
 
 
 @dataclasses.dataclass
@@ -119,11 +120,13 @@ def prepare_params(params: dict, quantization: str, backend: str) -> dict:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
-                 dtype: str = "float32", backend: str = "xla", quantization: str = "none",
+                 dtype: str = "float32", kv_cache_dtype: str | None = None,
+                 backend: str = "xla", quantization: str = "none",
                  max_sample_rows: int = 512, huge_pages: bool = False):
         _use_compilation_cache()
         self.cfg = cfg
         self.dtype = DTYPES[dtype]
+        self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
         self.params = jax.tree_util.tree_map(self._to_device,
                                              prepare_params(params, quantization, backend))
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
@@ -142,7 +145,7 @@ class ModelRunner:
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         cfg = self.cfg
         self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, self.num_pages,
-                                 self.page_size, cfg.head_dim, self.dtype)
+                                 self.page_size, cfg.head_dim, self.kv_dtype)
 
     def _to_device(self, x):
         x = np.asarray(x)

@@ -3,7 +3,8 @@
 Pure Python (fractions for exact means, no JAX, no numpy needed): what a set of requests costs in
 KV memory, and how much of what a policy allocates is tail waste.
 
-- Bytes per retained token: ``2 * L * H_kv * d_head * b`` (keys and values).
+- Bytes per retained token: ``2 * L * H_kv * d_head * b`` (keys and values); an int8 pool adds
+  its scales, ``2 * L * H_kv * s`` (one float32 scale, s = 4, per token and KV head).
 - Paged allocation with pages of B slots: a length-T request holds ``B * ceil(T / B)`` slots, so
   its tail waste is in ``[0, B - 1]``.
 - Fixed reservation of R slots: every request holds R slots (T must be <= R); waste ``R - T``.
@@ -61,21 +62,26 @@ def _lengths(lengths: int | Iterable[int], name: str = "lengths") -> tuple[int, 
 
 @dataclasses.dataclass(frozen=True)
 class KVArchitecture:
-    """The four numbers that fix KV bytes per token, plus a display name."""
+    """The four numbers that fix KV bytes per token (and a quantized pool's scale bytes per token
+    and KV head), plus a display name."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int = DEFAULT_DTYPE_BYTES
     name: str = ""
+    scale_bytes: int = 0
 
     def __post_init__(self):
         for field in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             _positive_int(getattr(self, field), field)
+        if self.scale_bytes:
+            _positive_int(self.scale_bytes, "scale_bytes")
 
     @property
     def bytes_per_token(self) -> int:
-        return bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes)
+        return bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype_bytes,
+                               self.scale_bytes)
 
     @classmethod
     def from_model_config(cls, config: Any, dtype_bytes: int = DEFAULT_DTYPE_BYTES,
@@ -90,10 +96,13 @@ class KVArchitecture:
         return d
 
 
-def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """``2 * L * H_kv * d_head * b``: 32, 8, 128, 2 -> 131072 bytes (128 KiB)."""
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                    scale_bytes: int = 0) -> int:
+    """``2 * L * H_kv * (d_head * b + s)``: 32, 8, 128, 2 -> 131072 bytes (128 KiB); int8 with
+    float32 scales, 32, 8, 128, 1, 4 -> 67584 bytes."""
+    per_head = _positive_int(head_dim, "head_dim") * _positive_int(dtype_bytes, "dtype_bytes")
     return (2 * _positive_int(num_layers, "num_layers") * _positive_int(num_kv_heads, "num_kv_heads")
-            * _positive_int(head_dim, "head_dim") * _positive_int(dtype_bytes, "dtype_bytes"))
+            * (per_head + scale_bytes))
 
 
 def kv_bytes(lengths: int | Iterable[int], bytes_per_token: int) -> int:

@@ -1,0 +1,127 @@
+"""The C++ CPU backend's matmuls (f32 panels, bf16 AMX tiles) and greedy argmax against numpy, the
+weight layouts they read, and the packed model computing the same products (int8 too; the int8
+matmul against the dequantized product is in test_quantize.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxserve.backends.cpu import kernels as cpu_kernels
+
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason=f"kernel not built: {cpu_kernels.unavailable_reason()}")
+
+
+# 101 rows: on two cores past kSplitRowsPerThread (rows split over the threads, packed), with a
+# partial last tile.
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 13, 70, 101])
+@pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (64, 49), (576, 6000)])
+def test_f32_matmul_matches_numpy(m, k, n):
+    rng = np.random.default_rng(m * 100 + k + n)
+    w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    got = cpu_kernels.matmul_f32(jnp.asarray(x), jnp.asarray(cpu_kernels.pack_panels(w)), n)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(got), x @ w.T, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows,width", [(1, 5), (3, 16), (7, 33), (256, 49152), (2, 49157)])
+def test_argmax_matches_numpy_with_ties(rows, width):
+    rng = np.random.default_rng(width)
+    x = rng.standard_normal((rows, width)).astype(np.float32)
+    x[0, [width - 1, width // 2]] = 50.0  # a tie across vector lanes and the tail: lowest wins
+    if rows > 1:
+        x[-1, :] = -np.inf  # all -inf: index 0
+    ids, values = jax.jit(cpu_kernels.argmax)(x)
+    np.testing.assert_array_equal(np.asarray(ids), x.argmax(-1))
+    np.testing.assert_array_equal(np.asarray(values), x.max(-1))
+    assert ids.dtype == jnp.int32
+
+
+def test_pack_panels_layout():
+    w = np.arange(50 * 3, dtype=np.float32).reshape(50, 3)  # [out, in]
+    panels = cpu_kernels.pack_panels(w)
+    assert panels.shape == (2, 3, 48)
+    np.testing.assert_array_equal(panels[0, :, 5], w[5])  # column 5 of W = [in, out]
+    np.testing.assert_array_equal(panels[1, :, 1], w[49])
+    assert not panels[1, :, 2:].any()  # zero past N
+
+
+@needs_kernels
+def test_matmul_shape_errors_are_reported():
+    x = jnp.ones((2, 8), jnp.float32)
+    panels = jnp.ones((2, 8, 48), jnp.float32)
+    with pytest.raises(Exception, match="48"):
+        jax.block_until_ready(cpu_kernels.matmul_f32(x, panels, 40))  # N must need both panels
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 5, 17, 33, 70])
+@pytest.mark.parametrize("k,n", [(576, 960), (40, 7), (64, 49), (1536, 576)])
+def test_bf16_matmul_matches_the_product_of_rounded_inputs(m, k, n):
+    if not cpu_kernels.amx_bf16_available():
+        pytest.skip("no AMX-BF16 here")
+    rng = np.random.default_rng(m * 100 + k + n)
+    w = rng.standard_normal((n, k)).astype(np.float32)  # [out, in]
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    rounded = lambda a: a.astype(jnp.bfloat16).astype(np.float64)  # noqa: E731
+    want = rounded(x) @ rounded(w).T
+    got = cpu_kernels.matmul_bf16(jnp.asarray(x), jnp.asarray(cpu_kernels.pack_bf16_tiles(w)), n)
+    assert got.shape == (m, n)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+
+
+def test_bf16_tiles_pair_rows_of_k_for_each_column():
+    w = np.arange(37 * 40, dtype=np.float32).reshape(37, 40) / 7  # [out, in]
+    tiles = cpu_kernels.pack_bf16_tiles(w)
+    assert tiles.dtype == np.uint16 and tiles.shape == (3, 32, 16, 2)  # K 40 -> 64, N 37 -> 48
+    as_float = tiles.view(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(as_float[1, 3, 4], w[20, 6:8].astype(jnp.bfloat16))
+    assert not as_float[2, :, 5:].any() and not as_float[:, 20:].any()  # zero past N and K
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["f32", "int8", "bf16"])
+def test_cpu_layout_runs_the_kernels_with_the_same_products(kind):
+    """The cpu backend's pack_params packs every projection, the head and a tied embedding; the
+    packed model computes the same products (bf16: of bf16-rounded inputs) and looks up the
+    same rows."""
+    from jaxserve.backends.cpu.packing import PanelWeight, pack_params
+    from jaxserve.model import llama
+
+    rng = np.random.default_rng(5)
+    h, inter, vocab = 64, 96, 100
+    layers = {name: rng.standard_normal((1, *shape)).astype(np.float32)
+              for name, shape in [("wq", (h, h)), ("wk", (h, 32)), ("wv", (h, 32)), ("wo", (h, h)),
+                                  ("w_gate", (h, inter)), ("w_up", (h, inter)),
+                                  ("w_down", (inter, h))]}
+    layers |= {"attn_norm": np.ones((1, h), np.float32), "mlp_norm": np.ones((1, h), np.float32)}
+    params = {"embed": rng.standard_normal((vocab, h)).astype(np.float32),
+              "final_norm": np.ones(h, np.float32), "layers": layers}
+    if kind == "int8":
+        from jaxserve.model.quantize import quantize_int8
+        params = quantize_int8(params)
+    if kind == "bf16":
+        from jaxserve.model.quantize import round_bf16
+        if not cpu_kernels.amx_bf16_available():
+            pytest.skip("no AMX-BF16 here")
+        params = round_bf16(params)
+    plain = llama.per_layer_params(params)
+    packed = pack_params(plain)
+    weights = lambda p: [p["layers"][0][k] for k in ("w_qkv", "wo", "w_gate_up", "w_down")]  # noqa: E731
+    head = lambda p: p["lm_head"] if "lm_head" in p else p["embed"]  # noqa: E731
+    target = f"jaxserve_matmul_{kind}"
+    for wp, wx in zip(weights(packed) + [head(packed)], weights(plain) + [head(plain)]):
+        assert isinstance(wp, PanelWeight) and not isinstance(wx, PanelWeight)
+        k = (wx["q_t"] if isinstance(wx, dict) else wx).shape[1]
+        x = jnp.asarray(rng.standard_normal((3, k)), jnp.float32)
+        assert target in jax.jit(lambda x: llama.matmul(x, wp)).lower(x).as_text()
+        assert "jaxserve" not in jax.jit(lambda x: llama.matmul(x, wx)).lower(x).as_text()
+        x_ref = x.astype(jnp.bfloat16).astype(jnp.float32) if kind == "bf16" else x
+        np.testing.assert_allclose(np.asarray(llama.matmul(x, wp)),
+                                   np.asarray(llama.matmul(x_ref, wx)), rtol=1e-4, atol=1e-4)
+    ids = jnp.asarray([0, 47, 48, 99], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(llama.embed(packed, ids)), params["embed"][ids])
