@@ -57,6 +57,52 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (Leviathan et al.): each step proposes up to num_speculative_tokens
+    tokens per decoding sequence and the target model verifies them in one chunk; the output is
+    the target's own (greedy: token for token; sampled: the same distribution, and the same
+    tokens for a seed). "ngram": prompt lookup, the tokens that followed the latest earlier
+    occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got "
+                             f"{self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..."
+                             f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
+                             f"got {lo!r} and {hi!r}")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | None") -> "SpeculativeConfig | None":
+        """A SpeculativeConfig, or a dict of its fields (unknown names are errors), or None."""
+        if value is None or isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got "
+                             f"{type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
 SCHEDULING_POLICIES = ("iteration", "static")
 PRIORITY_POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas")
@@ -114,12 +160,16 @@ class EngineConfig:
     cache_salt: str | None = None
     seed: int = 0
     max_waiting: int | None = None  # front ends refuse new requests beyond this queue length
+    # Speculative decoding (SpeculativeConfig, or a dict of its fields); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
             if not ok:
                 raise ValueError(msg)
 
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")

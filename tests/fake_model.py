@@ -80,6 +80,9 @@ class FakeRunner:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
             if chunk.feed_row >= 0:  # planned ahead: one token, the one the previous plan samples
                 assert chunk.num_tokens == 1 and start == seq.num_tokens and feed is not None
+            elif chunk.draft_token_ids:  # the last token, then drafts past the sequence's end
+                assert start == seq.num_computed_tokens == seq.num_tokens - 1
+                assert chunk.num_tokens == 1 + len(chunk.draft_token_ids)
             else:
                 assert start == seq.num_computed_tokens and 0 < chunk.num_tokens and end <= seq.num_tokens
             assert len(seq.page_ids) >= -(-end // b), "page table too short for the chunk"
@@ -91,19 +94,20 @@ class FakeRunner:
                 assert holders <= allowed, f"write into page {page} shared with another sequence"
                 if sched.cache is not None:
                     assert not sched.cache.is_cached(page), f"write into cached page {page}"
-            tokens = [feed[chunk.feed_row]] if chunk.feed_row >= 0 else seq.token_ids[start:end]
+            tokens = [feed[chunk.feed_row]] if chunk.feed_row >= 0 else chunk.input_token_ids
             for pos, token in zip(range(start, end), tokens):
                 self.slots[seq.page_ids[pos // b] * b + pos % b] = token
         out = []
-        for chunk, s in plan.sample_rows:
-            seq, end = chunk.seq, chunk.start + chunk.num_tokens
-            assert s.page_ids == seq.page_ids
-            ctx = [self.slots[seq.page_ids[p // b] * b + p % b] for p in range(end)]
-            if self.strict:
-                known = seq.token_ids[:end] if chunk.feed_row < 0 else \
-                    seq.token_ids[:end - 1] + [feed[chunk.feed_row]]
-                assert ctx == known, f"seq {seq.seq_id} reads wrong KV"
-            out.append(next_token(ctx, seq.num_prompt_tokens, s.fork_index))
+        for chunk in plan.chunks:
+            for offset, s in chunk.sample_rows:
+                seq, end = chunk.seq, chunk.start + offset + 1
+                assert s.page_ids == seq.page_ids
+                ctx = [self.slots[seq.page_ids[p // b] * b + p % b] for p in range(end)]
+                if self.strict:
+                    known = seq.token_ids[:chunk.start] + chunk.input_token_ids[:offset + 1] \
+                        if chunk.feed_row < 0 else seq.token_ids[:end - 1] + [feed[chunk.feed_row]]
+                    assert ctx == known, f"seq {seq.seq_id} reads wrong KV"
+                out.append(next_token(ctx, seq.num_prompt_tokens, s.fork_index))
         return out
 
 

@@ -167,6 +167,7 @@ def test_cli_table_default_and_fp32_default():
     (LLAMA3 + ["--uniform_max=0"], "--uniform_max"),
     (LLAMA3, "--lengths"),
     (LLAMA3 + ["--kv_cache_dtype=int8", "--lengths=5"], "--kv_cache_dtype"),
+    (LLAMA3 + ["--lengths=5", "--num_speculative_tokens=17"], "--num_speculative_tokens"),
 ])
 def test_cli_bad_input(args, message):
     p = run_cli(*args)
@@ -259,3 +260,15 @@ def test_cli_does_not_import_weights_without_model_flag():
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "WEIGHTS False JAX False" in p.stderr
+
+
+def test_speculative_lookahead_pages():
+    """A verification of k drafts holds ceil((T + k) / B) pages until it rolls back: lengths 16
+    and 17 in pages of 16 with k = 4 peak at 2 + 2 pages instead of 1 + 2."""
+    arch = kvb.KVArchitecture(num_layers=2, num_kv_heads=1, head_dim=4, dtype_bytes=4)
+    out = kvb.analyse(arch, lengths=[16, 17], page_sizes=[16], lookahead=4)
+    (la,) = out["lengths"]["speculative_lookahead"]
+    assert (la["pages"], la["peak_pages"]) == (3, 4)
+    assert la["extra_bytes"] == 16 * arch.bytes_per_token
+    p = run_cli(*LLAMA3, "--lengths=16,17", "--page_sizes=16", "--num_speculative_tokens=4")
+    assert p.returncode == 0 and "peak 4 pages (plain 3" in p.stdout, p.stderr

@@ -351,7 +351,7 @@ def test_stop_strings_given_to_update_finish_and_free_pages():
     sched.add_request(r)
     plan = sched.schedule()
     assert sched.accepted_rows(plan) == [(0, r.sequences[0])]
-    sched.update(plan, [5], {r.sequences[0].seq_id: "</s>"})
+    sched.update(plan, [5], {0: "</s>"})  # row 0 completed the stop string
     assert r.is_finished and not sched.has_unfinished() and sched.stats()["referenced_pages"] == 0
     assert r.sequences[0].stop_reason == "</s>"
     assert r.sequences[0].status is SequenceStatus.FINISHED_STOPPED

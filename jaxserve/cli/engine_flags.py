@@ -5,7 +5,8 @@ from __future__ import annotations
 from absl import flags
 
 from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PALLAS_KERNELS,
-                             PRIORITY_POLICIES, QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig)
+                             PRIORITY_POLICIES, QUANTIZATIONS, SCHEDULING_POLICIES,
+                             SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig)
 
 _D = EngineConfig()
 flags.DEFINE_string("model", _D.model, "Model name (smollm2-135m), GGUF file, HF or orbax directory.")
@@ -41,6 +42,15 @@ flags.DEFINE_string("cache_salt", None, "Prefix-cache salt (isolates tenants).")
 flags.DEFINE_integer("seed", _D.seed, "Engine seed for unseeded requests.")
 flags.DEFINE_integer("max_waiting", None, "Refuse new requests beyond this many waiting.")
 
+_S = SpeculativeConfig()
+flags.DEFINE_enum("speculative_method", None, SPECULATIVE_METHODS,
+                  "Speculative decoding (off unless this or --num_speculative_tokens is given); "
+                  "ngram: prompt lookup.")
+flags.DEFINE_integer("num_speculative_tokens", None,
+                     f"Drafts per sequence and step, 1..16 (default {_S.num_speculative_tokens}).")
+flags.DEFINE_integer("prompt_lookup_min", _S.prompt_lookup_min, "Shortest n-gram matched (ngram).")
+flags.DEFINE_integer("prompt_lookup_max", _S.prompt_lookup_max, "Longest n-gram matched (ngram).")
+
 FLAGS = flags.FLAGS
 _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels", "page_size",
           "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
@@ -49,4 +59,12 @@ _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend
 
 
 def engine_options() -> dict:
-    return {name: FLAGS[name].value for name in _NAMES}
+    options = {name: FLAGS[name].value for name in _NAMES}
+    if FLAGS.speculative_method is not None or FLAGS.num_speculative_tokens is not None:
+        spec = {"method": FLAGS.speculative_method or _S.method,
+                "prompt_lookup_min": FLAGS.prompt_lookup_min,
+                "prompt_lookup_max": FLAGS.prompt_lookup_max}
+        if FLAGS.num_speculative_tokens is not None:
+            spec["num_speculative_tokens"] = FLAGS.num_speculative_tokens
+        options["speculative_config"] = spec
+    return options

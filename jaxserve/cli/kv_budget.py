@@ -40,6 +40,8 @@ flags.DEFINE_list("page_sizes", [str(b) for b in kvb.DEFAULT_PAGE_SIZES],
                   "Comma list of page sizes B (slots per page).")
 flags.DEFINE_integer("reserve", None, "Fixed reservation (slots per request) to compare with; "
                      "defaults to the longest length / to M for --uniform_max.")
+flags.DEFINE_integer("num_speculative_tokens", 0, "Speculative decoding's drafts per step (k): "
+                     "the lookahead pages a verification holds before rolling back.")
 flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 flags.DEFINE_string("plot_dir", None, "Write the two plots (PNG, SVG, CSV) into this directory.")
 flags.DEFINE_string("architectures", None, "JSON file of named architectures for the "
@@ -149,6 +151,10 @@ def _render(result: dict) -> str:
                          _human_bytes(p["allocated_bytes"])])
         out.append(_table(rows, ["policy", "pages", "allocated", "useful", "tail waste",
                                  "per request", "mean", "utilisation", "KV allocated"]))
+        for la in s.get("speculative_lookahead", []):
+            out.append(f"speculative lookahead of {la['lookahead']}, pages of {la['page_size']}: "
+                       f"peak {la['peak_pages']} pages (plain {la['pages']}; "
+                       f"+{_human_bytes(la['extra_bytes'])} during a verification)")
     if "uniform" in result:
         u = result["uniform"]
         out += ["", f"{u['distribution']} (exact; mean length {u['mean_length_exact']}; "
@@ -227,8 +233,12 @@ def main(argv: list[str]) -> None:
             if FLAGS.uniform_max is not None and FLAGS.uniform_max > FLAGS.reserve:
                 raise _Usage(f"--uniform_max={FLAGS.uniform_max} is longer than "
                              f"--reserve={FLAGS.reserve}")
+        if not 0 <= FLAGS.num_speculative_tokens <= 16:
+            raise _Usage(f"--num_speculative_tokens must be in 0..16, got "
+                         f"{FLAGS.num_speculative_tokens}")
         result = kvb.analyse(arch, lengths=lengths, uniform_max=FLAGS.uniform_max,
-                             page_sizes=page_sizes, reserve=FLAGS.reserve)
+                             page_sizes=page_sizes, reserve=FLAGS.reserve,
+                             lookahead=FLAGS.num_speculative_tokens)
         if FLAGS.plot_dir:
             result["plots"] = _plot(result, arch, lengths, FLAGS.uniform_max, page_sizes,
                                     FLAGS.reserve)

@@ -138,6 +138,14 @@ class KVManager:
         self._keys.pop(seq.seq_id, None)
         self._salt.pop(seq.seq_id, None)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop seq's pages past those that hold its first num_tokens slots (speculative
+        lookahead that was rolled back); their later slots are rewritten before they are read."""
+        keep = self.pages_for(num_tokens)
+        for page in reversed(seq.page_ids[keep:]):
+            self.pool.decref(page)
+        del seq.page_ids[keep:]
+
     # ---- steps in flight --------------------------------------------------------------------------
     def step_launched(self, step: int) -> None:
         """A plan tagged `step` goes to the device: pages freed from now on wait for it."""

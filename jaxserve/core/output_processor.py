@@ -58,19 +58,24 @@ class OutputProcessor:
     def process(self, rows: list[tuple[int, Sequence]], out,
                 now: float) -> tuple[dict[int, str], dict[str, str]]:
         """A step's sample rows that the scheduler will apply ((row, sequence) pairs from
-        Scheduler.accepted_rows), with the step's output `out` (token_ids, logprobs, top_ids,
-        top_logprobs per row): records logprobs and token times and detokenizes each token.
-        Returns ({seq_id: stop string} for the sequences a stop string finishes, {request_id:
-        error} for the requests whose row could not be processed: they fail alone)."""
-        stops, errors = {}, {}
+        Scheduler.accepted_rows, in order; a sequence has several when it verified drafts),
+        with the step's output `out` (token_ids, logprobs, top_ids, top_logprobs per row):
+        records logprobs and token times and detokenizes each token. Returns ({row: stop
+        string} for the rows whose token completes a stop string (the sequence's later rows
+        are skipped), {request_id: error} for the requests whose row could not be processed:
+        they fail alone)."""
+        stops, errors, stopped = {}, {}, set()
         for row, seq in rows:
+            if seq.seq_id in stopped:
+                continue
             try:
                 stop = self._process_row(seq, row, out, now)
             except Exception as e:  # noqa: BLE001 - a bad row fails its request, not the step
                 errors[seq.request.request_id] = f"processing its output failed: {e!r}"
                 continue
             if stop is not None:
-                stops[seq.seq_id] = stop
+                stops[row] = stop
+                stopped.add(seq.seq_id)
         return stops, errors
 
     def _process_row(self, seq: Sequence, row: int, out, now: float) -> str | None:

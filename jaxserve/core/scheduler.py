@@ -31,6 +31,12 @@ Policies:
 - Planning ahead (async scheduling): schedule_next(plan), called while `plan` is on the device,
   plans the next decode step with the tokens `plan` samples fed in on the device. Only where
   nothing waits and every running sequence decodes; otherwise it returns None.
+- Speculative decoding (`spec_k` > 0 drafts at most per sequence; the engine sets it per step):
+  a decoding sequence's chunk also computes the drafts the proposer offers (within the budget
+  left after the other decodes) and samples at each of its tokens; update() keeps the tokens up
+  to the first sample that differs from its draft and returns lookahead pages left wholly
+  unused. Its next positions depend on that verdict, so while speculating nothing is planned
+  ahead (schedule_next returns None).
 """
 
 from __future__ import annotations
@@ -44,10 +50,12 @@ from jaxserve.core.limits import RequestRejected, check_request
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.prefix_cache import PrefixCache
 from jaxserve.core.sequence import Request, Sequence, SequenceStatus
+from jaxserve.core.speculation import Proposer
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan
+from jaxserve.core.step_results import StepResults
 
 
-class Scheduler:
+class Scheduler(StepResults):
     def __init__(self, config: EngineConfig, *, num_pages: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], model_fingerprint: str):
         self.config = config
@@ -72,7 +80,16 @@ class Scheduler:
         self.counters = dict(num_preempted_total=0, num_aborted_total=0, num_finished_total=0,
                              num_rejected_total=0, num_failed_total=0, prefix_cache_queries=0,
                              prefix_cache_hits=0, num_steps=0, num_cow_copies=0,
-                             num_scheduled_ahead=0)
+                             num_scheduled_ahead=0, spec_steps=0, spec_draft_tokens=0,
+                             spec_accepted_tokens=0)
+        spec = config.speculative_config
+        self.proposer = Proposer(spec, max_model_len) if spec else None
+        self.spec_k = spec.num_speculative_tokens if spec else 0  # the engine's choice per step
+        # Per draft position (1st, 2nd, ...): drafts proposed there and accepted there, and the
+        # decodes that could have speculated (the engine's cost model reads them).
+        k = spec.num_speculative_tokens if spec else 0
+        self.spec_drafted_at, self.spec_accepted_at = [0] * k, [0] * k
+        self.spec_opportunities = 0
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -135,14 +152,24 @@ class Scheduler:
             seq = queue[i]
             i += 1
             decode = self._is_decode_ready(seq)
+            drafts = []
             if decode:
                 decodes_left -= 1
-                n = 1
+                if self.spec_k:
+                    drafts = self.proposer.drafts(
+                        seq, min(self.spec_k, budget - plan.num_tokens - decodes_left - 1))
+                    self.spec_opportunities += 1
+                    for position in range(len(drafts)):
+                        self.spec_drafted_at[position] += 1
+                n = 1 + len(drafts)
             else:
                 n = self._chunk_len(seq, seq.num_computed_tokens, budget - plan.num_tokens - decodes_left)
                 if n == 0:
                     continue
             while self.kv.pages_needed(seq, n) > self.pool.num_available:
+                if drafts:  # no pages for the lookahead: decode plainly rather than preempt
+                    drafts, n = [], 1
+                    continue
                 fit = 0 if decode else self._fit_chunk(seq, n)
                 if 0 < fit < n:  # a shorter prefill chunk fits: take it rather than preempt
                     n = fit
@@ -160,7 +187,7 @@ class Scheduler:
                 n = 0
                 break
             if n:
-                self._schedule_chunk(seq, n, plan)
+                self._schedule_chunk(seq, n, plan, drafts)
 
         if cfg.scheduling == "iteration":
             while not plan.preempted and self.waiting and plan.num_tokens < budget:
@@ -196,14 +223,14 @@ class Scheduler:
         out; one that an EOS, stop token or stop string finishes is computed once more and its
         token dropped by update(), as for any sequence finished while a plan is in flight.
         Needs a page at most per sequence, none copied and no preemption; otherwise None."""
-        if not plan.chunks:
+        if not plan.chunks or self.spec_k:
             return None
         if id(plan) not in self._outstanding:
             raise ValueError("schedule_next plans the step after one still in flight")
         if self.waiting or plan.preempted:
             return None
         if len(plan.chunks) != len(self.running) or \
-                any(len(c.sample_seqs) != 1 or c.sample_seqs[0] is not c.seq
+                any(len(c.sample_seqs) != 1 or c.sample_seqs[0] is not c.seq or c.draft_token_ids
                     or c.seq.status is not SequenceStatus.RUNNING for c in plan.chunks):
             return None
         nxt = StepPlan()
@@ -266,12 +293,14 @@ class Scheduler:
             self._schedule_chunk(seq, n, plan)
         return True
 
-    def _schedule_chunk(self, seq: Sequence, n: int, plan: StepPlan) -> None:
+    def _schedule_chunk(self, seq: Sequence, n: int, plan: StepPlan, drafts=()) -> None:
         start = seq.num_computed_tokens
-        self.kv.prepare_write(seq, n, plan.copies)
-        chunk = ScheduledChunk(seq=seq, start=start, num_tokens=n)
+        self.kv.prepare_write(seq, n, plan.copies)  # drafts included: lookahead slots
+        chunk = ScheduledChunk(seq=seq, start=start, num_tokens=n, draft_token_ids=list(drafts))
         self._in_flight[seq.seq_id] += 1
-        if start + n == seq.num_tokens:
+        if drafts:
+            chunk.sample_seqs.append(seq)
+        elif start + n == seq.num_tokens:
             chunk.sample_seqs.append(seq)
             request = seq.request
             if (seq.fork_index == 0 and seq.num_tokens == seq.num_prompt_tokens
@@ -288,70 +317,6 @@ class Scheduler:
                     self._in_flight[child.seq_id] += 1
                     chunk.sample_seqs.append(child)
         plan.chunks.append(chunk)
-
-    # ---- applying a step's results ------------------------------------------------------------------
-    def accepted_rows(self, plan: StepPlan) -> list[tuple[int, Sequence]]:
-        """(row, sequence) of the sample rows whose tokens update(plan) will append: those of
-        sequences still running whose chunk was not overtaken (aborted, finished or preempted
-        since schedule()). Changes nothing."""
-        rows = []
-        for row, (chunk, seq) in enumerate(plan.sample_rows):
-            if (chunk.seq.status is SequenceStatus.RUNNING
-                    and chunk.seq.num_computed_tokens == chunk.start
-                    and seq.status is SequenceStatus.RUNNING):
-                rows.append((row, seq))
-        return rows
-
-    def update(self, plan: StepPlan, sampled_token_ids: list[int],
-               stop_strings: dict[int, str] | None = None) -> list[Request]:
-        """Apply a plan's sampled tokens; returns the requests that progressed or finished.
-        stop_strings {seq_id: stop string} (the output processor's answer for accepted_rows)
-        finish their sequences, unless an EOS, stop token or length finished them first."""
-        stop_strings = stop_strings or {}
-        rows = plan.sample_rows
-        if len(sampled_token_ids) != len(rows):
-            raise ValueError(f"plan samples {len(rows)} tokens, got {len(sampled_token_ids)}")
-        self._outstanding.pop(id(plan), None)
-        accepted = self.accepted_rows(plan)  # before the chunks below advance their sequences
-        for chunk in plan.chunks:
-            for seq_id in {chunk.seq.seq_id, *(s.seq_id for s in chunk.sample_seqs)}:
-                self._in_flight[seq_id] -= 1
-                if self._in_flight[seq_id] <= 0:
-                    del self._in_flight[seq_id]
-            seq = chunk.seq
-            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == chunk.start:
-                seq.num_computed_tokens += chunk.num_tokens
-                self.kv.register_full_pages(seq)
-        now = time.monotonic()
-        touched: dict[str, Request] = {}
-        for row, seq in accepted:  # the others were overtaken since schedule(): token dropped
-            chunk, token = rows[row][0], int(sampled_token_ids[row])
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
-            self.kv.register_full_pages(seq)
-            seq.token_ids.append(token)
-            request = seq.request
-            if request.first_token_time is None:
-                request.first_token_time = now
-            touched[request.request_id] = request
-            self._check_stop(seq, token)
-            if seq.seq_id in stop_strings and not seq.is_finished:
-                self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop_strings[seq.seq_id])
-        for request in self._finished_unreported:
-            touched.setdefault(request.request_id, request)
-        self._finished_unreported = []
-        self.kv.steps_applied([step for step, _ in self._outstanding.values()])
-        return list(touched.values())
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        params = seq.sampling_params
-        if not params.ignore_eos and token in self.eos_token_ids:
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-        elif token in params.stop_token_ids:
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED, token)
-        elif params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-        elif seq.num_tokens >= self.max_model_len:
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
 
     # ---- state changes -------------------------------------------------------------------------
     def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None) -> None:
@@ -446,4 +411,6 @@ class Scheduler:
             **self.kv.page_stats(), running=len(self.running), waiting=len(self.waiting),
             preemptions=self.counters["num_preempted_total"],
             prefix_cache_hit_rate=self.counters["prefix_cache_hits"] / queries if queries else 0.0,
+            spec_accepted_per_position=list(self.spec_accepted_at),
+            spec_drafted_per_position=list(self.spec_drafted_at), spec_k=self.spec_k,
             **self.counters)

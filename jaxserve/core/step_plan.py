@@ -23,10 +23,28 @@ class ScheduledChunk:
     # >= 0: a decode scheduled while the previous step is still running: its input token is not
     # on the host yet but is the token that step samples at this row (the device feeds it in).
     feed_row: int = -1
+    # Speculative decoding: a decode that also computes these proposed next tokens (positions
+    # start + 1 ...; num_tokens = 1 + len) and samples at every token, to verify them.
+    draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def is_decode(self) -> bool:
         return self.num_tokens == 1 and self.start >= self.seq.num_prompt_tokens
+
+    @property
+    def input_token_ids(self) -> list[int]:
+        """The tokens this chunk computes (a verification chunk's drafts are not in seq yet)."""
+        if self.draft_token_ids:
+            return [self.seq.token_ids[self.start]] + self.draft_token_ids
+        return self.seq.token_ids[self.start:self.start + self.num_tokens]
+
+    @property
+    def sample_rows(self) -> list[tuple[int, Sequence]]:
+        """(token offset in the chunk, sequence) per sampled token: the last token once per entry
+        of sample_seqs, or every token of a verification chunk."""
+        if self.draft_token_ids:
+            return [(i, self.seq) for i in range(self.num_tokens)]
+        return [(self.num_tokens - 1, s) for s in self.sample_seqs]
 
 
 @dataclasses.dataclass
@@ -45,7 +63,7 @@ class StepPlan:
     @property
     def sample_rows(self) -> list[tuple[ScheduledChunk, Sequence]]:
         """(chunk, sequence) per sampled token, in the order the runner returns them."""
-        return [(c, s) for c in self.chunks for s in c.sample_seqs]
+        return [(c, s) for c in self.chunks for _, s in c.sample_rows]
 
     @property
     def is_empty(self) -> bool:

@@ -21,6 +21,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
+from jaxserve.engine.speculation_control import SpeculationControl
 from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.runner import ModelRunner
@@ -73,13 +74,19 @@ class LLMEngine:
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
             math.ceil(self.max_model_len / config.page_size),
-            query_block=backend.query_block, packed=backend.packed)
+            query_block=backend.query_block, packed=backend.packed,
+            spec_tokens=(config.speculative_config.num_speculative_tokens
+                         if config.speculative_config else 0))
         self.runner = ModelRunner(loaded.config, loaded.params, num_pages=self.num_pages,
                                   page_size=config.page_size, dtype=config.dtype,
                                   kv_cache_dtype=config.kv_cache_dtype,
                                   backend=self.backend, quantization=config.quantization,
-                                  max_sample_rows=2 * self.buckets.seqs[-1],  # decode + prefill
+                                  max_sample_rows=self.buckets.max_sample_rows,
                                   huge_pages=config.huge_pages)
+        spec = config.speculative_config
+        self.spec_control = (SpeculationControl(spec.num_speculative_tokens, self.buckets.tokens)
+                             if spec else None)
+        self._last_step_end: float | None = None
         self._in_flight: _Launched | None = None  # the step on the device, not yet fetched
         self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
         self._failed: list[Request] = []  # failed on their own since the last step() returned
@@ -155,6 +162,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self._in_flight is None:
+            self._choose_drafts()
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 self.scheduler.update(plan, [])
@@ -163,7 +171,7 @@ class LLMEngine:
         t_launched = time.perf_counter()
         current = self._in_flight
         self._in_flight = None
-        if self.config.async_scheduling:
+        if self.config.async_scheduling and not self._choose_drafts():
             plan = self.scheduler.schedule_next(current.plan)
             if plan is not None:
                 self._in_flight = self._launch(plan, after=current.out)
@@ -175,12 +183,31 @@ class LLMEngine:
         if ahead and not self.scheduler.has_unfinished():
             self._settle()  # everything it computes was finished meanwhile: drop it now
         t3 = time.perf_counter()
+        if self.spec_control is not None:
+            # A step's cost is the interval between steps that follow each other (with async
+            # scheduling the device ran this one while the host finished the last).
+            back_to_back = self._last_step_end is not None and t0 - self._last_step_end < 1e-3
+            self.spec_control.observe(current.plan.num_tokens,
+                                      t3 - (self._last_step_end if back_to_back else t0))
+            self._last_step_end = t3
         # Host work while a step ran on the device overlapped it: planning the next step while
         # `current` ran, and applying `current` while the next one runs.
         self.host_seconds += (t1 - t0) + (t3 - t2)
         self.host_overlapped_seconds += (t1 - t_launched) + ((t3 - t2) if ahead else 0.0)
         self.device_seconds += t2 - t1
         return results
+
+    def _choose_drafts(self) -> int:
+        """Speculative decoding: the drafts per sequence for the next step planned, from the
+        measured cost model (SpeculationControl); 0 (and nothing without speculation) lets
+        async scheduling plan that step ahead."""
+        if self.spec_control is None:
+            return 0
+        s = self.scheduler
+        decoding = sum(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in s.running)
+        s.spec_k = self.spec_control.choose(decoding, s.spec_opportunities, s.spec_drafted_at,
+                                            s.spec_accepted_at)
+        return s.spec_k
 
     def _launch(self, plan: StepPlan, after=None) -> "_Launched":
         self._unapplied.append(plan)
@@ -245,10 +272,12 @@ class LLMEngine:
         if out.prompt_logprobs is not None:
             errors = self.outputs.record_prompt_logprobs(plan, launched.offsets, out)
         now = time.monotonic()
-        stops, row_errors = self.outputs.process(self.scheduler.accepted_rows(plan), out, now)
+        tokens = [int(t) for t in out.token_ids]
+        stops, row_errors = self.outputs.process(self.scheduler.accepted_rows(plan, tokens), out,
+                                                 now)
         for request_id, error in {**errors, **row_errors}.items():
             self._fail(request_id, error)
-        changed = self.scheduler.update(plan, [int(t) for t in out.token_ids], stops)
+        changed = self.scheduler.update(plan, tokens, stops)
         self.num_steps += 1
         return self._snapshots(changed, now)
 
@@ -301,6 +330,8 @@ class LLMEngine:
                      host_overlapped_seconds=self.host_overlapped_seconds,
                      kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
                      huge_page_bytes=self.runner.huge_page_bytes)
+        if self.spec_control is not None:  # the cost model: seconds per token bucket timed
+            stats["spec_step_seconds"] = dict(sorted(self.spec_control.seconds.items()))
         return stats
 
 

@@ -72,7 +72,7 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         end = start + n
         offsets.append(first)
         if seq.is_finished:  # failed after planning (LLMEngine._launch): a padding row
-            rows.extend((first + n - 1, None) for _ in chunk.sample_seqs)
+            rows.extend((first + n - 1, None) for _ in chunk.sample_rows)
             return
         pages = seq.page_ids[:math.ceil(end / page_size)]
         page_tables[row, :len(pages)] = pages
@@ -81,7 +81,7 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         if chunk.feed_row >= 0:  # a decode of the token the step in flight samples
             feed_rows[first] = chunk.feed_row
         else:
-            token_ids[first:first + n] = seq.token_ids[start:end]
+            token_ids[first:first + n] = chunk.input_token_ids
         positions[first:first + n] = pos
         slots[first:first + n] = np.asarray(pages, np.int32)[pos // page_size] * page_size \
             + pos % page_size
@@ -92,7 +92,7 @@ def build_batch(plan: StepPlan, buckets: Buckets,
             prompt_k = max(prompt_k, wanted)
             targets = seq.token_ids[start + 1:min(end + 1, seq.num_prompt_tokens)]
             prompt_targets[first:first + len(targets)] = targets
-        rows.extend((first + n - 1, s) for s in chunk.sample_seqs)
+        rows.extend((first + offset, s) for offset, s in chunk.sample_rows)
 
     for i, chunk in enumerate(decode):
         place(i, chunk, i)
@@ -105,8 +105,8 @@ def build_batch(plan: StepPlan, buckets: Buckets,
         query_start[sd + j + 1] = first
     query_start[sd + len(prefill) + 1:] = first
 
-    # Decode rows sample once each; sizing R from (Sd, prefill rows) adds no compile dimension.
-    r = sd + Buckets.fit(buckets.seqs, max(sp, len(rows) - len(decode)))
+    # Decode rows sample once each; sizing R from the step's shape adds no compile dimension.
+    r = sd + buckets.prefill_sample_rows(sp, tp, len(rows) - len(decode))
     logits_indices = np.zeros(r, np.int32)
     temperature = np.zeros(r, np.float32)
     top_k = np.zeros(r, np.int32)

@@ -37,10 +37,13 @@ class Buckets:
     copies: tuple[int, ...] = (4, 32)  # copy-on-write pages per step (at most one per sequence)
     logprobs: tuple[int, ...] = (1, 5, 20)
     packed: bool = False  # decode rows packed with the prefill chunks (see the module docstring)
+    # Speculative decoding's drafts per sequence: a verification chunk samples at every token.
+    spec_tokens: int = 0
 
     @classmethod
     def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,
-                   query_block: int = 1, packed: bool = False) -> "Buckets":
+                   query_block: int = 1, packed: bool = False,
+                   spec_tokens: int = 0) -> "Buckets":
         # Packed, decode-only steps are token buckets too: from 1, so one stream pads nothing.
         # Every padded token of a packed step runs through the matmuls, so its buckets are
         # finer (its compiles are cheap).
@@ -53,7 +56,8 @@ class Buckets:
         copies = tuple(sorted({4, 32, max(4, max_num_seqs)}))
         assert not (packed and query_block > 1), "packed chunks start anywhere"
         return cls(seqs=_powers_of_two(1, max_num_seqs), tokens=tokens,
-                   pages=max_pages_per_seq, query_block=query_block, copies=copies, packed=packed)
+                   pages=max_pages_per_seq, query_block=query_block, copies=copies, packed=packed,
+                   spec_tokens=spec_tokens)
 
     @staticmethod
     def fit(sizes: tuple[int, ...], n: int) -> int:
@@ -67,6 +71,21 @@ class Buckets:
     def rows_bucket(self, rows: int) -> int:
         """The rows bucket `rows` rows pad to (the largest bucket when none holds them)."""
         return Buckets.fit(self.seqs, min(rows, self.seqs[-1]))
+
+    def prefill_sample_rows(self, rows: int, tokens: int, needed: int) -> int:
+        """Sample rows of a step's prefill part with `rows` rows and `tokens` tokens (buckets),
+        of which `needed` are used: one per row, or with speculation up to 1 + spec_tokens per
+        row within its tokens, so that the step's shape fixes it; more (the n forks sampled at a
+        prompt's end) pad to a rows bucket."""
+        base = min(tokens, rows * (1 + self.spec_tokens)) if self.spec_tokens else rows
+        return base if needed <= base else Buckets.fit(self.seqs, needed)
+
+    @property
+    def max_sample_rows(self) -> int:
+        """The most sample rows a step can have (decode rows and the prefill part's)."""
+        top = self.seqs[-1]
+        return top + (max(top, min(self.tokens[-1], top * (1 + self.spec_tokens)))
+                      if self.spec_tokens else top)
 
     def packed_rows(self, tokens: int) -> int:
         """Rows of a packed step of `tokens` (a bucket): every chunk has a token, so no step has

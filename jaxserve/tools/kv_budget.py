@@ -296,8 +296,13 @@ def uniform_analysis(max_len: int, page_sizes: Sequence[int] = DEFAULT_PAGE_SIZE
 
 def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
             uniform_max: int | None = None, page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES,
-            reserve: int | None = None) -> dict[str, Any]:
+            reserve: int | None = None, lookahead: int = 0) -> dict[str, Any]:
     """Everything the CLI reports, as a JSON-able dict.
+
+    ``lookahead`` (speculative decoding's drafts per step, k): a verification writes KV for
+    k positions past a sequence's length before the rejected ones are rolled back, so at its
+    peak a length-T request holds ``ceil((T + k) / B)`` pages; reported per page size beside
+    the plain ``ceil(T / B)``.
 
     If ``reserve`` is None it defaults to the longest given length (for ``lengths``) and to M
     (for the uniform distribution); ``reserve_source`` says which.
@@ -331,6 +336,13 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
             "reserve_source": "flag" if reserve is not None else "default: longest length",
             "policies": [rep.to_dict(bpt) for rep in reports],
         }
+        if lookahead:
+            k = _positive_int(lookahead, "lookahead")
+            out["lengths"]["speculative_lookahead"] = [
+                {"page_size": b, "lookahead": k, "pages": pages_needed(ls, b),
+                 "peak_pages": pages_needed([t + k for t in ls], b),
+                 "extra_bytes": (pages_needed([t + k for t in ls], b) - pages_needed(ls, b))
+                 * b * bpt} for b in page_sizes]
     if uniform_max is not None:
         u = uniform_analysis(uniform_max, page_sizes, reserve, bpt)
         u["reserve_source"] = "flag" if reserve is not None else "default: max length"

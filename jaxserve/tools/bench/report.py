@@ -179,6 +179,7 @@ def build_report(result: RunResult, *, workload=None, slo_ttft_ms: float | None 
             },
             "peak_rss_bytes": info["peak_rss_bytes"],
             "preemptions": info["preemptions"],
+            "speculation": _speculation(info),
             "prefix_cache_hit_rate": info["prefix_cache_hits"] / queries if queries else 0.0,
             "compilations_warmup": info["compilations_before_warmup"] + info["compilations_warmup"],
             "compilations_after_warmup": info["compilations_after_warmup"],
@@ -262,6 +263,7 @@ def format_report(rep: dict[str, Any]) -> str:
                 f"{_fmt(rep['param_bytes'] / MIB)} MiB"),
                ("peak process RSS", f"{_fmt(rep['peak_rss_bytes'] / MIB)} MiB"),
                ("preemptions", str(rep["preemptions"])),
+               ("speculative decoding", _speculation_line(rep.get("speculation"))),
                ("prefix-cache hit rate (tokens)", f"{100 * rep['prefix_cache_hit_rate']:.1f}%"),
                ("compilations: up to warm-up / after",
                 f"{rep['compilations_warmup']} / {rep['compilations_after_warmup']} "
@@ -403,3 +405,22 @@ def write_plots(rep: dict[str, Any], result: RunResult, out_dir: str,
         paths["memory"] = plots.save_bundle(fig, out_dir, f"{prefix}_memory", header,
                                             [list(r) for r in zip(*cols)])
     return paths
+
+
+def _speculation(info: dict) -> dict | None:
+    """Draft acceptance in the measured window (None: nothing was proposed)."""
+    steps, drafts = info.get("spec_steps", 0), info.get("spec_draft_tokens", 0)
+    if not drafts:
+        return None
+    accepted = info["spec_accepted_tokens"]
+    return {"verifications": steps, "draft_tokens": drafts, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafts,
+            # Tokens a verification gives: its accepted drafts plus the target's own token.
+            "mean_tokens_per_verification": (accepted + steps) / steps}
+
+
+def _speculation_line(spec: dict | None) -> str:
+    if not spec:
+        return "off (or nothing proposed)"
+    return (f"{100 * spec['acceptance_rate']:.1f}% of {spec['draft_tokens']} drafts accepted; "
+            f"{spec['mean_tokens_per_verification']:.2f} tokens per verification")

@@ -217,6 +217,8 @@ def run_engine(engine, workload: WorkloadSpec, *, requests: list[BenchRequest] |
         "preemptions": stats["preemptions"] - stats0["preemptions"],
         "prefix_cache_queries": stats["prefix_cache_queries"] - stats0["prefix_cache_queries"],
         "prefix_cache_hits": stats["prefix_cache_hits"] - stats0["prefix_cache_hits"],
+        **{key: stats[key] - stats0[key]
+           for key in ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")},
         "num_pages": engine.num_pages, "page_size": page_size,
         "kv_pool_bytes": stats["kv_pool_bytes"], "param_bytes": stats["param_bytes"],
         "config": dataclasses.asdict(engine.config), "backend": engine.backend,
