@@ -72,8 +72,11 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # Choose the drafts per step from measured costs (0 where speculation does not pay, as in
+    # a large batch on hardware whose step time grows with its tokens); False: always k.
+    adaptive: bool = True
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:
@@ -83,6 +86,8 @@ class SpeculativeConfig:
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in 1..."
                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, "

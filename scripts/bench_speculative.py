@@ -23,7 +23,9 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("num_speculative_tokens", 4, "Drafts per sequence and step (k).")
+flags.DEFINE_integer("num_speculative_tokens", 8, "Drafts per sequence and step (k).")
+flags.DEFINE_integer("prompt_lookup_min", 2, "Shortest n-gram matched.")
+flags.DEFINE_integer("prompt_lookup_max", 4, "Longest n-gram matched.")
 flags.DEFINE_list("concurrency", ["1", "64"], "Requests in flight at once.")
 flags.DEFINE_list("workloads", ["grounded", "open"], "Prompt sets of the config file.")
 flags.DEFINE_integer("max_tokens", 128, "Greedy output tokens per request (at most).")
@@ -75,8 +77,9 @@ def main(argv):
                        num_pages=max(64, concurrency * 24))
         engines = {"plain": make(**options),
                    "spec": make(**options, speculative_config={
-                       "method": "ngram",
-                       "num_speculative_tokens": FLAGS.num_speculative_tokens})}
+                       "method": "ngram", "num_speculative_tokens": FLAGS.num_speculative_tokens,
+                       "prompt_lookup_min": FLAGS.prompt_lookup_min,
+                       "prompt_lookup_max": FLAGS.prompt_lookup_max})}
         for llm in engines.values():
             llm.engine.warmup()
         for name in FLAGS.workloads:

@@ -2,7 +2,7 @@
 output, greedy or seeded sampling (a row's sample at a position uses the key it would use
 without speculation, and acceptance compares it with the draft: exact rejection sampling for a
 proposal that is a single token), with stop strings, logprobs, n > 1 and mixed batches; every
-page comes back; the counters add up."""
+page comes back; the counters add up. And the cost model that chooses the drafts per step."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
+from jaxserve.engine.speculation_control import SpeculationControl
 from tiny_model import tiny_loaded
 
 # Repetitive prompts: prompt lookup finds its n-grams in them and in what the model repeats.
@@ -30,9 +31,17 @@ def plain():
     return make_llm()
 
 
-@pytest.fixture(scope="module", params=[1, 4, 8])
+@pytest.fixture(scope="module", params=[(1, False), (4, False), (8, False), (4, True)],
+                ids=["k1", "k4", "k8", "k4-adaptive"])
 def spec(request):
-    return make_llm({"num_speculative_tokens": request.param})
+    # Mostly not adaptive: speculate in every step (the tiny model's steps cost about the same
+    # at any size, where the cost model could go either way); adaptive: whatever it chooses.
+    k, adaptive = request.param
+    return make_llm({"num_speculative_tokens": k, "adaptive": adaptive})
+
+
+def speculates_always(llm) -> bool:
+    return not llm.engine.config.speculative_config.adaptive
 
 
 def texts_and_ids(outputs):
@@ -46,7 +55,8 @@ def test_greedy_outputs_are_plain_decoding_token_for_token(plain, spec):
     got = texts_and_ids(spec.generate(PROMPTS, params, use_tqdm=False))
     assert got == want
     st = spec.stats()
-    assert st["spec_accepted_tokens"] > before["spec_accepted_tokens"]  # it did speculate
+    if speculates_always(spec):
+        assert st["spec_accepted_tokens"] > before["spec_accepted_tokens"]  # it did speculate
     assert st["referenced_pages"] == 0 and st["running"] == st["waiting"] == 0
     spec.engine.scheduler.check_invariants()
 
@@ -84,7 +94,49 @@ def test_counters_add_up(spec):
     k = spec.engine.config.speculative_config.num_speculative_tokens
     assert len(st["spec_accepted_per_position"]) == k
     assert sum(st["spec_accepted_per_position"]) == st["spec_accepted_tokens"]
-    assert 0 < st["spec_accepted_tokens"] <= st["spec_draft_tokens"] <= k * st["spec_steps"]
+    assert st["spec_accepted_tokens"] <= st["spec_draft_tokens"] <= k * st["spec_steps"]
+    if speculates_always(spec):
+        assert st["spec_accepted_tokens"] > 0
     # Acceptance at a position needs acceptance at every earlier one.
     per = st["spec_accepted_per_position"]
     assert all(a >= b for a, b in zip(per, per[1:]))
+
+
+# ---- the cost model that chooses the drafts per step ----------------------------------------
+
+def control(plain: dict, verifying: dict, max_k: int = 4) -> SpeculationControl:
+    c = SpeculationControl(max_k, (1, 2, 4, 8, 16, 32, 64, 128, 256))
+    for tokens, seconds in plain.items():
+        c.observe(tokens, seconds, speculative=False)
+    for tokens, seconds in verifying.items():
+        c.observe(tokens, seconds, speculative=True)
+    return c
+
+
+def test_control_speculates_where_a_bigger_step_costs_little():
+    # One stream, memory-bound: 5 tokens cost 1.2x one; drafts proposed at every position,
+    # 60% accepted: k = 4 yields 1 + 4 * 0.6 = 3.4 tokens per step.
+    c = control({1: 0.020}, {4: 0.022, 8: 0.026})
+    assert c.choose(1, 1000, [1000] * 4, [600] * 4) == 4
+    # A batch of 64, compute-bound (step time proportional to tokens): plain wins.
+    c = control({64: 0.080, 128: 0.160}, {128: 0.165, 256: 0.330})
+    assert c.choose(64, 1000, [1000] * 4, [600] * 4) == 0
+    # Nothing accepted: plain, even where steps cost the same.
+    assert control({1: 0.02}, {8: 0.02}).choose(1, 1000, [1000] * 4, [0] * 4) == 0
+
+
+def test_control_explores_then_probes_ever_less_often():
+    c = SpeculationControl(4, (1, 2, 4, 8))
+    assert c.choose(1, 0, [0] * 4, [0] * 4) == 4  # nothing timed yet: try it
+    c = control({64: 0.08, 128: 0.16}, {128: 0.165, 256: 0.33})
+    picks = [c.choose(64, 1000, [1000] * 4, [600] * 4) for _ in range(16 + 32 + 64)]
+    probes = [i for i, k in enumerate(picks) if k]
+    assert probes == [15, 15 + 32, 15 + 32 + 64] and all(picks[i] == 1 for i in probes)
+
+
+def test_control_cost_interpolates_and_extrapolates():
+    c = control({8: 0.010, 16: 0.018}, {})
+    assert c.cost(12, True) == pytest.approx(0.014)  # verifying: the plain times stand in
+    assert c.cost(32, False) == pytest.approx(0.034)  # along the last slope
+    assert c.cost(2, False) == pytest.approx(0.010)  # flat below the smallest
+    assert control({}, {}).cost(4, False) is None

@@ -50,6 +50,8 @@ flags.DEFINE_integer("num_speculative_tokens", None,
                      f"Drafts per sequence and step, 1..16 (default {_S.num_speculative_tokens}).")
 flags.DEFINE_integer("prompt_lookup_min", _S.prompt_lookup_min, "Shortest n-gram matched (ngram).")
 flags.DEFINE_integer("prompt_lookup_max", _S.prompt_lookup_max, "Longest n-gram matched (ngram).")
+flags.DEFINE_bool("speculative_adaptive", _S.adaptive,
+                  "Choose drafts per step from measured step costs (off: always k).")
 
 FLAGS = flags.FLAGS
 _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels", "page_size",
@@ -63,7 +65,8 @@ def engine_options() -> dict:
     if FLAGS.speculative_method is not None or FLAGS.num_speculative_tokens is not None:
         spec = {"method": FLAGS.speculative_method or _S.method,
                 "prompt_lookup_min": FLAGS.prompt_lookup_min,
-                "prompt_lookup_max": FLAGS.prompt_lookup_max}
+                "prompt_lookup_max": FLAGS.prompt_lookup_max,
+                "adaptive": FLAGS.speculative_adaptive}
         if FLAGS.num_speculative_tokens is not None:
             spec["num_speculative_tokens"] = FLAGS.num_speculative_tokens
         options["speculative_config"] = spec

@@ -85,7 +85,7 @@ class LLMEngine:
                                   huge_pages=config.huge_pages)
         spec = config.speculative_config
         self.spec_control = (SpeculationControl(spec.num_speculative_tokens, self.buckets.tokens)
-                             if spec else None)
+                             if spec and spec.adaptive else None)
         self._last_step_end: float | None = None
         self._in_flight: _Launched | None = None  # the step on the device, not yet fetched
         self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
@@ -188,7 +188,8 @@ class LLMEngine:
             # scheduling the device ran this one while the host finished the last).
             back_to_back = self._last_step_end is not None and t0 - self._last_step_end < 1e-3
             self.spec_control.observe(current.plan.num_tokens,
-                                      t3 - (self._last_step_end if back_to_back else t0))
+                                      t3 - (self._last_step_end if back_to_back else t0),
+                                      any(c.draft_token_ids for c in current.plan.chunks))
             self._last_step_end = t3
         # Host work while a step ran on the device overlapped it: planning the next step while
         # `current` ran, and applying `current` while the next one runs.
@@ -199,14 +200,18 @@ class LLMEngine:
 
     def _choose_drafts(self) -> int:
         """Speculative decoding: the drafts per sequence for the next step planned, from the
-        measured cost model (SpeculationControl); 0 (and nothing without speculation) lets
-        async scheduling plan that step ahead."""
-        if self.spec_control is None:
-            return 0
+        measured cost model (SpeculationControl), in steps that only decode (prompt work, of
+        waiting or still prefilling sequences, takes the budget first); 0 (and nothing without
+        speculation) lets async scheduling plan that step ahead."""
         s = self.scheduler
+        if self.spec_control is None:
+            return s.spec_k  # off, or fixed (not adaptive)
         decoding = sum(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in s.running)
-        s.spec_k = self.spec_control.choose(decoding, s.spec_opportunities, s.spec_drafted_at,
-                                            s.spec_accepted_at)
+        if s.waiting or decoding < len(s.running):
+            s.spec_k = 0
+        else:
+            s.spec_k = self.spec_control.choose(decoding, s.spec_opportunities,
+                                                s.spec_drafted_at, s.spec_accepted_at)
         return s.spec_k
 
     def _launch(self, plan: StepPlan, after=None) -> "_Launched":
@@ -331,7 +336,9 @@ class LLMEngine:
                      kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
                      huge_page_bytes=self.runner.huge_page_bytes)
         if self.spec_control is not None:  # the cost model: seconds per token bucket timed
-            stats["spec_step_seconds"] = dict(sorted(self.spec_control.seconds.items()))
+            stats["spec_step_seconds"] = {
+                kind: dict(sorted(self.spec_control.seconds[speculative].items()))
+                for kind, speculative in (("plain", False), ("verifying", True))}
         return stats
 
 

@@ -37,10 +37,12 @@ class StepBatch:
     prompt_logprobs: int = static_field()  # -1: none; k >= 0: return prompt logprobs and top k
 
 
-def build_batch(plan: StepPlan, buckets: Buckets,
-                page_size: int) -> tuple[StepBatch, int, list[int]]:
+def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
+                verifying: bool | None = None) -> tuple[StepBatch, int, list[int]]:
     """Returns the padded batch, the number of real sample rows (the first rows of R), and the
-    flat index of each chunk's first token (in plan.chunks order)."""
+    flat index of each chunk's first token (in plan.chunks order). A step that verifies
+    speculative drafts has more sample rows (`verifying`: whether the plan does, unless given,
+    as warm-up does to compile that variant)."""
     decode = [] if buckets.packed else [c for c in plan.chunks if c.is_decode]
     prefill = plan.chunks[len(decode):]
     assert all(not c.is_decode for c in prefill) or buckets.packed, \
@@ -106,7 +108,9 @@ def build_batch(plan: StepPlan, buckets: Buckets,
     query_start[sd + len(prefill) + 1:] = first
 
     # Decode rows sample once each; sizing R from the step's shape adds no compile dimension.
-    r = sd + buckets.prefill_sample_rows(sp, tp, len(rows) - len(decode))
+    if verifying is None:
+        verifying = any(c.draft_token_ids for c in prefill)
+    r = sd + buckets.prefill_sample_rows(sp, tp, len(rows) - len(decode), verifying)
     logits_indices = np.zeros(r, np.int32)
     temperature = np.zeros(r, np.float32)
     top_k = np.zeros(r, np.int32)

@@ -72,12 +72,12 @@ class Buckets:
         """The rows bucket `rows` rows pad to (the largest bucket when none holds them)."""
         return Buckets.fit(self.seqs, min(rows, self.seqs[-1]))
 
-    def prefill_sample_rows(self, rows: int, tokens: int, needed: int) -> int:
+    def prefill_sample_rows(self, rows: int, tokens: int, needed: int, verifying: bool) -> int:
         """Sample rows of a step's prefill part with `rows` rows and `tokens` tokens (buckets),
-        of which `needed` are used: one per row, or with speculation up to 1 + spec_tokens per
-        row within its tokens, so that the step's shape fixes it; more (the n forks sampled at a
-        prompt's end) pad to a rows bucket."""
-        base = min(tokens, rows * (1 + self.spec_tokens)) if self.spec_tokens else rows
+        of which `needed` are used: one per row, or in a step that verifies drafts up to
+        1 + spec_tokens per row within its tokens, so that the step's shape (and whether it
+        verifies) fixes it; more (the n forks sampled at a prompt's end) pad to a rows bucket."""
+        base = min(tokens, rows * (1 + self.spec_tokens)) if verifying else rows
         return base if needed <= base else Buckets.fit(self.seqs, needed)
 
     @property

@@ -196,10 +196,18 @@ class ModelRunner:
         plans that use only the scratch page 0 (no request state changes). Returns how many
         shapes were run."""
         shapes = buckets.step_shapes(self.page_size, full)
+        run = 0
         for shape in shapes:
-            batch, rows, _ = build_batch(warmup_plan(shape, buckets, self.page_size), buckets,
-                                         self.page_size)
-            self.execute(batch, rows)
+            plan = warmup_plan(shape, buckets, self.page_size)
+            # With speculative decoding, a step that verifies drafts samples more rows: a
+            # variant of the shape wherever that changes its sample rows.
+            sizes = set()
+            for verifying in (False, True) if buckets.spec_tokens else (False,):
+                batch, rows, _ = build_batch(plan, buckets, self.page_size, verifying=verifying)
+                if batch.logits_indices.shape[0] not in sizes:
+                    sizes.add(batch.logits_indices.shape[0])
+                    self.execute(batch, rows)
+                    run += 1
         for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
             self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))
-        return len(shapes) + len(buckets.copies)
+        return run + len(buckets.copies)
