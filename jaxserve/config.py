@@ -11,6 +11,41 @@ import math
 from typing import Any
 
 
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Rotary scaling past the pretrained context, as Hugging Face's rope_type names it
+    (jaxserve/model/rope.py computes it). "dynamic" (NTK) is refused: its frequencies depend on
+    the sequence's length, so a cached page's keys would not match a later step's."""
+
+    rope_type: str
+    factor: float
+    original_max_position_embeddings: int | None = None  # llama3 and yarn
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn; None: from factor (and mscale)
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: correction range to whole dimensions
+
+    def __post_init__(self):
+        if self.rope_type == "dynamic":
+            raise ValueError("rope scaling 'dynamic' is not supported: its frequencies depend on "
+                             "the sequence length, so cached KV pages would not match")
+        if self.rope_type not in ROPE_SCALINGS:
+            raise ValueError(f"rope scaling {self.rope_type!r} is not supported (supported: "
+                             f"{ROPE_SCALINGS})")
+        if not self.factor or self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor!r}")
+        if self.rope_type != "linear" and not self.original_max_position_embeddings:
+            raise ValueError(f"rope scaling {self.rope_type!r} needs "
+                             "original_max_position_embeddings")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Llama-family decoder shape. Built from GGUF metadata or a Hugging Face config.json."""
@@ -30,6 +65,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",

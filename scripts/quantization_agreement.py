@@ -77,7 +77,7 @@ def dense_logprobs(cfg, params, token_ids, int8_kv: bool = False):
     token_ids = list(token_ids) + [0] * (-n % 64)
     t, d = len(token_ids), cfg.head_dim
     hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
-    cos, sin = llama.rope_tables(jnp.arange(t), d, cfg.rope_theta)
+    cos, sin = llama.rope_tables(jnp.arange(t), d, cfg.rope_theta, cfg.rope_scaling)
     causal = jnp.tril(jnp.ones((t, t), bool))
     x = llama.embed(params, jnp.asarray(token_ids))
     for lp in params["layers"]:

@@ -25,10 +25,23 @@ TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
+# Rope scalings with a short pretrained context (64), so that their frequency bands all fall
+# inside the tiny head dim (16) and the test's positions.
+ROPE_SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+}
+
+
 def _tiny(kind: str):
     torch.manual_seed(0)
-    if kind == "llama":
-        hf_cfg = transformers.LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=False)
+    if kind.startswith("llama"):
+        scaling = ROPE_SCALINGS.get(kind.partition("-")[2])
+        extra = {"rope_scaling": {**scaling, "rope_theta": 10000.0}} if scaling else {}
+        hf_cfg = transformers.LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=False,
+                                          **extra)
         model = transformers.LlamaForCausalLM(hf_cfg)
     else:
         hf_cfg = transformers.Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=True)
@@ -64,6 +77,27 @@ class _Logits:
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("page_size,chunks", [(8, [24]), (5, [24]), (8, [11, 13]), (16, [7, 10, 7])])
 def test_prefill_and_decode_logits_match_transformers(kind, page_size, chunks, backend):
+    _check_logits(kind, page_size, chunks, backend)
+
+
+@pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))
+def test_rope_scalings_match_transformers(scaling):
+    """Llama 3's, linear and YaRN rope scaling, past the 64-token pretrained context."""
+    _check_logits(f"llama-{scaling}", 8, [40, 32], "xla")
+    assert config_from_hf(_tiny(f"llama-{scaling}")[0].config.to_dict()).rope_scaling.rope_type \
+        == scaling
+
+
+def test_dynamic_and_unknown_rope_scalings_are_refused_by_name():
+    for scaling, message in (({"rope_type": "dynamic", "factor": 2.0}, "dynamic"),
+                             ({"rope_type": "su", "factor": 2.0}, "'su'"),
+                             ({"rope_type": "linear", "factor": 2.0, "spin": 1}, "spin")):
+        config = {"architectures": ["LlamaForCausalLM"], **TINY, "rope_scaling": scaling}
+        with pytest.raises(ValueError, match=message):
+            config_from_hf(config)
+
+
+def _check_logits(kind, page_size, chunks, backend):
     if backend == "cpu" and not cpu_kernels.available():
         pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
     model, cfg, params = _tiny(kind)

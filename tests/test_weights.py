@@ -196,9 +196,13 @@ def test_config_from_hf_variants():
     llama = config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
                             "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})
     assert llama.rope_theta == 5e5 and llama.num_kv_heads == 4 and not llama.attention_bias
-    with pytest.raises(ValueError, match="rope scaling"):
+    llama3 = config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
+                             "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    assert llama3.rope_scaling.factor == 8.0  # the pretrained context defaults to the config's
+    assert llama3.rope_scaling.original_max_position_embeddings == 32768
+    with pytest.raises(ValueError, match="dynamic"):
         config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
-                        "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+                        "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}})
     with pytest.raises(ValueError, match="unsupported architecture"):
         config_from_hf({**base, "architectures": ["GPT2LMHeadModel"]})
 

@@ -26,28 +26,13 @@ from jaxserve.model import attention
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, KVPool, write_kv
 from jaxserve.model.quantize import Int8Weight
+from jaxserve.model.rope import apply_rope, rope_tables
 
 
 def rms_norm(x, weight, eps):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (xf * weight.astype(jnp.float32)).astype(x.dtype)
-
-
-def rope_tables(positions, head_dim: int, theta: float):
-    """cos, sin f32[T, D] in Hugging Face's half-split convention."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x, cos, sin):
-    """x f[T, H, D]."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    xf = x.astype(jnp.float32)
-    return (xf * cos[:, None, :] + rotated.astype(jnp.float32) * sin[:, None, :]).astype(x.dtype)
 
 
 def matmul(x, w):
@@ -125,7 +110,7 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: Mode
             backend: str):
     """token_ids i32[T] -> (pool with this step's KV written, final hidden states f[T, H])."""
     x = embed(params, token_ids)
-    cos, sin = rope_tables(md.positions, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_tables(md.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     caches = []
     for lp, cache in zip(params["layers"], pool.layers, strict=True):

@@ -17,7 +17,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, RopeScaling
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -44,10 +44,8 @@ def config_from_hf(config_json: dict) -> ModelConfig:
     head_dim = int(c.get("head_dim") or hidden // n_head)
     rope_params = c.get("rope_parameters") or {}
     rope_theta = c.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    scaling = c.get("rope_scaling") or rope_params
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if rope_type not in (None, "default"):
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported")
+    rope_scaling = _rope_scaling(c.get("rope_scaling") or rope_params,
+                                 int(c.get("max_position_embeddings", 2048)))
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial rotary embeddings are not supported")
     max_pos = int(c.get("max_position_embeddings", 2048))
@@ -79,7 +77,27 @@ def config_from_hf(config_json: dict) -> ModelConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         architecture=arch,
+        rope_scaling=rope_scaling,
     )
+
+
+def _rope_scaling(scaling: dict, max_position_embeddings: int) -> RopeScaling | None:
+    """The older `rope_scaling` or transformers 5's `rope_parameters` -> RopeScaling (None for
+    plain rope); an unknown type or key is refused by name."""
+    if not scaling:
+        return None
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in (None, "default"):
+        return None
+    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
+    ignored = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
+    unknown = sorted(set(scaling) - fields - ignored)
+    if unknown:
+        raise ValueError(f"rope scaling {rope_type!r}: unsupported key(s) {unknown}")
+    values = {k: v for k, v in scaling.items() if k in fields and v is not None}
+    if rope_type in ("llama3", "yarn"):
+        values.setdefault("original_max_position_embeddings", max_position_embeddings)
+    return RopeScaling(rope_type=rope_type, **values)
 
 
 _LAYER_KEYS = {

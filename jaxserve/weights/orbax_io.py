@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, RopeScaling
 
 META_FILE = "jaxserve_model.json"
 FORMAT_VERSION = 1
@@ -66,6 +66,8 @@ def load_orbax(path: str, dtype=np.float32):
         raise ValueError(f"{path}/{META_FILE} is not a jaxserve orbax checkpoint")
     cfg = dict(meta["config"])
     cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids", ()))
+    if cfg.get("rope_scaling"):
+        cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"])
     config = ModelConfig(**cfg)
     params = _to_numpy(ocp.PyTreeCheckpointer().restore(os.path.join(path, "params")), dtype)
     tokenizer = Tokenizer.from_hf_dir(os.path.join(path, "tokenizer"))
