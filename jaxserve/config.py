@@ -62,6 +62,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projection biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before rope (Qwen3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"

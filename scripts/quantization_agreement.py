@@ -83,8 +83,12 @@ def dense_logprobs(cfg, params, token_ids, int8_kv: bool = False):
     for lp in params["layers"]:
         qkv = llama.matmul(llama.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps), lp["w_qkv"])
         qkv = qkv + lp["b_qkv"] if "b_qkv" in lp else qkv
-        q = llama.apply_rope(qkv[:, :hq].reshape(t, cfg.num_heads, d), cos, sin)
-        k = llama.apply_rope(qkv[:, hq:hq + hkv].reshape(t, cfg.num_kv_heads, d), cos, sin)
+        q = qkv[:, :hq].reshape(t, cfg.num_heads, d)
+        k = qkv[:, hq:hq + hkv].reshape(t, cfg.num_kv_heads, d)
+        if cfg.qk_norm:
+            q = llama.rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+            k = llama.rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+        q, k = llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin)
         v = qkv[:, hq + hkv:].reshape(t, cfg.num_kv_heads, d)
         k, v = stored(k), stored(v)
         rep = cfg.num_heads // cfg.num_kv_heads

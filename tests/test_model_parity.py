@@ -43,6 +43,13 @@ def _tiny(kind: str):
         hf_cfg = transformers.LlamaConfig(**TINY, rope_theta=10000.0, tie_word_embeddings=False,
                                           **extra)
         model = transformers.LlamaForCausalLM(hf_cfg)
+    elif kind == "qwen3":  # per-head q/k RMSNorm, an explicit head dim
+        hf_cfg = transformers.Qwen3Config(**TINY, head_dim=24, rope_theta=1e6,
+                                          tie_word_embeddings=True)
+        model = transformers.Qwen3ForCausalLM(hf_cfg)
+        for name, w in model.named_parameters():  # norm weights are ones at init: vary them
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                torch.nn.init.normal_(w, 1.0, 0.3)
     else:
         hf_cfg = transformers.Qwen2Config(**TINY, rope_theta=1e6, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(hf_cfg)
@@ -78,6 +85,11 @@ class _Logits:
 @pytest.mark.parametrize("page_size,chunks", [(8, [24]), (5, [24]), (8, [11, 13]), (16, [7, 10, 7])])
 def test_prefill_and_decode_logits_match_transformers(kind, page_size, chunks, backend):
     _check_logits(kind, page_size, chunks, backend)
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_qwen3_matches_transformers(backend):
+    _check_logits("qwen3", 8, [11, 13], backend)
 
 
 @pytest.mark.parametrize("scaling", sorted(ROPE_SCALINGS))

@@ -77,6 +77,8 @@ def per_layer_params(params: dict) -> dict:
                  "w_down": _out_in([lp["w_down"]])}
         if "bq" in lp:
             fused["b_qkv"] = np.concatenate([lp["bq"], lp["bk"], lp["bv"]], axis=-1)
+        if "q_norm" in lp:  # per-head RMSNorm weights [D] (Qwen3)
+            fused["q_norm"], fused["k_norm"] = lp["q_norm"], lp["k_norm"]
         layers.append(fused)
     out = {**params, "layers": layers}
     if "lm_head" in params:
@@ -94,8 +96,11 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
     if cfg.attention_bias:
         qkv = qkv + lp["b_qkv"]
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
-    q = apply_rope(q.reshape(t, cfg.num_heads, d), cos, sin)
-    k = apply_rope(k.reshape(t, cfg.num_kv_heads, d), cos, sin)
+    q, k = q.reshape(t, cfg.num_heads, d), k.reshape(t, cfg.num_kv_heads, d)
+    if cfg.qk_norm:
+        eps = cfg.rms_norm_eps
+        q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = v.reshape(t, cfg.num_kv_heads, d)
     cache = write_kv(cache, k, v, md.slot_mapping)
     o = attention.attend(backend, q, cache, md, sm_scale=d ** -0.5)

@@ -23,6 +23,7 @@ _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -74,6 +75,7 @@ def config_from_hf(config_json: dict) -> ModelConfig:
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
         attention_bias=bias,
+        qk_norm=arch == "qwen3",
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         architecture=arch,
@@ -113,6 +115,7 @@ _LAYER_KEYS = {
 }
 _BIAS_KEYS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
               "bv": "self_attn.v_proj.bias"}
+_QK_NORM_KEYS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
@@ -136,11 +139,13 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict[str, np.ndarray
         "w_gate": (H, config.intermediate_size), "w_up": (H, config.intermediate_size),
         "w_down": (config.intermediate_size, H),
         "bq": (config.num_heads * D,), "bk": (config.num_kv_heads * D,),
-        "bv": (config.num_kv_heads * D,),
+        "bv": (config.num_kv_heads * D,), "q_norm": (D,), "k_norm": (D,),
     }
     keys = dict(_LAYER_KEYS)
     if config.attention_bias:
         keys.update({k: (v, False) for k, v in _BIAS_KEYS.items()})
+    if config.qk_norm:
+        keys.update({k: (v, False) for k, v in _QK_NORM_KEYS.items()})
     layers = {}
     for key, (suffix, transpose) in keys.items():
         out = np.empty((L, *expected[key]), dtype=dtype)
