@@ -17,7 +17,7 @@ import dataclasses
 from jaxserve.config import EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
-from jaxserve.core.sequence import Request
+from jaxserve.core.sequence import Request, SequenceStatus
 from jaxserve.core.step_plan import StepPlan
 
 V = 1009
@@ -203,3 +203,29 @@ def expected(requests, **kw):
 
 def chunk_shape(plan):
     return [(c.seq.request.request_id, c.seq.fork_index, c.start, c.num_tokens) for c in plan.chunks]
+
+
+def random_workload(rng, cfg: dict, max_requests: int) -> tuple[list, dict]:
+    """A random scenario's (arrival step, request) pairs, prompts over a 3-token vocabulary (so
+    prefixes repeat), and its aborts {step: [request ids]}, for scheduler options `cfg`."""
+    reqs, aborts = [], {}
+    for i in range(rng.randint(1, max_requests)):
+        hi = cfg["max_num_batched_tokens"] if not cfg["enable_chunked_prefill"] else 40
+        prompt = [rng.randrange(3) for _ in range(rng.randint(1, min(hi, 40)))]
+        r = make_request(f"r{i}", prompt, max_tokens=rng.choice([None, rng.randint(1, 30)]),
+                         n=rng.randint(1, min(3, cfg["max_num_seqs"])), priority=rng.randint(0, 2))
+        reqs.append((rng.randint(0, 20), r))
+        if rng.random() < 0.2:
+            aborts.setdefault(rng.randint(0, 40), []).append(r.request_id)
+    return reqs, aborts
+
+
+def assert_outputs_match_reference(res: RunResult, reqs, scheduler: Scheduler) -> None:
+    """Every request not aborted produced its reference outputs."""
+    for _, r in reqs:
+        if any(s.status is SequenceStatus.FINISHED_ABORTED for s in r.sequences):
+            continue
+        want = reference_outputs(r.prompt_token_ids, r.sampling_params,
+                                 eos=tuple(scheduler.eos_token_ids),
+                                 max_model_len=scheduler.max_model_len)
+        assert res.outputs[r.request_id] == want

@@ -5,8 +5,9 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fake_model import (FakeRunner, V, chunk_shape, expected, make_request, make_sched,
-                        reference_outputs, run_to_completion)
+from fake_model import (FakeRunner, V, assert_outputs_match_reference, chunk_shape, expected,
+                        make_request, make_sched, random_workload, reference_outputs,
+                        run_to_completion)
 from jaxserve.core.scheduler import RequestRejected
 from jaxserve.core.sequence import SequenceStatus
 
@@ -181,22 +182,9 @@ def _random_scenario(seed, ahead):
     min_pages = -(-(max_len - 1) // page_size) + 1  # any single sequence fits
     sched = make_sched(num_pages=rng.randint(min_pages + 1, min_pages * 3), max_model_len=max_len,
                        eos=(rng.randrange(V),), **cfg)
-    reqs, aborts = [], {}
-    for i in range(rng.randint(1, 25)):
-        hi = cfg["max_num_batched_tokens"] if not cfg["enable_chunked_prefill"] else 40
-        r = make_request(f"r{i}", random_prompt(rng, 1, min(hi, 40), vocab=3),
-                         max_tokens=rng.choice([None, rng.randint(1, 30)]),
-                         n=rng.randint(1, min(3, cfg["max_num_seqs"])), priority=rng.randint(0, 2))
-        reqs.append((rng.randint(0, 20), r))
-        if rng.random() < 0.2:
-            aborts.setdefault(rng.randint(0, 40), []).append(r.request_id)
+    reqs, aborts = random_workload(rng, cfg, max_requests=25)
     res = run_to_completion(sched, reqs, abort_at=aborts, ahead=ahead)
-    for _, r in reqs:
-        if any(s.status is SequenceStatus.FINISHED_ABORTED for s in r.sequences):
-            continue
-        want = reference_outputs(r.prompt_token_ids, r.sampling_params, eos=tuple(sched.eos_token_ids),
-                                 max_model_len=max_len)
-        assert res.outputs[r.request_id] == want
+    assert_outputs_match_reference(res, reqs, sched)
 
 
 def test_stop_conditions():

@@ -9,10 +9,10 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from fake_model import (FakeRunner, V, chunk_shape, make_request, make_sched, next_token,
-                        reference_outputs, run_to_completion)
+from fake_model import (FakeRunner, V, assert_outputs_match_reference, chunk_shape, make_request,
+                        make_sched, next_token, random_workload, reference_outputs,
+                        run_to_completion)
 from jaxserve.config import EngineConfig, SpeculativeConfig
-from jaxserve.core.sequence import SequenceStatus
 from jaxserve.core.speculation import Proposer, ngram_proposal
 
 
@@ -67,22 +67,9 @@ def _scenario(seed, k):
     sched = spec_sched(k, oracle_seed=seed if oracle else None, max_model_len=max_len,
                        num_pages=rng.randint(min_pages + 1, min_pages * 3),
                        eos=(rng.randrange(V),), **cfg)
-    reqs, aborts = [], {}
-    for i in range(rng.randint(1, 20)):
-        hi = cfg["max_num_batched_tokens"] if not cfg["enable_chunked_prefill"] else 40
-        prompt = [rng.randrange(3) for _ in range(rng.randint(1, min(hi, 40)))]
-        r = make_request(f"r{i}", prompt, max_tokens=rng.choice([None, rng.randint(1, 30)]),
-                         n=rng.randint(1, min(3, cfg["max_num_seqs"])), priority=rng.randint(0, 2))
-        reqs.append((rng.randint(0, 20), r))
-        if rng.random() < 0.2:
-            aborts.setdefault(rng.randint(0, 40), []).append(r.request_id)
+    reqs, aborts = random_workload(rng, cfg, max_requests=20)
     res = run_to_completion(sched, reqs, abort_at=aborts, ahead=True)
-    for _, r in reqs:
-        if any(s.status is SequenceStatus.FINISHED_ABORTED for s in r.sequences):
-            continue
-        want = reference_outputs(r.prompt_token_ids, r.sampling_params,
-                                 eos=tuple(sched.eos_token_ids), max_model_len=max_len)
-        assert res.outputs[r.request_id] == want
+    assert_outputs_match_reference(res, reqs, sched)
     st = sched.stats()
     assert st["spec_accepted_tokens"] <= st["spec_draft_tokens"]
     assert sum(st["spec_accepted_per_position"]) == st["spec_accepted_tokens"]
