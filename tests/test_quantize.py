@@ -221,3 +221,21 @@ def test_unknown_or_unservable_kv_dtypes_are_clear_errors():
         with pytest.raises(ValueError, match="kv_cache_dtype float16"):
             backends.resolve("cpu", "float32", kv_cache_dtype="float16")
         assert backends.resolve("xla", "float32", kv_cache_dtype="int8") == "xla"
+
+
+def test_int8_kv_pages_survive_copy_on_write():
+    """Forks share their prompt's last page and copy it before writing: an int8 pool's scales
+    are copied with its pages (n = 2 greedy forks each give the n = 1 output)."""
+    from tiny_model import tiny_loaded
+
+    loaded = tiny_loaded()
+    prompt = [{"prompt_token_ids": list(range(40, 53))}]  # 13 tokens: the last page is shared
+    outs = {}
+    for n in (1, 2):
+        engine = LLMEngine(EngineConfig.from_options(num_pages=32, page_size=8, max_num_seqs=2,
+                                                     kv_cache_dtype="int8"), loaded)
+        (out,) = _run(engine, prompt, SamplingParams(temperature=0, max_tokens=12, n=n,
+                                                     ignore_eos=True))
+        assert out.error is None and engine.stats()["num_cow_copies"] == (n - 1)
+        outs[n] = [c.token_ids for c in out.outputs]
+    assert outs[2] == outs[1] * 2

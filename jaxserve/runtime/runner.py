@@ -23,7 +23,7 @@ from jaxserve import backends
 from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
-from jaxserve.model.kv_cache import KVCache, KVPool
+from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
@@ -49,13 +49,14 @@ class StepOutput:
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def _copy_pages(pool: KVPool, src, dst) -> KVPool:
-    """Copy-on-write: page src[i] -> dst[i] in every layer and head. Its own small jitted call
-    (copies are rare: forks, prefix hits ending mid-page), so the step's shapes do not multiply
-    by the copies buckets."""
+    """Copy-on-write: page src[i] -> dst[i] in every array of the pool (pages, and an int8
+    pool's scales: all have the page axis second), every layer and head. Its own small jitted
+    call (copies are rare: forks, prefix hits ending mid-page), so the step's shapes do not
+    multiply by the copies buckets."""
     def copy(x):
         return x.at[:, dst].set(x[:, src], mode="promise_in_bounds")
 
-    return KVPool(tuple(KVCache(copy(c.k), copy(c.v)) for c in pool.layers))
+    return jax.tree_util.tree_map(copy, pool)
 
 
 def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str):
