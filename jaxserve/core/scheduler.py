@@ -84,10 +84,10 @@ class Scheduler(StepResults):
                              spec_accepted_tokens=0)
         spec = config.speculative_config
         self.proposer = Proposer(spec, max_model_len) if spec else None
-        self.spec_k = spec.num_speculative_tokens if spec else 0  # the engine's choice per step
-        # Per draft position (1st, 2nd, ...): drafts proposed there and accepted there, and the
-        # decodes that could have speculated (the engine's cost model reads them).
         k = spec.num_speculative_tokens if spec else 0
+        self.spec_k = k  # drafts per sequence at most: the engine's choice per step
+        # Per draft position (1st, 2nd, ...): drafts verified there and accepted there, and the
+        # decodes that could have speculated (the engine's cost model reads them).
         self.spec_drafted_at, self.spec_accepted_at = [0] * k, [0] * k
         self.spec_opportunities = 0
 
@@ -159,8 +159,6 @@ class Scheduler(StepResults):
                     drafts = self.proposer.drafts(
                         seq, min(self.spec_k, budget - plan.num_tokens - decodes_left - 1))
                     self.spec_opportunities += 1
-                    for position in range(len(drafts)):
-                        self.spec_drafted_at[position] += 1
                 n = 1 + len(drafts)
             else:
                 n = self._chunk_len(seq, seq.num_computed_tokens, budget - plan.num_tokens - decodes_left)
@@ -300,6 +298,8 @@ class Scheduler(StepResults):
         self._in_flight[seq.seq_id] += 1
         if drafts:
             chunk.sample_seqs.append(seq)
+            for position in range(len(drafts)):
+                self.spec_drafted_at[position] += 1
         elif start + n == seq.num_tokens:
             chunk.sample_seqs.append(seq)
             request = seq.request

@@ -38,7 +38,7 @@ def ngram_proposal(token_ids: list[int], k: int, min_n: int, max_n: int) -> list
 
 
 class Proposer:
-    """Drafts for a decoding sequence's next step, and the verdict on them."""
+    """Drafts for a decoding sequence's next step (`rows_to_apply` judges them)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int):
         self.config = config

@@ -115,4 +115,3 @@ class StepResults:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
         elif seq.num_tokens >= self.max_model_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-

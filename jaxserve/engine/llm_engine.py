@@ -49,9 +49,8 @@ class _Launched:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        dtype = backends.resolve_dtype(config.dtype)
-        config = dataclasses.replace(config, dtype=dtype, kv_cache_dtype=(
-            dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype))
+        config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
+        config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
         self.config = config
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.model_config = loaded.config
