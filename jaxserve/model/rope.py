@@ -2,7 +2,7 @@
 stretch a model past its pretrained context (RopeScaling): "linear" (positions divided by the
 factor), "llama3" (low frequencies divided by the factor, high ones kept, a smooth blend
 between) and "yarn" (a ramp between interpolated and extrapolated frequencies over the head
-dimensions, and cos/sin scaled by an attention factor). The frequencies are computed once, on
+dimensions, and cos/sin scaled by an attention factor). Scaled frequencies are computed once, on
 the host in float64, as the model's constants."""
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from jaxserve.config import RopeScaling
 
 
 @functools.lru_cache(maxsize=None)
-def inv_frequencies(head_dim: int, theta: float,
-                    scaling: RopeScaling | None = None) -> tuple[tuple[float, ...], float]:
-    """(inverse frequency of each of the head_dim / 2 rotated pairs, factor on cos and sin)."""
+def scaled_inv_frequencies(head_dim: int, theta: float,
+                           scaling: RopeScaling) -> tuple[tuple[float, ...], float]:
+    """(inverse frequency of each of the head_dim / 2 rotated pairs, factor on cos and sin)
+    under a scaling (plain rope: rope_tables computes it on the device)."""
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    if scaling is None:
-        return tuple(inv), 1.0
     factor = scaling.factor
     if scaling.rope_type == "linear":
         return tuple(inv / factor), 1.0
@@ -72,7 +71,7 @@ def rope_tables(positions, head_dim: int, theta: float, scaling: RopeScaling | N
         inv = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
         attention = 1.0
     else:
-        inv, attention = inv_frequencies(head_dim, theta, scaling)
+        inv, attention = scaled_inv_frequencies(head_dim, theta, scaling)
         inv = jnp.asarray(inv, jnp.float32)
     freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
