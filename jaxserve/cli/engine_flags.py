@@ -54,8 +54,8 @@ flags.DEFINE_bool("speculative_adaptive", _S.adaptive,
                   "Choose drafts per step from measured step costs (off: always k).")
 
 FLAGS = flags.FLAGS
-_NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels", "page_size",
-          "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+_NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels",
+          "page_size", "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
           "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting")
 

@@ -18,7 +18,7 @@ import sys
 
 from absl import flags
 
-from jaxserve.config import KV_SCALAR_BYTES, kv_slot_bytes
+from jaxserve.config import KV_SCALAR_BYTES, MAX_SPECULATIVE_TOKENS, kv_slot_bytes
 from jaxserve.tools import kv_budget as kvb
 
 FLAGS = flags.FLAGS
@@ -233,8 +233,8 @@ def main(argv: list[str]) -> None:
             if FLAGS.uniform_max is not None and FLAGS.uniform_max > FLAGS.reserve:
                 raise _Usage(f"--uniform_max={FLAGS.uniform_max} is longer than "
                              f"--reserve={FLAGS.reserve}")
-        if not 0 <= FLAGS.num_speculative_tokens <= 16:
-            raise _Usage(f"--num_speculative_tokens must be in 0..16, got "
+        if not 0 <= FLAGS.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise _Usage(f"--num_speculative_tokens must be in 0..{MAX_SPECULATIVE_TOKENS}, got "
                          f"{FLAGS.num_speculative_tokens}")
         result = kvb.analyse(arch, lengths=lengths, uniform_max=FLAGS.uniform_max,
                              page_sizes=page_sizes, reserve=FLAGS.reserve,
