@@ -13,8 +13,9 @@ free), extrapolated past the largest along the slope of the last two, and held f
 smallest or past a lone one: optimism that tries such a step once, and so measures it.
 The acceptance counts start from a prior (PRIOR_DECODES decodes that drafted every position and
 had half accepted), so a few early decodes without a proposal do not end speculation; once
-plain decoding wins, one draft per sequence is tried again after 16 decisions, then 32, 64, ...
-(at most MAX_PROBE_INTERVAL): where it still loses, the probes cost ever less.
+plain decoding wins, one draft per sequence is tried again after FIRST_PROBE_INTERVAL (16)
+decisions, then twice as many each time (at most MAX_PROBE_INTERVAL): where it still loses,
+the probes cost ever less.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import bisect
 
 PRIOR_DECODES = 4
+FIRST_PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 1024
 # Speculation must promise this many times plain decoding's tokens per second: both rates are
 # estimates from noisy times, and near a tie plain decoding keeps async scheduling's overlap.
@@ -35,7 +37,7 @@ class SpeculationControl:
         self.decay = decay
         # (speculative?) -> token bucket -> moving average of step wall times
         self.seconds: dict[bool, dict[int, float]] = {False: {}, True: {}}
-        self._plain_streak, self._probe_interval = 0, 16
+        self._plain_streak, self._probe_interval = 0, FIRST_PROBE_INTERVAL
 
     def observe(self, num_tokens: int, seconds: float, speculative: bool) -> None:
         """A step of num_tokens tokens (`speculative`: it verified drafts) took `seconds` from
@@ -82,7 +84,7 @@ class SpeculationControl:
             if rate > best_rate * (MARGIN if best_k == 0 else 1.0):
                 best_k, best_rate = k, rate
         if best_k:
-            self._plain_streak, self._probe_interval = 0, 16
+            self._plain_streak, self._probe_interval = 0, FIRST_PROBE_INTERVAL
             return best_k
         self._plain_streak += 1
         if self._plain_streak < self._probe_interval:
