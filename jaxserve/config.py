@@ -204,6 +204,10 @@ class EngineConfig:
     max_waiting: int | None = None  # front ends refuse new requests beyond this queue length
     # Speculative decoding (SpeculativeConfig, or a dict of its fields); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Devices: a ("dp", "tp") mesh of data_parallel_size replicas (each its own scheduler and
+    # KV pool) of tensor_parallel_size devices each (jaxserve/runtime/sharding.py).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -239,6 +243,10 @@ class EngineConfig:
               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
               f"({self.max_num_seqs}) so every running sequence can decode each step")
         check(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            n = getattr(self, name)
+            check(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+                  f"{name} must be an integer >= 1, got {n!r}")
         check(self.max_waiting is None or self.max_waiting >= 0,
               f"max_waiting must be >= 0, got {self.max_waiting}")
 

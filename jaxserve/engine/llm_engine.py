@@ -11,6 +11,7 @@ import math
 import time
 
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve import backends
 from jaxserve.config import EngineConfig
@@ -22,6 +23,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.engine.speculation_control import SpeculationControl
+from jaxserve.runtime import sharding
 from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.runner import ModelRunner
@@ -48,12 +50,21 @@ class _Launched:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
+                 mesh: Mesh | None = None):
+        """mesh: the replica's devices (sharding.replica_mesh), for a data-parallel front;
+        default the first tensor_parallel_size devices."""
         config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
         config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
         self.config = config
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.model_config = loaded.config
+        sharding.check_fits(loaded.config, config.tensor_parallel_size, config.quantization)
+        if mesh is None:
+            if config.data_parallel_size > 1:
+                raise ValueError("data_parallel_size > 1 is served by several engines: "
+                                 "jaxserve.engine.make_engine builds them")
+            mesh = sharding.replica_mesh(sharding.make_mesh(config.tensor_parallel_size), 0)
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
@@ -68,7 +79,7 @@ class LLMEngine:
             config.attention_backend, config.dtype, config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
             pallas_kernels=config.pallas_kernels, head_dim=loaded.config.head_dim,
-            page_size=config.page_size)
+            page_size=config.page_size, tensor_parallel_size=config.tensor_parallel_size)
         backend = backends.get(self.backend)
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
@@ -81,7 +92,7 @@ class LLMEngine:
                                   kv_cache_dtype=config.kv_cache_dtype,
                                   backend=self.backend, quantization=config.quantization,
                                   max_sample_rows=self.buckets.max_sample_rows,
-                                  huge_pages=config.huge_pages)
+                                  huge_pages=config.huge_pages, mesh=mesh)
         spec = config.speculative_config
         self.spec_control = (SpeculationControl(spec.num_speculative_tokens, self.buckets.tokens)
                              if spec and spec.adaptive else None)

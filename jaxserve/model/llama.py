@@ -87,7 +87,7 @@ def per_layer_params(params: dict) -> dict:
 
 
 def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
-           cache: KVCache, lp):
+           cache: KVCache, lp, sum_shards):
     t = x.shape[0]
     d = cfg.head_dim
     hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -104,22 +104,27 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
     v = v.reshape(t, cfg.num_kv_heads, d)
     cache = write_kv(cache, k, v, md.slot_mapping)
     o = attention.attend(backend, q, cache, md, sm_scale=d ** -0.5)
-    x = x + matmul(o.reshape(t, hq), lp["wo"])
+    x = x + sum_shards(matmul(o.reshape(t, hq), lp["wo"]))
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
-    x = x + matmul(jax.nn.silu(gate) * up, lp["w_down"])
+    x = x + sum_shards(matmul(jax.nn.silu(gate) * up, lp["w_down"]))
     return x, cache
 
 
-def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: ModelConfig,
-            backend: str):
-    """token_ids i32[T] -> (pool with this step's KV written, final hidden states f[T, H])."""
+def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=None, *,
+            cfg: ModelConfig, backend: str):
+    """token_ids i32[T] -> (pool with this step's KV written, final hidden states f[T, H]).
+
+    Under tensor parallelism (jaxserve/runtime/sharding.py) this runs on one device's shards:
+    cfg counts that device's heads and MLP columns, and sum_shards(x) adds the partial outputs
+    of the row-parallel projections (wo, w_down) across devices; None: one device."""
+    sum_shards = sum_shards or (lambda x: x)
     x = embed(params, token_ids)
     cos, sin = rope_tables(md.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
     caches = []
     for lp, cache in zip(params["layers"], pool.layers, strict=True):
-        x, cache = _layer(cfg, backend, md, cos, sin, x, cache, lp)
+        x, cache = _layer(cfg, backend, md, cos, sin, x, cache, lp, sum_shards)
         caches.append(cache)
     return KVPool(tuple(caches)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
 

@@ -18,6 +18,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import backends
 from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
@@ -26,6 +27,7 @@ from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
+from jaxserve.runtime import sharding
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.sampling import sample
 
@@ -59,12 +61,23 @@ def _copy_pages(pool: KVPool, src, dst) -> KVPool:
     return jax.tree_util.tree_map(copy, pool)
 
 
-def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str):
+def _model(cfg: ModelConfig, backend: str, mesh: Mesh):
+    """(params, pool, token_ids, md) -> (pool, hidden) on the mesh's tp devices."""
+    tp = sharding.tp_size(mesh)
+    if tp == 1:
+        return functools.partial(llama.forward, cfg=cfg, backend=backend)
+    per_device = functools.partial(llama.forward, cfg=sharding.shard_config(cfg, tp),
+                                   backend=backend)
+    return sharding.tensor_parallel_forward(per_device, mesh)
+
+
+def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str,
+          mesh: Mesh):
     # Tokens sampled by the previous step (still in flight when this one was planned) come in
     # as `feed`, the previous step's padded sample ids, and go out the same way.
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
-    pool, hidden = llama.forward(params, pool, token_ids, batch.attn, cfg=cfg, backend=backend)
+    pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn)
     logits = llama.logits(params, hidden[batch.logits_indices])
     out = {"sampled": sample(logits, batch.sampling, backend)}
     ids = out["sampled"][0]
@@ -79,8 +92,9 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, backend: str):
-    return jax.jit(functools.partial(_step, cfg=cfg, backend=backend), donate_argnames=("pool",))
+def _jitted_step(cfg: ModelConfig, backend: str, mesh: Mesh):
+    return jax.jit(functools.partial(_step, cfg=cfg, backend=backend, mesh=mesh),
+                   donate_argnames=("pool",))
 
 
 def release_compiled_steps() -> None:
@@ -123,17 +137,22 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
                  dtype: str = "float32", kv_cache_dtype: str | None = None,
                  backend: str = "xla", quantization: str = "none",
-                 max_sample_rows: int = 512, huge_pages: bool = False):
+                 max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None):
+        """mesh: this runner's ("dp", "tp") devices, one row (sharding.replica_mesh); default
+        the first device."""
         _use_compilation_cache()
         self.cfg = cfg
+        self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
-        self.params = jax.tree_util.tree_map(self._to_device,
-                                             prepare_params(params, quantization, backend))
+        self.params = sharding.shard_params(prepare_params(params, quantization, backend), cfg,
+                                            self.mesh, self._cast)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
         self.reset_pool()
-        self._step = _jitted_step(cfg, backend)
-        self._no_feed = jnp.zeros(max_sample_rows, jnp.int32)  # the feed of a step planned alone
+        self._step = _jitted_step(cfg, backend, self.mesh)
+        # The feed of a step planned alone.
+        self._no_feed = jax.device_put(np.zeros(max_sample_rows, np.int32),
+                                       NamedSharding(self.mesh, PartitionSpec()))
         self._signatures: set = set()
         # Only the weights: they are streamed whole every step. The pool's pages are read in
         # scattered small runs, which 2 MiB pages do not speed up, and collapsing a large pool
@@ -145,12 +164,16 @@ class ModelRunner:
         """A zeroed KV pool (at start, and after a failed step consumed the donated one)."""
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         cfg = self.cfg
-        self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, self.num_pages,
-                                 self.page_size, cfg.head_dim, self.kv_dtype)
+        heads = sharding.pool_kv_heads(cfg, sharding.tp_size(self.mesh))
+        zeros = functools.partial(KVPool.zeros, cfg.num_layers, heads, self.num_pages,
+                                  self.page_size, cfg.head_dim, self.kv_dtype)
+        # Made in place on each device (never whole on one): sharded on the head axis.
+        self.pool = jax.jit(zeros, out_shardings=sharding.pool_sharding(self.mesh))()
 
-    def _to_device(self, x):
+    def _cast(self, x) -> np.ndarray:
+        """A host weight in the serving dtype (integer arrays, e.g. int8 weights, kept)."""
         x = np.asarray(x)
-        return jnp.asarray(x, self.dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)
+        return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     @property
     def compilations(self) -> int:

@@ -1,0 +1,70 @@
+"""Tensor parallelism on 4 virtual CPU devices (tests/multi_device_cases.py, run once in a
+subprocess: the device count is fixed before JAX starts): greedy outputs equal to the
+single-device engine's with prefix caching, chunked prefill, forced preemption, int8 KV pages
+and speculative decoding on; the compiled step's collectives; clear errors for sizes that do
+not fit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxserve import backends
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from tiny_model import tiny_loaded
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def cases() -> dict:
+    root = os.path.dirname(HERE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "multi_device_cases.py")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("model,run", [("tiny", "tp2"), ("tiny", "tp4"), ("smol", "tp3"),
+                                       ("tiny", "tp2-pallas")])
+def test_tensor_parallel_greedy_equals_single_device(cases, model, run):
+    """tiny: 4 query heads over 2 KV heads (TP 4 repeats each KV head); smol: SmolLM2's 9 query
+    and 3 KV heads (TP 3 shards them); pallas: the TPU-style kernel inside shard_map."""
+    one, many = cases["runs"][f"{model}-tp1"], cases["runs"][f"{model}-{run}"]
+    assert many["outputs"] == one["outputs"]
+    for run in (one, many):
+        stats = run["stats"]
+        assert stats["referenced_pages"] == 0
+        assert stats["preemptions"] >= 1 and stats["prefix_cache_hits"] > 0
+        assert stats["spec_drafted"] > 0
+
+
+@pytest.mark.parametrize("name", ["tiny-tp2", "tiny-tp4", "smol-tp3"])
+def test_compiled_step_has_two_all_reduces_per_layer(cases, name):
+    """After the attention output and the MLP down projection, nothing else: the pool and the
+    weights stay where they are (no all-gather), the head is replicated."""
+    hlo = cases["hlo"][name]
+    layers = 2
+    assert hlo["all_reduce"] == 2 * layers
+    assert hlo["all_gather"] == 0 and hlo["all_to_all"] == 0
+    hidden = {"tiny": 32, "smol": 72}[name.split("-")[0]]
+    assert hlo["all_reduce_bytes"] == 2 * layers * hlo["tokens"] * hidden * 4  # f32
+
+
+def test_sizes_that_do_not_fit_are_clear_errors():
+    loaded = tiny_loaded()
+    with pytest.raises(ValueError, match="must divide the model's 4 query heads"):
+        LLMEngine(EngineConfig(model="x", tensor_parallel_size=3, huge_pages=False), loaded)
+    with pytest.raises(ValueError, match="needs 2 devices; this process has 1"):
+        LLMEngine(EngineConfig(model="x", tensor_parallel_size=2, huge_pages=False), loaded)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="attention_backend='xla'"):
+        backends.resolve("cpu", tensor_parallel_size=2)
+    assert backends.resolve("auto", tensor_parallel_size=2) != "cpu"
