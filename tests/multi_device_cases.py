@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
-from jaxserve.engine import LLMEngine  # noqa: E402
+from jaxserve.engine import LLMEngine, make_engine  # noqa: E402
 from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.weights.random_init import SMOLLM2_135M, random_model  # noqa: E402
 from tiny_model import tiny_loaded  # noqa: E402
@@ -52,17 +52,18 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def serve(loaded, **options) -> dict:
-    engine = LLMEngine(EngineConfig(**{**OPTIONS, **options}), loaded)
+    engine = make_engine(EngineConfig(**{**OPTIONS, **options}), loaded)
     llm = LLM.from_engine(engine)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     work = prompts(loaded.config.vocab_size)
     first = llm.generate(work[:1], params, use_tqdm=False)  # its pages are then cached
     outs = first + llm.generate(work[1:], params, use_tqdm=False)
     stats = llm.stats()
+    drafted = sum(sum(r["spec_drafted_per_position"]) for r in stats.get("replicas", [stats]))
     keep = ("referenced_pages", "preemptions", "prefix_cache_hits", "kv_pool_bytes")
     return {"outputs": [o.outputs[0].token_ids for o in outs],
             "stats": {**{k: stats[k] for k in keep},
-                      "spec_drafted": sum(stats["spec_drafted_per_position"])},
+                      "spec_drafted": drafted},
             "engine": engine}
 
 
@@ -87,19 +88,65 @@ def collectives(engine: LLMEngine) -> dict:
             "tokens": int(batch.token_ids.shape[0])}
 
 
+MIXED_PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def mixed_work() -> list[tuple[str, list[int]]]:
+    """Two groups of 4 prompts that each share a first page, and 4 prompts of their own."""
+    rng = np.random.default_rng(2)
+    ids = lambda n: [int(t) for t in rng.integers(1, 300, n)]  # noqa: E731
+    groups = {"a": ids(8), "b": ids(8)}
+    return ([("a", groups["a"] + ids(6)) for _ in range(4)]
+            + [("b", groups["b"] + ids(10)) for _ in range(4)]
+            + [("own", ids(n)) for n in (3, 7, 20, 40)])
+
+
+def route(engine) -> dict:
+    """The mixed workload added at once to a data-parallel engine, and one request aborted on
+    the way: where each went, its outputs, and the router's balance."""
+    placed, outputs = {}, {}
+    for i, (group, prompt) in enumerate(mixed_work()):
+        engine.add_request(prompt, MIXED_PARAMS, request_id=f"mix-{i}")
+        placed.setdefault(group, []).append(engine._owner[f"mix-{i}"])
+    before = engine.router.requests[:]
+    engine.add_request(list(range(1, 31)), MIXED_PARAMS, request_id="victim")
+    owner = engine._owner["victim"]
+    aborted = engine.abort("victim")
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0].token_ids
+    stats = engine.stats()
+    return {"placed": placed, "aborted": aborted, "victim_replica": owner,
+            "victim_routed": [a - b for a, b in zip(engine.router.requests, before)],
+            "outputs": [outputs[f"mix-{i}"] for i in range(len(outputs))],
+            "routed_requests": [r["routed_requests"] for r in stats["replicas"]],
+            "routed_tokens": [r["routed_tokens"] for r in stats["replicas"]],
+            "unfinished": [r.num_unfinished for r in engine.replicas],
+            "referenced_pages": [r["referenced_pages"] for r in stats["replicas"]],
+            "aborted_total": stats["num_aborted_total"]}
+
+
 def main() -> None:
     runs, hlo = {}, {}
     tiny, smol = tiny_loaded(), random_model(SMOL_SHAPED, seed=3, weight_scale=0.3)
     for name, loaded, tps in (("tiny", tiny, (1, 2, 4)), ("smol", smol, (1, 3))):
         for tp in tps:
             run = serve(loaded, tensor_parallel_size=tp)
+            if name == "tiny" and tp == 1:  # the mixed workload's reference
+                llm = LLM.from_engine(run["engine"])
+                mixed = [o.outputs[0].token_ids for o in llm.generate(
+                    [p for _, p in mixed_work()], MIXED_PARAMS, use_tqdm=False)]
             if tp > 1:
                 hlo[f"{name}-tp{tp}"] = collectives(run["engine"])
             runs[f"{name}-tp{tp}"] = {k: v for k, v in run.items() if k != "engine"}
     # The TPU-style Pallas kernel (interpreted) inside shard_map, over the sharded pool.
     run = serve(tiny, tensor_parallel_size=2, attention_backend="pallas", pallas_kernels="tpu")
     runs["tiny-tp2-pallas"] = {k: v for k, v in run.items() if k != "engine"}
-    print(json.dumps({"runs": runs, "hlo": hlo}))
+    run = serve(tiny, data_parallel_size=2)
+    runs["tiny-dp2"] = {k: v for k, v in run.items() if k != "engine"}
+    router = route(run["engine"])
+    print(json.dumps({"runs": runs, "hlo": hlo, "router": router, "mixed_reference": mixed}))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def cases() -> dict:
 
 
 @pytest.mark.parametrize("model,run", [("tiny", "tp2"), ("tiny", "tp4"), ("smol", "tp3"),
-                                       ("tiny", "tp2-pallas")])
+                                       ("tiny", "tp2-pallas"), ("tiny", "dp2")])
 def test_tensor_parallel_greedy_equals_single_device(cases, model, run):
     """tiny: 4 query heads over 2 KV heads (TP 4 repeats each KV head); smol: SmolLM2's 9 query
     and 3 KV heads (TP 3 shards them); pallas: the TPU-style kernel inside shard_map."""
@@ -55,6 +55,21 @@ def test_compiled_step_has_two_all_reduces_per_layer(cases, name):
     assert hlo["all_gather"] == 0 and hlo["all_to_all"] == 0
     hidden = {"tiny": 32, "smol": 72}[name.split("-")[0]]
     assert hlo["all_reduce_bytes"] == 2 * layers * hlo["tokens"] * hidden * 4  # f32
+
+
+def test_data_parallel_router_places_by_prefix_and_load(cases):
+    """DP 2 on a mixed workload added at once: each group sharing a first page lands on one
+    replica, the two groups on different ones, the rest by load; greedy outputs equal the
+    single-device engine's; the aborted request is gone from the replica that had it."""
+    r = cases["router"]
+    a, b = set(r["placed"]["a"]), set(r["placed"]["b"])
+    assert len(a) == 1 and len(b) == 1 and a != b
+    assert r["outputs"] == cases["mixed_reference"]
+    placed = [i for replicas in r["placed"].values() for i in replicas]
+    assert placed.count(0) == placed.count(1) == 6  # the 4 of their own went 2 and 2
+    assert r["aborted"] and r["victim_routed"][r["victim_replica"]] == 1
+    assert r["aborted_total"] == 1 and r["unfinished"] == [0, 0]
+    assert r["referenced_pages"] == [0, 0]
 
 
 def test_sizes_that_do_not_fit_are_clear_errors():

@@ -148,6 +148,21 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def caches_first_page(self, token_ids: list[int], cache_salt: str | None = None) -> bool:
+        """Whether the prefix cache holds the first full page of token_ids (under the salt, the
+        engine's by default): a data-parallel router's affinity."""
+        cache = self.scheduler.cache
+        salt = cache_salt if cache_salt is not None else self.config.cache_salt
+        return cache is not None and bool(cache.lookup(token_ids, salt, max_pages=1)[0])
+
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns a snapshot of every request that progressed or failed.
