@@ -94,6 +94,16 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each of tensor_parallel_size devices holds: its share, or 1 when there are
+    fewer heads than devices (each head then repeated on tp / H_kv devices)."""
+    hkv, tp = num_kv_heads, tensor_parallel_size
+    if hkv % tp and tp % hkv:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {hkv} KV heads, "
+                         "or be a multiple of them (the heads are then repeated)")
+    return max(hkv // tp, 1)
+
+
 SPECULATIVE_METHODS = ("ngram",)
 MAX_SPECULATIVE_TOKENS = 16
 

@@ -60,7 +60,8 @@ def serve(loaded, **options) -> dict:
     outs = first + llm.generate(work[1:], params, use_tqdm=False)
     stats = llm.stats()
     drafted = sum(sum(r["spec_drafted_per_position"]) for r in stats.get("replicas", [stats]))
-    keep = ("referenced_pages", "preemptions", "prefix_cache_hits", "kv_pool_bytes")
+    keep = ("referenced_pages", "preemptions", "prefix_cache_hits", "kv_pool_bytes",
+            "kv_pool_bytes_per_device", "param_bytes", "param_bytes_per_device")
     return {"outputs": [o.outputs[0].token_ids for o in outs],
             "stats": {**{k: stats[k] for k in keep},
                       "spec_drafted": drafted},

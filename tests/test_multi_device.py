@@ -31,18 +31,24 @@ def cases() -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("model,run", [("tiny", "tp2"), ("tiny", "tp4"), ("smol", "tp3"),
+@pytest.mark.parametrize("model,case", [("tiny", "tp2"), ("tiny", "tp4"), ("smol", "tp3"),
                                        ("tiny", "tp2-pallas"), ("tiny", "dp2")])
-def test_tensor_parallel_greedy_equals_single_device(cases, model, run):
+def test_tensor_parallel_greedy_equals_single_device(cases, model, case):
     """tiny: 4 query heads over 2 KV heads (TP 4 repeats each KV head); smol: SmolLM2's 9 query
     and 3 KV heads (TP 3 shards them); pallas: the TPU-style kernel inside shard_map."""
-    one, many = cases["runs"][f"{model}-tp1"], cases["runs"][f"{model}-{run}"]
+    one, many = cases["runs"][f"{model}-tp1"], cases["runs"][f"{model}-{case}"]
     assert many["outputs"] == one["outputs"]
     for run in (one, many):
         stats = run["stats"]
         assert stats["referenced_pages"] == 0
         assert stats["preemptions"] >= 1 and stats["prefix_cache_hits"] > 0
         assert stats["spec_drafted"] > 0
+    # One device's KV: its share of the heads, at least one (tiny's 2 heads at TP 4: one each).
+    hkv = {"tiny": 2, "smol": 3}[model]
+    tp = int(case.split("-")[0][2:]) if case.startswith("tp") else 1
+    share = max(hkv // tp, 1) / hkv
+    assert many["stats"]["kv_pool_bytes_per_device"] == one["stats"]["kv_pool_bytes"] * share
+    assert many["stats"]["param_bytes_per_device"] < one["stats"]["param_bytes"] or tp == 1
 
 
 @pytest.mark.parametrize("name", ["tiny-tp2", "tiny-tp4", "smol-tp3"])

@@ -22,6 +22,9 @@ from jaxserve.runtime import sharding
 from jaxserve.weights import LoadedModel, load_model
 
 _RECENT_FIRST_PAGES = 4096  # first pages whose replica the router remembers
+# Stats that describe one device of a replica (the same on every replica): not summed.
+_PER_DEVICE = ("tensor_parallel_size", "kv_pool_bytes_per_device", "kv_page_bytes_per_device",
+               "param_bytes_per_device")
 
 
 class Router:
@@ -126,7 +129,7 @@ class DataParallelEngine:
         requests and prompt tokens the router sent it)."""
         per = [dict(r.stats(), routed_requests=n, routed_tokens=t)
                for r, n, t in zip(self.replicas, self.router.requests, self.router.tokens)]
-        total = _summed(per)
+        total = {**_summed(per), **{k: per[0][k] for k in _PER_DEVICE}}
         queries = total.get("prefix_cache_queries", 0)
         total["prefix_cache_hit_rate"] = total.get("prefix_cache_hits", 0) / queries if queries \
             else 0.0

@@ -359,6 +359,12 @@ class LLMEngine:
                      host_seconds=self.host_seconds, device_seconds=self.device_seconds,
                      host_overlapped_seconds=self.host_overlapped_seconds,
                      kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
+                     # Under tensor parallelism each device holds every page, for its KV heads.
+                     tensor_parallel_size=self.config.tensor_parallel_size,
+                     kv_pool_bytes_per_device=self.runner.kv_pool_bytes_per_device,
+                     kv_page_bytes_per_device=self.runner.kv_pool_bytes_per_device
+                     // self.num_pages,
+                     param_bytes_per_device=self.runner.param_bytes_per_device,
                      huge_page_bytes=self.runner.huge_page_bytes)
         if self.spec_control is not None:  # the cost model: seconds per token bucket timed
             stats["spec_step_seconds"] = {

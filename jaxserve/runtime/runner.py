@@ -120,6 +120,10 @@ def _use_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+def _bytes_on_one_device(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
 def _signature(batch: StepBatch) -> tuple:
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
@@ -186,6 +190,15 @@ class ModelRunner:
     @property
     def param_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+
+    @property
+    def kv_pool_bytes_per_device(self) -> int:
+        """One device's part of the pool (its KV heads of every page; repeated heads count)."""
+        return _bytes_on_one_device(self.pool)
+
+    @property
+    def param_bytes_per_device(self) -> int:
+        return _bytes_on_one_device(self.params)
 
     def dispatch(self, batch: StepBatch, copies=None, after=None):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)

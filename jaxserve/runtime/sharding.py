@@ -29,7 +29,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, kv_heads_per_device
 from jaxserve.model.quantize import GROUP
 
 AXES = ("dp", "tp")
@@ -61,7 +61,7 @@ def tp_size(mesh: Mesh) -> int:
 
 def pool_kv_heads(cfg: ModelConfig, tp: int) -> int:
     """KV heads in the pool: the model's, or tp when there are fewer (each repeated)."""
-    return max(cfg.num_kv_heads, tp)
+    return kv_heads_per_device(cfg.num_kv_heads, tp) * tp
 
 
 def check_fits(cfg: ModelConfig, tp: int, quantization: str = "none") -> None:
@@ -72,10 +72,7 @@ def check_fits(cfg: ModelConfig, tp: int, quantization: str = "none") -> None:
     if cfg.num_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's {cfg.num_heads} "
                          "query heads")
-    hkv = cfg.num_kv_heads
-    if hkv % tp and tp % hkv:
-        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {hkv} KV heads, "
-                         "or be a multiple of them (the heads are then repeated)")
+    kv_heads_per_device(cfg.num_kv_heads, tp)
     if cfg.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the MLP's "
                          f"{cfg.intermediate_size} intermediate columns")
