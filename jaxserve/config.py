@@ -218,6 +218,11 @@ class EngineConfig:
     # KV pool) of tensor_parallel_size devices each (jaxserve/runtime/sharding.py).
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    # Several processes (hosts) as one engine (jaxserve/runtime/distributed.py): process 0
+    # schedules, every process runs each step on its devices of the one mesh.
+    coordinator_address: str | None = None  # host:port of process 0's coordinator
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -257,6 +262,14 @@ class EngineConfig:
             n = getattr(self, name)
             check(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
                   f"{name} must be an integer >= 1, got {n!r}")
+        check(isinstance(self.num_processes, int) and self.num_processes >= 1,
+              f"num_processes must be an integer >= 1, got {self.num_processes!r}")
+        check(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
+              f"process_id must be in 0..{self.num_processes - 1}, got {self.process_id!r}")
+        check(self.num_processes == 1 or self.coordinator_address,
+              "num_processes > 1 needs coordinator_address (host:port of process 0)")
+        check(self.num_processes == 1 or self.data_parallel_size == 1,
+              "several processes serve one tensor-parallel engine; data_parallel_size must be 1")
         check(self.max_waiting is None or self.max_waiting >= 0,
               f"max_waiting must be >= 0, got {self.max_waiting}")
 

@@ -1,13 +1,15 @@
-"""Tensor parallelism on 4 virtual CPU devices (tests/multi_device_cases.py, run once in a
-subprocess: the device count is fixed before JAX starts): greedy outputs equal to the
-single-device engine's with prefix caching, chunked prefill, forced preemption, int8 KV pages
-and speculative decoding on; the compiled step's collectives; clear errors for sizes that do
-not fit."""
+"""Tensor and data parallelism on 4 virtual CPU devices (tests/multi_device_cases.py, run once
+in a subprocess: the device count is fixed before JAX starts), and TP 3 across three local
+processes (tests/multi_host_cases.py): greedy outputs equal to the single-device engine's with
+prefix caching, chunked prefill, forced preemption, int8 KV pages and speculative decoding on;
+the compiled step's collectives; the data-parallel router; clear errors for sizes that do not
+fit."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -21,21 +23,25 @@ from tiny_model import tiny_loaded
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _env() -> dict:
+    root = os.path.dirname(HERE)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
 @pytest.fixture(scope="module")
 def cases() -> dict:
-    root = os.path.dirname(HERE)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, os.path.join(HERE, "multi_device_cases.py")],
-                          capture_output=True, text=True, env=env, timeout=900)
+                          capture_output=True, text=True, env=_env(), timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("model,case", [("tiny", "tp2"), ("tiny", "tp4"), ("smol", "tp3"),
-                                       ("tiny", "tp2-pallas"), ("tiny", "dp2")])
+@pytest.mark.parametrize("model,case", [("tiny", "tp4"), ("smol", "tp3"),
+                                        ("tiny", "tp2-pallas"), ("tiny", "dp2")])
 def test_tensor_parallel_greedy_equals_single_device(cases, model, case):
-    """tiny: 4 query heads over 2 KV heads (TP 4 repeats each KV head); smol: SmolLM2's 9 query
-    and 3 KV heads (TP 3 shards them); pallas: the TPU-style kernel inside shard_map."""
+    """tiny: 4 query heads over 2 KV heads (TP 4 repeats each KV head; TP 2 shards them, with
+    the TPU-style Pallas kernel inside shard_map); smol: SmolLM2's 9 query and 3 KV heads (TP 3
+    shards them); dp2: two replicas."""
     one, many = cases["runs"][f"{model}-tp1"], cases["runs"][f"{model}-{case}"]
     assert many["outputs"] == one["outputs"]
     for run in (one, many):
@@ -51,7 +57,7 @@ def test_tensor_parallel_greedy_equals_single_device(cases, model, case):
     assert many["stats"]["param_bytes_per_device"] < one["stats"]["param_bytes"] or tp == 1
 
 
-@pytest.mark.parametrize("name", ["tiny-tp2", "tiny-tp4", "smol-tp3"])
+@pytest.mark.parametrize("name", ["tiny-tp4", "smol-tp3"])
 def test_compiled_step_has_two_all_reduces_per_layer(cases, name):
     """After the attention output and the MLP down projection, nothing else: the pool and the
     weights stay where they are (no all-gather), the head is replicated."""
@@ -76,6 +82,38 @@ def test_data_parallel_router_places_by_prefix_and_load(cases):
     assert r["aborted"] and r["victim_routed"][r["victim_replica"]] == 1
     assert r["aborted_total"] == 1 and r["unfinished"] == [0, 0]
     assert r["referenced_pages"] == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def three_processes() -> list[dict]:
+    """tests/multi_host_cases.py as processes 0, 1 and 2 over loopback: their JSON lines."""
+    with socket.socket() as sock:  # a free port for the coordinator
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multi_host_cases.py"),
+                               str(port), str(i)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=_env())
+             for i in range(3)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-4000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def test_three_processes_equal_single_device(cases, three_processes):
+    """TP 3 over three processes of one CPU device each (gloo over loopback): process 0
+    schedules and sends each step to the others; greedy outputs equal the single-device
+    engine's, with prefix caching, chunked prefill, preemption, int8 KV and speculation on."""
+    leader, *followers = three_processes
+    one = cases["runs"]["smol-tp1"]
+    assert leader["outputs"] == one["outputs"]
+    stats = leader["stats"]
+    assert stats["referenced_pages"] == 0 and stats["preemptions"] >= 1
+    assert stats["kv_pool_bytes_per_device"] * 3 == one["stats"]["kv_pool_bytes"]
+    steps = {f["steps"] for f in followers}
+    assert len(steps) == 1 and steps.pop() > 0  # both ran every step process 0 launched
 
 
 def test_sizes_that_do_not_fit_are_clear_errors():

@@ -45,6 +45,11 @@ flags.DEFINE_integer("tensor_parallel_size", _D.tensor_parallel_size,
                      "Devices each replica's weights and KV heads are sharded over.")
 flags.DEFINE_integer("data_parallel_size", _D.data_parallel_size,
                      "Engine replicas, each with its own scheduler, KV pool and devices.")
+flags.DEFINE_string("coordinator_address", None,
+                    "host:port of process 0, to join several processes (hosts) as one engine.")
+flags.DEFINE_integer("num_processes", _D.num_processes, "Processes joined as one engine.")
+flags.DEFINE_integer("process_id", _D.process_id,
+                     "This process's index; 0 schedules and serves, the others follow it.")
 
 _S = SpeculativeConfig()
 flags.DEFINE_enum("speculative_method", None, SPECULATIVE_METHODS,
@@ -62,7 +67,8 @@ _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend
           "page_size", "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
           "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting",
-          "tensor_parallel_size", "data_parallel_size")
+          "tensor_parallel_size", "data_parallel_size", "coordinator_address", "num_processes",
+          "process_id")
 
 
 def engine_options() -> dict:

@@ -18,7 +18,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
-from jaxserve.runtime import sharding
+from jaxserve.runtime import distributed, sharding
 from jaxserve.weights import LoadedModel, load_model
 
 _RECENT_FIRST_PAGES = 4096  # first pages whose replica the router remembers
@@ -143,7 +143,12 @@ def _summed(dicts: list[dict]) -> dict:
 
 
 def make_engine(config: EngineConfig, loaded: LoadedModel | None = None):
-    """An LLMEngine, or a DataParallelEngine of data_parallel_size replicas."""
+    """An LLMEngine, or a DataParallelEngine of data_parallel_size replicas. With several
+    processes, joins them first (before anything else touches a device); then only process
+    0's engine serves, the others `follow()` it."""
+    if config.num_processes > 1:
+        distributed.initialize(config.coordinator_address, config.num_processes,
+                               config.process_id)
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, loaded)
     return LLMEngine(config, loaded)

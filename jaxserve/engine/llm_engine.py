@@ -148,6 +148,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def follow(self) -> int:
+        """Process k > 0 of several: run process 0's steps on this process's devices until
+        process 0 calls stop_followers(); returns the steps run."""
+        return self.runner.follow()
+
+    def stop_followers(self) -> None:
+        self.runner.stop_followers()
+
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)

@@ -27,7 +27,7 @@ from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
-from jaxserve.runtime import sharding
+from jaxserve.runtime import distributed, sharding
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.sampling import sample
 
@@ -152,7 +152,11 @@ class ModelRunner:
         self.params = sharding.shard_params(prepare_params(params, quantization, backend), cfg,
                                             self.mesh, self._cast)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
+        self.channel = None
         self.reset_pool()
+        # Process 0 of several sends its device calls to the others (distributed.follow).
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            self.channel = distributed.Channel()
         self._step = _jitted_step(cfg, backend, self.mesh)
         # The feed of a step planned alone.
         self._no_feed = jax.device_put(np.zeros(max_sample_rows, np.int32),
@@ -166,6 +170,8 @@ class ModelRunner:
 
     def reset_pool(self) -> None:
         """A zeroed KV pool (at start, and after a failed step consumed the donated one)."""
+        if self.channel is not None:
+            self.channel.send(distributed.RESET)
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         cfg = self.cfg
         heads = sharding.pool_kv_heads(cfg, sharding.tp_size(self.mesh))
@@ -203,17 +209,34 @@ class ModelRunner:
     def dispatch(self, batch: StepBatch, copies=None, after=None):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
         if any; returns device arrays (JAX dispatch is async). `after` is the output of the
-        previous step when this one feeds on its samples (batch.feed_rows)."""
+        previous step when this one feeds on its samples (batch.feed_rows). On process 0 of
+        several, the other processes are sent the same call first."""
+        if self.channel is not None:
+            self.channel.send(distributed.STEP, (batch, copies, after is not None))
         if copies is not None:
-            self.copy_pages(*copies)
+            self._copy_local(*copies)
         self._signatures.add(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
         self.pool, out = self._step(self.params, pool=self.pool, batch=batch, feed=feed)
         return out
 
     def copy_pages(self, src, dst) -> None:
+        if self.channel is not None:
+            self.channel.send(distributed.COPY, (src, dst))
+        self._copy_local(src, dst)
+
+    def _copy_local(self, src, dst) -> None:
         self._signatures.add(("copies", len(src)))
         self.pool = _copy_pages(self.pool, src, dst)
+
+    def follow(self) -> int:
+        """A process other than 0 of several: run process 0's device calls until it stops."""
+        return distributed.follow(self, distributed.Channel())
+
+    def stop_followers(self) -> None:
+        """Process 0 of several: the other processes' `follow` returns."""
+        if self.channel is not None:
+            self.channel.send(distributed.STOP)
 
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:
