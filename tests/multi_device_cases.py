@@ -49,10 +49,10 @@ def prompts(vocab: int) -> list[list[int]]:
     return [prefix + tail for tail in tails]
 
 
-def serve(loaded, **options) -> dict:
+def serve(loaded, max_tokens: int = 20, **options) -> dict:
     engine = make_engine(EngineConfig(**{**OPTIONS, **options}), loaded)
     llm = LLM.from_engine(engine)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     work = prompts(loaded.config.vocab_size)
     first = llm.generate(work[:1], params, use_tqdm=False)  # its pages are then cached
     outs = first + llm.generate(work[1:], params, use_tqdm=False)
@@ -87,6 +87,7 @@ def collectives(engine: LLMEngine) -> dict:
             "tokens": int(batch.token_ids.shape[0])}
 
 
+PALLAS_TOKENS = 5
 MIXED_PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
@@ -142,8 +143,10 @@ def main() -> None:
             if tp > 1:
                 hlo[f"{name}-tp{tp}"] = collectives(run["engine"])
             runs[f"{name}-tp{tp}"] = {k: v for k, v in run.items() if k != "engine"}
-    # The TPU-style Pallas kernel (interpreted) inside shard_map, over the sharded pool.
-    run = serve(tiny, tensor_parallel_size=2, attention_backend="pallas", pallas_kernels="tpu")
+    # The TPU-style Pallas kernel (interpreted: slow, so a shorter run) inside shard_map, over
+    # the sharded pool.
+    run = serve(tiny, max_tokens=PALLAS_TOKENS, tensor_parallel_size=2,
+                attention_backend="pallas", pallas_kernels="tpu")
     runs["tiny-tp2-pallas"] = {k: v for k, v in run.items() if k != "engine"}
     run = serve(tiny, data_parallel_size=2)
     runs["tiny-dp2"] = {k: v for k, v in run.items() if k != "engine"}
