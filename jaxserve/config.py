@@ -223,6 +223,8 @@ class EngineConfig:
     coordinator_address: str | None = None  # host:port of process 0's coordinator
     num_processes: int = 1
     process_id: int = 0
+    # A process not joined within this, or a peer silent for a sixth of it, ends the run.
+    distributed_timeout_s: int = 60
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -268,6 +270,8 @@ class EngineConfig:
               f"process_id must be in 0..{self.num_processes - 1}, got {self.process_id!r}")
         check(self.num_processes == 1 or self.coordinator_address,
               "num_processes > 1 needs coordinator_address (host:port of process 0)")
+        check(isinstance(self.distributed_timeout_s, int) and self.distributed_timeout_s >= 1,
+              f"distributed_timeout_s must be an integer >= 1, got {self.distributed_timeout_s!r}")
         check(self.num_processes == 1 or self.data_parallel_size == 1,
               "several processes serve one tensor-parallel engine; data_parallel_size must be 1")
         check(self.max_waiting is None or self.max_waiting >= 0,

@@ -148,7 +148,7 @@ def make_engine(config: EngineConfig, loaded: LoadedModel | None = None):
     0's engine serves, the others `follow()` it."""
     if config.num_processes > 1:
         distributed.initialize(config.coordinator_address, config.num_processes,
-                               config.process_id)
+                               config.process_id, config.distributed_timeout_s)
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, loaded)
     return LLMEngine(config, loaded)

@@ -26,6 +26,7 @@ from jaxserve.engine.speculation_control import SpeculationControl
 from jaxserve.runtime import sharding
 from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.distributed import PeerLostError
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
@@ -257,6 +258,8 @@ class LLMEngine:
         copies = page_copies(plan.copies, self.buckets) if plan.copies else None
         try:
             out = self.runner.dispatch(batch, copies, after)
+        except PeerLostError:  # another process is gone: nothing to recover here
+            raise
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
         return _Launched(plan, out, num_rows, offsets)
