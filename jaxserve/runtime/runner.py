@@ -25,7 +25,7 @@ from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVPool
-from jaxserve.model.quantize import quantize
+from jaxserve.model.quantize import quantize, quantize_head, quantize_layer
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime import distributed, sharding
 from jaxserve.runtime.buckets import Buckets
@@ -129,12 +129,20 @@ def _signature(batch: StepBatch) -> tuple:
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
 
 
-def prepare_params(params: dict, quantization: str, backend: str) -> dict:
-    """The loaders' params -> what the step runs: quantized, in the model's execution layout,
-    then packed for the backend's matmul (host numpy arrays still)."""
-    params = llama.per_layer_params(quantize(params, quantization))
+def prepare_params(params: dict, quantization: str, backend: str):
+    """The loaders' params -> what the step runs, as host numpy: (the leaves outside the
+    layers, an iterator of the layers), quantized, in the execution layout and packed for the
+    backend's matmul. The layers are made one at a time as they are placed, so the host holds
+    one beyond the loaders' copy; a backend that packs its weights (cpu, one device) packs the
+    whole tree at once."""
     pack = backends.get(backend).pack_params
-    return pack(params) if pack is not None else params
+    if pack is not None:
+        whole = pack(llama.per_layer_params(quantize(params, quantization)))
+        return {k: v for k, v in whole.items() if k != "layers"}, iter(whole["layers"])
+    stacked = params["layers"]
+    layers = (llama.fuse_layer(quantize_layer(llama.layer_of(stacked, i), quantization))
+              for i in range(len(stacked["attn_norm"])))
+    return llama.head_params(quantize_head(params, quantization)), layers
 
 
 class ModelRunner:
@@ -149,7 +157,7 @@ class ModelRunner:
         self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
-        self.params = sharding.shard_params(prepare_params(params, quantization, backend), cfg,
+        self.params = sharding.place_params(*prepare_params(params, quantization, backend), cfg,
                                             self.mesh, self._cast)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
         self.channel = None
@@ -183,7 +191,7 @@ class ModelRunner:
     def _cast(self, x) -> np.ndarray:
         """A host weight in the serving dtype (integer arrays, e.g. int8 weights, kept)."""
         x = np.asarray(x)
-        return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        return x.astype(self.dtype, copy=False) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
     @property
     def compilations(self) -> int:

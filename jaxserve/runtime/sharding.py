@@ -24,6 +24,7 @@ gathered onto one device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -90,25 +91,26 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // tp)
 
 
-def _regroup_qkv(w, cfg: ModelConfig, tp: int):
-    """w [F, ...] (F = (Hq + 2 Hkv) D rows; a weight, bias or int8 scale) -> the rows in shard
-    order, KV heads repeated up to pool_kv_heads."""
+def _qkv_shard(w, cfg: ModelConfig, tp: int, s: int) -> np.ndarray:
+    """Shard s of w [F, ...] (F = (Hq + 2 Hkv) D rows; a weight, bias or int8 field): its q
+    heads, then the KV heads they read (k, then v; repeated up to pool_kv_heads)."""
     d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    q, k, v = np.split(np.asarray(w), [hq * d, (hq + hkv) * d])
-    rep = pool_kv_heads(cfg, tp) // hkv
+    q, k, v = np.split(w, [hq * d, (hq + hkv) * d])
+    n, pool = hq // tp, pool_kv_heads(cfg, tp)
+    per_device = pool // tp
+    kv = [(s * per_device + j) * hkv // pool for j in range(per_device)]  # pool head -> model's
 
-    def heads(x, n, repeat=1):  # [n*D, ...] -> [tp, n*repeat*D/tp, ...]
-        x = np.repeat(x.reshape(n, d, *x.shape[1:]), repeat, axis=0)
-        return x.reshape(tp, -1, *x.shape[2:])
+    def rows(x, heads):
+        return np.concatenate([x[h * d:(h + 1) * d] for h in heads])
 
-    return np.concatenate([heads(q, hq), heads(k, hkv, rep), heads(v, hkv, rep)], axis=1) \
-        .reshape(-1, *q.shape[1:])
+    return np.concatenate([q[s * n * d:(s + 1) * n * d], rows(k, kv), rows(v, kv)])
 
 
-def _regroup_gate_up(w, tp: int):
-    gate, up = np.split(np.asarray(w), 2)
-    return np.concatenate([gate.reshape(tp, -1, *gate.shape[1:]),
-                           up.reshape(tp, -1, *up.shape[1:])], axis=1).reshape(w.shape)
+def _gate_up_shard(w, tp: int, s: int) -> np.ndarray:
+    """Shard s of w [2I, ...]: its gate columns, then the same up columns."""
+    gate, up = np.split(w, 2)
+    m = gate.shape[0] // tp
+    return np.concatenate([gate[s * m:(s + 1) * m], up[s * m:(s + 1) * m]])
 
 
 def _name(path) -> str | None:
@@ -131,24 +133,32 @@ def param_specs(params) -> dict:
     return jax.tree_util.tree_map_with_path(_spec, params)
 
 
-def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, to_dtype) -> dict:
-    """Execution-layout host params -> device arrays on `mesh`, each device given only its shard
-    (regrouped per shard first when tp > 1). to_dtype(x) casts a host array for serving."""
+def place_params(top: dict, layers, cfg: ModelConfig, mesh: Mesh, to_dtype) -> dict:
+    """Execution-layout host params -> device arrays on `mesh`: the leaves outside the layers
+    (`top`), then `layers` (an iterable: the runner makes them one at a time). Each leaf is cast
+    by to_dtype, then each device's buffer is made from its own rows only (a column-parallel
+    leaf regrouped shard by shard), so no device, and no host buffer beyond that one tensor,
+    holds a whole regrouped weight; with several processes each builds only its devices'
+    shards."""
     tp = tp_size(mesh)
-    if tp > 1:
 
-        def regroup(path, x):
-            name = _name(path)
-            if name in ("w_qkv", "b_qkv"):
-                return _regroup_qkv(x, cfg, tp)
-            if name == "w_gate_up":
-                return _regroup_gate_up(x, tp)
-            return x
+    def place(path, x):
+        x, name, spec = to_dtype(x), _name(path), _spec(path, None)
+        shape, shard = x.shape, x.__getitem__
+        if tp > 1 and name in ("w_qkv", "b_qkv", "w_gate_up"):
+            regroup = (functools.partial(_qkv_shard, x, cfg, tp) if name != "w_gate_up"
+                       else functools.partial(_gate_up_shard, x, tp))
+            rows = len(regroup(0))  # more than x's / tp where KV heads are repeated
+            shape = (rows * tp, *x.shape[1:])
 
-        params = jax.tree_util.tree_map_with_path(regroup, params)
-    specs = param_specs(params)
-    return jax.tree_util.tree_map(
-        lambda x, spec: jax.device_put(to_dtype(x), NamedSharding(mesh, spec)), params, specs)
+            def shard(index):  # index[0] is shard s's rows of the regrouped weight
+                return regroup((index[0].start or 0) // rows)[(slice(None),) + tuple(index[1:])]
+
+        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), shard)
+
+    placed = jax.tree_util.tree_map_with_path(place, top)
+    placed["layers"] = [jax.tree_util.tree_map_with_path(place, lp) for lp in layers]
+    return placed
 
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:
