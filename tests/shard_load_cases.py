@@ -6,7 +6,8 @@
 One tiny Qwen2 model (4 query heads over 2 KV heads, q/k/v biases, an untied head) is written
 as GGUF (Q8_0), then from what that loads as a Hugging Face safetensors directory and an orbax
 checkpoint, so all three hold the same weights. Each is served greedily at TP 1, 2 (KV heads
-sharded) and 4 (KV heads repeated); "leaves" lists each weight's global shape and the bytes
+sharded) and 4 (KV heads repeated), the orbax one restored straight into the devices'
+shardings and fused there ("restored"); "leaves" lists each weight's global shape and the bytes
 each device holds of it.
 """
 
@@ -83,12 +84,15 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     runs = {}
     for source in ("gguf", "hf", "orbax"):
-        loaded = load_model(os.path.join(root, {"gguf": "tiny.gguf"}.get(source, source)))
+        # lazy: the orbax checkpoint is restored by the runner, straight into the shardings
+        loaded = load_model(os.path.join(root, {"gguf": "tiny.gguf"}.get(source, source)),
+                            lazy=True)
         for tp in (1, 2, 4):
             engine = LLMEngine(EngineConfig(**OPTIONS, tensor_parallel_size=tp), loaded)
             outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
             runs[f"{source}-tp{tp}"] = {"outputs": [o.outputs[0].token_ids for o in outs],
                                         "leaves": leaves(engine),
+                                        "restored": hasattr(loaded.params, "restore"),
                                         "param_bytes_per_device":
                                         engine.stats()["param_bytes_per_device"]}
     print(json.dumps({"runs": runs, "config": {

@@ -63,7 +63,8 @@ class DataParallelEngine:
     """The LLMEngine interface over data_parallel_size replicas (weights loaded once)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        loaded = loaded or load_model(config.model, dtype=backends.resolve_dtype(config.dtype))
+        loaded = loaded or load_model(config.model, dtype=backends.resolve_dtype(config.dtype),
+                                      lazy=True)
         mesh = sharding.make_mesh(config.tensor_parallel_size, config.data_parallel_size)
         self.replicas = [LLMEngine(config, loaded, mesh=sharding.replica_mesh(mesh, i))
                          for i in range(config.data_parallel_size)]

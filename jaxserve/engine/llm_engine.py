@@ -58,7 +58,7 @@ class LLMEngine:
         config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
         config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
         self.config = config
-        loaded = loaded or load_model(config.model, dtype=config.dtype)
+        loaded = loaded or load_model(config.model, dtype=config.dtype, lazy=True)
         self.model_config = loaded.config
         sharding.check_fits(loaded.config, config.tensor_parallel_size, config.quantization)
         if mesh is None:

@@ -157,8 +157,7 @@ class ModelRunner:
         self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
-        self.params = sharding.place_params(*prepare_params(params, quantization, backend), cfg,
-                                            self.mesh, self._cast)
+        self.params = self._place(params, quantization, backend)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
         self.channel = None
         self.reset_pool()
@@ -175,6 +174,17 @@ class ModelRunner:
         # would add seconds to every start.
         self.huge_page_bytes = collapse_into_huge_pages(
             jax.tree_util.tree_leaves(self.params)) if huge_pages else 0
+
+    def _place(self, params, quantization: str, backend: str) -> dict:
+        """The loaders' host params on this runner's devices; an unread orbax checkpoint
+        (weights.orbax_io.OrbaxParams) is restored straight into the shardings, unless its
+        weights must first be quantized or packed on the host."""
+        if hasattr(params, "restore"):
+            if quantization == "none" and backends.get(backend).pack_params is None:
+                return sharding.restore_params(params, self.cfg, self.mesh, self.dtype)
+            params = params.numpy()
+        return sharding.place_params(*prepare_params(params, quantization, backend), self.cfg,
+                                     self.mesh, self._cast)
 
     def reset_pool(self) -> None:
         """A zeroed KV pool (at start, and after a failed step consumed the donated one)."""
