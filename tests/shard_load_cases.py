@@ -6,8 +6,9 @@
 One tiny Qwen2 model (4 query heads over 2 KV heads, q/k/v biases, an untied head) is written
 as GGUF (Q8_0), then from what that loads as a Hugging Face safetensors directory and an orbax
 checkpoint, so all three hold the same weights. Each is served greedily at TP 1, 2 (KV heads
-sharded) and 4 (KV heads repeated), the orbax one restored straight into the devices'
-shardings and fused there ("restored"); "leaves" lists each weight's global shape and the bytes
+sharded) and 4 (KV heads repeated), GGUF and safetensors read one layer at a time and the
+orbax one restored straight into the devices' shardings and fused there ("read_as" names the
+lazy loader's type); "leaves" lists each weight's global shape and the bytes
 each device holds of it.
 """
 
@@ -42,7 +43,8 @@ HF_NAMES = {"wq": "self_attn.q_proj.weight", "wk": "self_attn.k_proj.weight",
 
 
 def write_hf(loaded, directory: str) -> None:
-    """The loaded params as a Hugging Face Qwen2 directory (weights [out, in])."""
+    """The loaded params as a Hugging Face directory (weights [out, in]): Qwen2 with q/k/v
+    biases, else Llama."""
     c, p = loaded.config, loaded.params
     tensors = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"],
                "lm_head.weight": p["lm_head"].T}
@@ -52,7 +54,8 @@ def write_hf(loaded, directory: str) -> None:
     os.makedirs(directory)
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()},
               os.path.join(directory, "model.safetensors"))
-    config = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": c.vocab_size,
+    arch = "Qwen2ForCausalLM" if c.attention_bias else "LlamaForCausalLM"
+    config = {"architectures": [arch], "vocab_size": c.vocab_size,
               "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
               "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
               "num_key_value_heads": c.num_kv_heads, "rope_theta": c.rope_theta,
@@ -73,6 +76,11 @@ def leaves(engine) -> dict:
             for path, x in flat}
 
 
+def read_as(params) -> str:
+    """The type of a lazy load's params (orbax) or layer weights (GGUF, safetensors)."""
+    return type(params["layers"]["wq"] if isinstance(params, dict) else params).__name__
+
+
 def main() -> None:
     root = sys.argv[1]
     gguf = os.path.join(root, "tiny.gguf")
@@ -84,7 +92,8 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     runs = {}
     for source in ("gguf", "hf", "orbax"):
-        # lazy: the orbax checkpoint is restored by the runner, straight into the shardings
+        # lazy: GGUF and safetensors layers are read one at a time as the runner places them,
+        # the orbax checkpoint is restored by the runner straight into the shardings
         loaded = load_model(os.path.join(root, {"gguf": "tiny.gguf"}.get(source, source)),
                             lazy=True)
         for tp in (1, 2, 4):
@@ -92,7 +101,7 @@ def main() -> None:
             outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
             runs[f"{source}-tp{tp}"] = {"outputs": [o.outputs[0].token_ids for o in outs],
                                         "leaves": leaves(engine),
-                                        "restored": hasattr(loaded.params, "restore"),
+                                        "read_as": read_as(loaded.params),
                                         "param_bytes_per_device":
                                         engine.stats()["param_bytes_per_device"]}
     print(json.dumps({"runs": runs, "config": {
