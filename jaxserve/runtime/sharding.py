@@ -19,6 +19,10 @@ Layout on a replica's tp devices (shard s of tp):
 The model runs inside `shard_map` (`tensor_parallel_forward`), so the attention kernels (Pallas
 included) see plain per-device arrays; under plain `jit` a Pallas call over a sharded pool is
 gathered onto one device.
+
+Weights reach the devices shard by shard, never whole on one: host arrays through
+`place_params` (each device's buffer made from its own rows), an unread orbax checkpoint through
+`restore_params` (restored into the shardings, fused on each device).
 """
 
 from __future__ import annotations
