@@ -152,6 +152,9 @@ PALLAS_KERNELS = ("auto", "tpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 QUANTIZATIONS = ("none", "int8", "bf16")
+# An accelerator engine's share of its allocator's memory when no budget or pool size is given:
+# vLLM's default, leaving a tenth for what no plan sees (other processes' contexts, fragmentation).
+DEFAULT_MEMORY_UTILIZATION = 0.9
 # Bytes of a KV slot's scalar, and of the float32 scale an int8 slot keeps per KV head.
 KV_SCALAR_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 KV_SCALE_BYTES = {"int8": 4}
@@ -185,8 +188,15 @@ class EngineConfig:
     # and debugging) "tpu" unless "gpu" is asked for.
     pallas_kernels: str = "auto"
     page_size: int = 16
-    num_pages: int | None = None  # total pages including the reserved scratch page 0
-    kv_cache_bytes: int | None = None  # alternative to num_pages: a KV memory budget
+    # The engine's memory per device, planned once (engine/memory_plan.py): weights, the largest
+    # step's activations and the runtime measured, the KV pool gets the rest. Either bytes, or a
+    # fraction of the device's memory (an accelerator's allocator limit; on CPU, physical RAM).
+    # Neither: DEFAULT_MEMORY_UTILIZATION on accelerators; on CPU the pool sizes below.
+    memory_budget_bytes: int | None = None
+    memory_utilization: float | None = None
+    # Overrides of the plan: the pool's size, as pages (scratch page 0 included) or KV bytes.
+    num_pages: int | None = None
+    kv_cache_bytes: int | None = None
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -232,6 +242,12 @@ class EngineConfig:
               f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         check(self.num_pages is None or self.kv_cache_bytes is None,
               "give num_pages or kv_cache_bytes, not both")
+        check(self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
+              f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes}")
+        check(self.memory_utilization is None or 0.0 < self.memory_utilization <= 1.0,
+              f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        check(self.memory_budget_bytes is None or self.memory_utilization is None,
+              "give memory_budget_bytes or memory_utilization, not both")
         check(self.max_model_len is None or self.max_model_len >= 2,
               f"max_model_len must be >= 2, got {self.max_model_len}")
         check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -262,6 +278,13 @@ class EngineConfig:
     def kv_bytes_per_token(self, model: ModelConfig) -> int:
         """One token's KV bytes over all layers, scales included."""
         return model.kv_bytes_per_token(*kv_slot_bytes(self.resolved_kv_cache_dtype))
+
+    def planned_utilization(self, platform: str) -> float | None:
+        """memory_utilization, or the accelerator default when nothing sizes the pool."""
+        sized = (self.memory_budget_bytes, self.num_pages, self.kv_cache_bytes)
+        if self.memory_utilization is None and platform != "cpu" and sized == (None,) * 3:
+            return DEFAULT_MEMORY_UTILIZATION
+        return self.memory_utilization
 
     def resolve_num_pages(self, model: ModelConfig, max_model_len: int) -> int:
         """Total pages (scratch page 0 included) from num_pages, a byte budget, or a default

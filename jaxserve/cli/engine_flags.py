@@ -23,8 +23,18 @@ flags.DEFINE_enum("attention_backend", _D.attention_backend, ATTENTION_BACKENDS,
 flags.DEFINE_enum("pallas_kernels", _D.pallas_kernels, PALLAS_KERNELS,
                   "Pallas kernel family; auto: the device's own (tpu when interpreted on CPU).")
 flags.DEFINE_integer("page_size", _D.page_size, "KV slots per page.")
-flags.DEFINE_integer("num_pages", None, "KV pages in the pool, scratch page 0 included.")
-flags.DEFINE_integer("kv_cache_bytes", None, "KV memory budget in bytes (instead of num_pages).")
+flags.DEFINE_integer("memory_budget_bytes", None,
+                     "The engine's memory per device (under tensor or data parallelism, each "
+                     "device's): weights, the largest step's activations and the runtime are "
+                     "measured at start, the KV pool gets the rest (logged).")
+flags.DEFINE_float("memory_utilization", None,
+                   "The same as a fraction of each device's memory (its allocator's limit; on "
+                   "CPU, of RAM). Default: 0.9 on GPU/TPU; on CPU the pool is sized by "
+                   "--num_pages or its default.")
+flags.DEFINE_integer("num_pages", None, "KV pages in the pool, scratch page 0 included "
+                     "(overrides a memory budget).")
+flags.DEFINE_integer("kv_cache_bytes", None, "KV pool bytes (instead of num_pages; overrides a "
+                     "memory budget).")
 flags.DEFINE_integer("max_model_len", None, "Longest prompt + output; default: the model's context.")
 flags.DEFINE_integer("max_num_seqs", _D.max_num_seqs, "Most sequences per step.")
 flags.DEFINE_integer("max_num_batched_tokens", _D.max_num_batched_tokens, "Most tokens per step.")
@@ -55,7 +65,7 @@ flags.DEFINE_bool("speculative_adaptive", _S.adaptive,
 
 FLAGS = flags.FLAGS
 _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels",
-          "page_size", "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+          "page_size", "memory_budget_bytes", "memory_utilization", "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
           "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting")
 

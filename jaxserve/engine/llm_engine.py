@@ -10,6 +10,7 @@ import logging
 import math
 import time
 
+import jax
 import numpy as np
 
 from jaxserve import backends
@@ -21,8 +22,10 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
+from jaxserve.engine import memory_plan
 from jaxserve.engine.speculation_control import SpeculationControl
 from jaxserve.runtime.batch import build_batch, page_copies
+from jaxserve.runtime import memory
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
@@ -30,6 +33,7 @@ from jaxserve.weights import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
 log = logging.getLogger("jaxserve.engine")
+PROBE_PAGES = 2
 
 
 class StepFailed(RuntimeError):
@@ -57,13 +61,6 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.num_pages = config.resolve_num_pages(loaded.config, self.max_model_len)
-        eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        self.scheduler = Scheduler(
-            config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
-            # A cached page is reused only under the weights and KV format that wrote it.
-            model_fingerprint=(f"{loaded.fingerprint}:{config.dtype}:{config.quantization}:"
-                               f"kv-{config.kv_cache_dtype}"))
         self.backend = backends.resolve(
             config.attention_backend, config.dtype, config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
@@ -76,12 +73,30 @@ class LLMEngine:
             query_block=backend.query_block, packed=backend.packed,
             spec_tokens=(config.speculative_config.num_speculative_tokens
                          if config.speculative_config else 0))
-        self.runner = ModelRunner(loaded.config, loaded.params, num_pages=self.num_pages,
-                                  page_size=config.page_size, dtype=config.dtype,
-                                  kv_cache_dtype=config.kv_cache_dtype,
-                                  backend=self.backend, quantization=config.quantization,
-                                  max_sample_rows=self.buckets.max_sample_rows,
-                                  huge_pages=config.huge_pages)
+        budget = memory_plan.budget(config, jax.default_backend())
+        held_before = memory.in_use() if budget is not None else 0
+        self.runner = ModelRunner(
+            loaded.config, loaded.params,
+            # With a budget, a probe pool of 2 pages until the plan has measured the rest.
+            num_pages=PROBE_PAGES if budget is not None else config.resolve_num_pages(
+                loaded.config, self.max_model_len),
+            page_size=config.page_size, dtype=config.dtype,
+            kv_cache_dtype=config.kv_cache_dtype, backend=self.backend,
+            quantization=config.quantization, max_sample_rows=self.buckets.max_sample_rows,
+            huge_pages=config.huge_pages)
+        self.memory_plan = None
+        if budget is not None:
+            self.memory_plan = memory_plan.plan(
+                self.runner, self.buckets, budget, held_before,
+                compiled_shapes=self.runner.warmup_count(self.buckets))
+            log.info("%s", self.memory_plan.describe(self.max_model_len))
+        self.num_pages = self.runner.num_pages
+        eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.scheduler = Scheduler(
+            config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
+            # A cached page is reused only under the weights and KV format that wrote it.
+            model_fingerprint=(f"{loaded.fingerprint}:{config.dtype}:{config.quantization}:"
+                               f"kv-{config.kv_cache_dtype}"))
         spec = config.speculative_config
         self.spec_control = (SpeculationControl(spec.num_speculative_tokens, self.buckets.tokens)
                              if spec and spec.adaptive else None)
@@ -332,7 +347,9 @@ class LLMEngine:
         stats.update(compilations=self.runner.compilations, steps=self.num_steps,
                      host_seconds=self.host_seconds, device_seconds=self.device_seconds,
                      host_overlapped_seconds=self.host_overlapped_seconds,
-                     kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
+                     kv_pool_bytes=self.runner.kv_pool_bytes, weight_bytes=self.runner.weight_bytes,
+                     activation_peak_bytes=(self.memory_plan.activation_peak_bytes
+                                            if self.memory_plan else None),
                      huge_page_bytes=self.runner.huge_page_bytes)
         if self.spec_control is not None:  # the cost model: seconds per token bucket timed
             stats["spec_step_seconds"] = {

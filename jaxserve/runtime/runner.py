@@ -25,6 +25,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
+from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.sampling import sample
@@ -141,8 +142,10 @@ class ModelRunner:
         self.huge_page_bytes = collapse_into_huge_pages(
             jax.tree_util.tree_leaves(self.params)) if huge_pages else 0
 
-    def reset_pool(self) -> None:
-        """A zeroed KV pool (at start, and after a failed step consumed the donated one)."""
+    def reset_pool(self, num_pages: int | None = None) -> None:
+        """A zeroed KV pool (at start, after a failed step consumed the donated one, and of the
+        planned size after a memory plan probed with a small one)."""
+        self.num_pages = num_pages or self.num_pages
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         cfg = self.cfg
         self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, self.num_pages,
@@ -158,11 +161,13 @@ class ModelRunner:
 
     @property
     def kv_pool_bytes(self) -> int:
-        return self.pool.nbytes
+        """The pool's bytes on one device."""
+        return memory.bytes_on_device(self.pool)
 
     @property
-    def param_bytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
+    def weight_bytes(self) -> int:
+        """The weights' bytes on one device."""
+        return memory.bytes_on_device(self.params)
 
     def dispatch(self, batch: StepBatch, copies=None, after=None):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
@@ -192,23 +197,47 @@ class ModelRunner:
     def execute(self, batch: StepBatch, num_rows: int, copies=None) -> StepOutput:
         return self.fetch(self.dispatch(batch, copies), num_rows)
 
-    def warmup(self, buckets: Buckets, full: bool = False) -> int:
-        """Compile the step shapes of Buckets.step_shapes and every copies bucket, on dummy
-        plans that use only the scratch page 0 (no request state changes). Returns how many
-        shapes were run."""
-        shapes = buckets.step_shapes(self.page_size, full)
-        run = 0
-        for shape in shapes:
+    def _shape_batch(self, shape, buckets: Buckets, prompt_logprobs: int | None = None):
+        plan = warmup_plan(shape, buckets, self.page_size, prompt_logprobs)
+        return build_batch(plan, buckets, self.page_size)[:2]
+
+    def step_temp_bytes(self, shape, buckets: Buckets, prompt_logprobs: int | None = None) -> int:
+        """Bytes the compiled step of `shape` (Buckets.step_shapes) allocates beside its
+        arguments (XLA's memory analysis): its temporaries and the outputs that do not alias
+        the donated pool."""
+        batch, _ = self._shape_batch(shape, buckets, prompt_logprobs)
+        m = self._step.lower(self.params, pool=self.pool, batch=batch,
+                             feed=self._no_feed).compile().memory_analysis()
+        return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+    def run_shape(self, shape, buckets: Buckets) -> None:
+        """Run one step of `shape` on dummy sequences of the scratch page 0."""
+        self.execute(*self._shape_batch(shape, buckets))
+
+    def _warmup_batches(self, buckets: Buckets, full: bool):
+        """(batch, rows) of each step shape of Buckets.step_shapes, on dummy plans that use
+        only the scratch page 0. With speculative decoding, a step that verifies drafts
+        samples more rows: a variant of the shape wherever that changes its sample rows."""
+        for shape in buckets.step_shapes(self.page_size, full):
             plan = warmup_plan(shape, buckets, self.page_size)
-            # With speculative decoding, a step that verifies drafts samples more rows: a
-            # variant of the shape wherever that changes its sample rows.
             sizes = set()
             for verifying in (False, True) if buckets.spec_tokens else (False,):
                 batch, rows, _ = build_batch(plan, buckets, self.page_size, verifying=verifying)
                 if batch.logits_indices.shape[0] not in sizes:
                     sizes.add(batch.logits_indices.shape[0])
-                    self.execute(batch, rows)
-                    run += 1
+                    yield batch, rows
+
+    def warmup_count(self, buckets: Buckets, full: bool = False) -> int:
+        """How many shapes `warmup` compiles (steps and copies), without compiling them."""
+        return sum(1 for _ in self._warmup_batches(buckets, full)) + len(buckets.copies)
+
+    def warmup(self, buckets: Buckets, full: bool = False) -> int:
+        """Compile the step shapes of Buckets.step_shapes and every copies bucket (no request
+        state changes). Returns how many shapes were run."""
+        run = 0
+        for batch, rows in self._warmup_batches(buckets, full):
+            self.execute(batch, rows)
+            run += 1
         for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
             self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))
         return run + len(buckets.copies)
