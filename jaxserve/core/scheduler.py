@@ -22,10 +22,13 @@ Policies:
   "priority" the lowest priority), possibly the sequence itself. Its pages are dropped and it goes
   to the front of the waiting queue; re-admitted, it recomputes prompt + generated tokens through
   prefill chunks (the prefix cache may supply pages) and continues with identical outputs. A
-  sequence alone in the pool whose next token cannot fit in the whole pool is finished with
-  FINISHED_LENGTH (reported by the next update()).
+  request whose prompt + max_tokens can never fit the pool is rejected by add_request; one with
+  max_tokens=None (up to the context length) has the pool as its context: a sequence alone in
+  the pool whose next token cannot fit in it is finished with FINISHED_LENGTH (reported by the
+  next update(), which every plan gets, empty ones included).
 - n > 1: at the chunk completing sequence 0's prompt the n-1 forks are created sharing its pages;
-  max_num_seqs counts all n at admission. Forks are preempted individually.
+  max_num_seqs counts all n at admission. Forks are preempted individually; in a short pool
+  they run one at a time, so one sequence fitting the pool is enough.
 - Pages freed while a plan is outstanding (returned by schedule(), not yet passed to update()) are
   not reallocated until update() of that plan, which every plan gets (empty ones included).
 - Planning ahead (async scheduling): schedule_next(plan), called while `plan` is on the device,

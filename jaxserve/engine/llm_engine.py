@@ -178,9 +178,8 @@ class LLMEngine:
         if self._in_flight is None:
             self._choose_drafts()
             plan = self.scheduler.schedule()
-            if plan.is_empty:
-                self.scheduler.update(plan, [])
-                return []
+            if plan.is_empty:  # still reported: requests schedule() finished (outgrew the pool)
+                return self._snapshots(self.scheduler.update(plan, []), time.monotonic())
             self._in_flight = self._launch(plan)
         t_launched = time.perf_counter()
         current = self._in_flight

@@ -262,6 +262,8 @@ def _parse(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
     hide_generated = max_tokens == 0
     longest = max(len(p["prompt_token_ids"]) for p in prompts)
     left = ctx.max_model_len - longest
+    to_context = max_tokens is None and (ctx.max_tokens_limit is None
+                                         or left <= ctx.max_tokens_limit)
     if max_tokens is None:
         max_tokens = left if ctx.max_tokens_limit is None else min(left, ctx.max_tokens_limit)
     engine_max = max(max_tokens, 1)
@@ -288,8 +290,10 @@ def _parse(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
         n=n, temperature=float(_number(body, "temperature", 1.0, lo=0, hi=2)),
         top_p=float(_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)),
         top_k=top_k, min_p=float(_number(body, "min_p", 0.0, lo=0, hi=1)), seed=seed,
-        max_tokens=engine_max, stop=_stops(body), stop_token_ids=stop_token_ids,
-        ignore_eos=_bool(body, "ignore_eos", False),
+        # Up to the context: None, which the engine bounds itself (a KV pool shorter than the
+        # context ends it with "length"); an explicit max_tokens the pool cannot hold is refused.
+        max_tokens=None if to_context else engine_max, stop=_stops(body),
+        stop_token_ids=stop_token_ids, ignore_eos=_bool(body, "ignore_eos", False),
         logprobs=num_logprobs if (num_logprobs is not None and not hide_generated) else None,
         prompt_logprobs=num_logprobs if (echo and num_logprobs is not None) else None)
     stream = _bool(body, "stream", False)
