@@ -27,30 +27,39 @@ from jaxserve.model.quantize import (
 def test_quantize_weight_error_is_within_half_a_step_of_each_group():
     w = np.random.default_rng(0).standard_normal((2, 64, 48)).astype(np.float32)
     w[0, :, 3] = 0.0  # an all-zero channel must not divide by zero
-    w[1, 32:, 5] = 0.7  # nor a constant group
+    w[1, 32:, 5] = 0.7  # nor a constant group (0.7 is no float16)
     w[1, :32, 7] *= 100  # a large group's range must not reach the other group
     qw = quantize_weight(w)
     assert qw.q_t.dtype == np.int8 and qw.q_t.shape == (2, 48, 64)
     assert qw.scale.shape == qw.offset.shape == (2, 48, 2)
+    assert qw.scale.dtype == qw.offset.dtype == np.float16
     g = np.swapaxes(w, -1, -2).reshape(2, 48, 2, GROUP)
     step = (g.max(-1) - g.min(-1)) / 255
+    scale = qw.scale.astype(np.float32)
+    # The scale is (max - min) / 255 rounded up to float16, widened by the offset's float16
+    # rounding (at most |offset| 2^-11) spread over 127 levels.
+    assert np.all(scale <= step * (1 + 2 ** -10) + np.abs(g).max(-1) * 2 ** -18)
     err = np.abs(qw.dequantize() - np.swapaxes(w, -1, -2)).reshape(2, 48, 2, GROUP)
-    assert np.all(err <= step[..., None] / 2 + 1e-6 * np.abs(g).max(-1, keepdims=True))
+    assert np.all(err <= scale[..., None] / 2 * (1 + 1e-6))
     assert np.all(qw.dequantize()[0, 3] == 0)
-    assert np.all(qw.dequantize()[1, 5, 32:] == np.float32(0.7))
+    np.testing.assert_allclose(qw.dequantize()[1, 5, 32:], 0.7, rtol=0, atol=1e-7)
     assert step[1, 7, 1] < step[1, 7, 0] / 50  # the other group keeps its own small steps
 
 
-def test_q4_1_blocks_are_kept_exactly():
+def test_gguf_q4_1_and_q8_0_blocks_are_kept_exactly():
     """GGUF Q4_1: per 32-block d * q + m, q in 0..15 with 0 and 15 taken (the block's min and
-    max): 15 steps of d are 255 steps of d / 17."""
+    max); Q8_0: d * q, q in -127..127 with |q| = 127 taken (the block's absmax); d and m
+    float16. Both keep d, m and q, so dequantizing gives GGUF's float32 values bit for bit."""
     rng = np.random.default_rng(1)
     d = rng.uniform(1e-3, 0.1, (18, 1, 40)).astype(np.float16).astype(np.float32)
     m = -rng.uniform(0, 1, (18, 1, 40)).astype(np.float16).astype(np.float32)
     q = rng.integers(0, 16, (18, GROUP, 40))
     q[:, 0], q[:, 1] = 0, 15
-    w = (d * q + m).reshape(18 * GROUP, 40)  # [in, out]
-    np.testing.assert_allclose(quantize_weight(w).dequantize(), w.T, rtol=0, atol=1e-6)
+    q8 = rng.integers(-127, 128, (18, GROUP, 40))
+    q8[:, 2] = rng.choice([-127, 127], (18, 40))
+    for w in (d * q + m, d * q8):
+        w = w.reshape(18 * GROUP, 40)  # [in, out]
+        np.testing.assert_array_equal(quantize_weight(w).dequantize(), w.T)
 
 
 def test_input_channels_must_fill_groups_and_unknown_methods_are_errors():

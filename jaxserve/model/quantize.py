@@ -2,11 +2,13 @@
 output channel (Int8Weight, which multiplies itself), applied to a clean float params tree; and
 bfloat16 rounding of the same weights for the CPU backend's AMX matmul.
 
-Groups are GGUF's 32-element blocks, and each group maps its [min, max] onto 256 levels. A Q4_1
-block (d * q + m, q in 0..15, its min at q = 0 and its max at q = 15 by construction) then
-lands exactly on int8 levels, 17 apart (255 = 15 * 17): the default model is served without
-loss beyond f32 rounding. A symmetric group (scale only) would need the block's 16 levels to
-fall on multiples of absmax / 127, which they do not.
+Groups are GGUF's 32-element blocks; scales and offsets are float16 (4 bytes a group, 1/8 of its
+int8 weights: a decode step streams the weights, so every byte counts). A group that is a GGUF
+block keeps the block's own float16 d and m and its levels: Q4_1 (d * q + m, q in 0..15, its min
+at q = 0 and its max at q = 15 by construction) and Q8_0 (d * q, q in -127..127, its absmax at
+|q| = 127) are stored exactly, so the default model (Q4_1 layers, a Q8_0 head) is served without
+loss. Any other group maps its [min, max] onto 256 levels against the float16-rounded offset and
+scale (rounded up, so the levels cover the range): every weight stays within half a step.
 
 Weights are stored transposed, i8[..., out, in]: XLA's CPU backend converts an [out, in] int8
 weight inside `x @ w.T` faster than an [in, out] one (docs/performance-history.md)."""
@@ -28,7 +30,7 @@ GROUP = 32  # input channels per scale and offset: GGUF's block size
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Int8Weight:
-    """W[in, out] as q_t i8[..., out, in], scale and offset f32[..., out, in / 32]:
+    """W[in, out] as q_t i8[..., out, in], scale and offset f16[..., out, in / 32]:
     W[.., j, o] ~= q_t[.., o, j] * scale[.., o, j // 32] + offset[.., o, j // 32]."""
     q_t: np.ndarray
     scale: np.ndarray
@@ -52,7 +54,8 @@ class Int8Weight:
         """f32[..., out, in] (the stored, transposed layout)."""
         q = np.asarray(self.q_t, np.float32)
         g = q.reshape(*q.shape[:-1], -1, GROUP)
-        return (g * self.scale[..., None] + self.offset[..., None]).reshape(q.shape)
+        scale, offset = (np.asarray(a, np.float32)[..., None] for a in (self.scale, self.offset))
+        return (g * scale + offset).reshape(q.shape)
 
     @staticmethod
     def concat(ws: list[Int8Weight]) -> Int8Weight:
@@ -61,21 +64,50 @@ class Int8Weight:
                             for f in ("q_t", "scale", "offset")))
 
 
+def _f16(x: np.ndarray) -> np.ndarray:
+    """x rounded to float16, as float32."""
+    return x.astype(np.float16).astype(np.float32)
+
+
+def _gguf_block(g: np.ndarray, d: np.ndarray, m: np.ndarray, q_min: int, q_max: int):
+    """Whether each group of g [..., 32] is exactly d * q + m (as GGUF dequantizes: float32
+    product, then sum) for float16 d, m and integers q in q_min..q_max; and those q."""
+    q = np.clip(np.rint((g - m[..., None]) / np.where(d == 0, 1, d)[..., None]), q_min, q_max)
+    exact = np.all(d[..., None] * q + m[..., None] == g, axis=-1)
+    return exact & (_f16(d) == d) & (_f16(m) == m), q
+
+
 def quantize_weight(w: np.ndarray) -> Int8Weight:
-    """w f[..., in, out] -> its Int8Weight: each group of 32 inputs of an output channel maps
-    its [min, max] onto 256 levels, so every weight is within half a step ((max - min) / 510)."""
+    """w f[..., in, out] -> its Int8Weight: a group that is a Q4_1 or Q8_0 block is kept
+    exactly; any other maps its [min, max] onto 256 levels, every weight within half a step
+    (scale / 2, the scale within float16 rounding of (max - min) / 255)."""
     w = np.asarray(w, np.float32)
     if w.shape[-2] % GROUP:
         raise ValueError(f"int8 quantization groups {GROUP} input channels; "
                          f"{w.shape[-2]} is not a multiple of {GROUP}")
+    if not np.all(np.abs(w) <= 60000):
+        raise ValueError("int8 quantization stores float16 scales and offsets: weights must be "
+                         "finite and within +-60000")
     wt = np.swapaxes(w, -1, -2)
     g = wt.reshape(*wt.shape[:-1], -1, GROUP)  # [..., out, groups, 32]
     lo, hi = g.min(axis=-1), g.max(axis=-1)
-    scale = ((hi - lo) / 255.0).astype(np.float32)
-    step = np.where(scale == 0, 1.0, scale)[..., None]  # a constant group: every q is -128
-    q = np.clip(np.rint((g - lo[..., None]) / step), 0, 255) - 128
-    return Int8Weight(np.ascontiguousarray(q.astype(np.int8).reshape(wt.shape)), scale,
-                      (lo + 128.0 * scale).astype(np.float32))
+    # 256 levels: the offset (level 0) rounded first, then the smallest float16 scale whose
+    # levels -128..127 around it reach both lo and hi.
+    offset = _f16(lo + 128.0 * ((hi - lo) / 255.0))
+    need = np.maximum((offset - lo) / 128.0, (hi - offset) / 127.0)
+    scale = need.astype(np.float16)
+    scale = np.where(scale.astype(np.float32) < need, np.nextafter(scale, np.float16(np.inf)),
+                     scale).astype(np.float32)
+    step = np.where(scale == 0, 1.0, scale)[..., None]  # a constant float16 group: every q is 0
+    q = np.clip(np.rint((g - offset[..., None]) / step), -128, 127)
+    zero = np.zeros_like(lo)
+    for d, m, q_min, q_max in ((_f16((hi - lo) / 15.0), lo, 0, 15),  # Q4_1
+                               (_f16(np.maximum(hi, -lo) / 127.0), zero, -127, 127)):  # Q8_0
+        block, qb = _gguf_block(g, d, m, q_min, q_max)
+        q = np.where(block[..., None], qb, q)
+        scale, offset = np.where(block, d, scale), np.where(block, m, offset)
+    return Int8Weight(np.ascontiguousarray(q.astype(np.int8).reshape(wt.shape)),
+                      scale.astype(np.float16), offset.astype(np.float16))
 
 
 def quantize_int8(params: dict) -> dict:
