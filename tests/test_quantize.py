@@ -97,6 +97,18 @@ def test_int8_matmuls_equal_the_dequantized_product(m, k, n):
         np.testing.assert_allclose(np.asarray(pack(w).matmul(jnp.asarray(x))), want, **tol)
 
 
+def test_xla_backend_widens_int8_factors_to_f32_exactly_on_cpu():
+    from jaxserve.backends import xla
+
+    w = quantize_weight(np.random.default_rng(2).standard_normal((64, 40)).astype(np.float32))
+    norm = np.ones(64, np.float32)
+    out = xla.pack_params({"layers": [{"wo": w, "attn_norm": norm}], "lm_head": w})
+    for got in (out["layers"][0]["wo"], out["lm_head"]):
+        assert got.scale.dtype == got.offset.dtype == np.float32
+        np.testing.assert_array_equal(got.dequantize(), w.dequantize())
+    assert out["layers"][0]["attn_norm"] is norm
+
+
 def test_bf16_rounds_projections_and_a_separate_head():
     params = {"embed": np.full((10, 4), 1 + 2 ** -12, np.float32),
               "final_norm": np.ones(4, np.float32),
@@ -128,8 +140,10 @@ def _greedy(loaded, prompts, max_tokens, **options):
     return [o.outputs[0].token_ids for o in outs], engine.runner.param_bytes
 
 
-@pytest.mark.parametrize("options", [{"quantization": "int8"}, {"kv_cache_dtype": "int8"}],
-                         ids=["int8-weights", "int8-kv"])
+@pytest.mark.parametrize("options", [{"quantization": "int8"},
+                                     {"quantization": "int8", "attention_backend": "xla"},
+                                     {"kv_cache_dtype": "int8"}],
+                         ids=["int8-weights", "int8-weights-xla", "int8-kv"])
 def test_int8_scores_f32_greedy_tokens_of_a_seeded_f32_checkpoint_alike(options):
     """Mean |logprob difference| of the f32 model's greedy tokens under int8 weights or int8 KV
     pages, on a seeded f32 checkpoint (not 4-bit, so int8 weights are not exact here). Measured

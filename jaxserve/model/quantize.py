@@ -30,7 +30,8 @@ GROUP = 32  # input channels per scale and offset: GGUF's block size
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Int8Weight:
-    """W[in, out] as q_t i8[..., out, in], scale and offset f16[..., out, in / 32]:
+    """W[in, out] as q_t i8[..., out, in], scale and offset f16[..., out, in / 32] (f32 once
+    widened for XLA's CPU backend):
     W[.., j, o] ~= q_t[.., o, j] * scale[.., o, j // 32] + offset[.., o, j // 32]."""
     q_t: np.ndarray
     scale: np.ndarray
@@ -62,6 +63,16 @@ class Int8Weight:
         """Weights [out_i, in] concatenated along the output axis (fused projections)."""
         return Int8Weight(*(np.concatenate([getattr(w, f) for w in ws], axis=0)
                             for f in ("q_t", "scale", "offset")))
+
+
+def widen_factors(params: dict) -> dict:
+    """Every Int8Weight's scales and offsets as float32 (exact: they are float16 values), for a
+    matmul that reads f32 faster than it converts f16."""
+    def widen(w):
+        if not isinstance(w, Int8Weight):
+            return w
+        return Int8Weight(w.q_t, *(np.asarray(a, np.float32) for a in (w.scale, w.offset)))
+    return jax.tree_util.tree_map(widen, params, is_leaf=lambda w: isinstance(w, Int8Weight))
 
 
 def _f16(x: np.ndarray) -> np.ndarray:

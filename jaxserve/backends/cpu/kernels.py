@@ -43,7 +43,7 @@ import numpy as np
 # The library's translation units, and the header each includes.
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("paged_attention.cc", "matmul.cc", "matmul_bf16.cc", "argmax.cc"))
-HEADERS = (Path(__file__).with_name("parallel.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("parallel.h", "vec.h"))
 # FFI target name -> the handler symbol the sources export.
 _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_paged_attention_bf16": "JaxservePagedAttentionBf16",
