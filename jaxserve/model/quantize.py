@@ -81,11 +81,13 @@ def _f16(x: np.ndarray) -> np.ndarray:
 
 
 def _gguf_block(g: np.ndarray, d: np.ndarray, m: np.ndarray, q_min: int, q_max: int):
-    """Whether each group of g [..., 32] is exactly d * q + m (as GGUF dequantizes: float32
-    product, then sum) for float16 d, m and integers q in q_min..q_max; and those q."""
+    """Groups g [n, 32] as GGUF blocks d * q + m (float32 product, then sum, as GGUF
+    dequantizes) for float16 d, m and integers q in q_min..q_max: (d, m, q), with d NaN for a
+    group that is not exactly such a block."""
     q = np.clip(np.rint((g - m[..., None]) / np.where(d == 0, 1, d)[..., None]), q_min, q_max)
     exact = np.all(d[..., None] * q + m[..., None] == g, axis=-1)
-    return exact & (_f16(d) == d) & (_f16(m) == m), q
+    exact &= (_f16(d) == d) & (_f16(m) == m)
+    return np.where(exact, d, np.nan), m, q
 
 
 def quantize_weight(w: np.ndarray) -> Int8Weight:
@@ -100,25 +102,38 @@ def quantize_weight(w: np.ndarray) -> Int8Weight:
         raise ValueError("int8 quantization stores float16 scales and offsets: weights must be "
                          "finite and within +-60000")
     wt = np.swapaxes(w, -1, -2)
-    g = wt.reshape(*wt.shape[:-1], -1, GROUP)  # [..., out, groups, 32]
-    lo, hi = g.min(axis=-1), g.max(axis=-1)
-    # 256 levels: the offset (level 0) rounded first, then the smallest float16 scale whose
-    # levels -128..127 around it reach both lo and hi.
+    flat = wt.reshape(-1, GROUP)  # every group of 32, in [..., out, groups] order
+    q = np.empty(flat.shape, np.int8)
+    scale, offset = np.empty(len(flat), np.float16), np.empty(len(flat), np.float16)
+    rest = np.arange(len(flat))  # the groups not yet quantized: each pass takes only these
+    for kind in ("Q4_1", "Q8_0", "256 levels"):
+        g = flat[rest]
+        lo, hi = g.min(axis=-1), g.max(axis=-1)
+        if kind == "Q4_1":
+            d, m, qg = _gguf_block(g, _f16((hi - lo) / 15.0), lo, 0, 15)
+        elif kind == "Q8_0":
+            d, m, qg = _gguf_block(g, _f16(np.maximum(hi, -lo) / 127.0), np.zeros_like(lo),
+                                   -127, 127)
+        else:
+            d, m, qg = _levels(g, lo, hi)
+        taken = ~np.isnan(d)
+        q[rest[taken]], scale[rest[taken]], offset[rest[taken]] = qg[taken], d[taken], m[taken]
+        rest = rest[~taken]
+    groups = (*wt.shape[:-1], wt.shape[-1] // GROUP)
+    return Int8Weight(q.reshape(wt.shape), scale.reshape(groups), offset.reshape(groups))
+
+
+def _levels(g: np.ndarray, lo: np.ndarray, hi: np.ndarray):
+    """Groups g [n, 32] mapped onto 256 levels: the offset (level 0) rounded to float16 first,
+    then the smallest float16 scale whose levels -128..127 around it reach both lo and hi.
+    Returns (scale, offset, q)."""
     offset = _f16(lo + 128.0 * ((hi - lo) / 255.0))
     need = np.maximum((offset - lo) / 128.0, (hi - offset) / 127.0)
     scale = need.astype(np.float16)
     scale = np.where(scale.astype(np.float32) < need, np.nextafter(scale, np.float16(np.inf)),
                      scale).astype(np.float32)
     step = np.where(scale == 0, 1.0, scale)[..., None]  # a constant float16 group: every q is 0
-    q = np.clip(np.rint((g - offset[..., None]) / step), -128, 127)
-    zero = np.zeros_like(lo)
-    for d, m, q_min, q_max in ((_f16((hi - lo) / 15.0), lo, 0, 15),  # Q4_1
-                               (_f16(np.maximum(hi, -lo) / 127.0), zero, -127, 127)):  # Q8_0
-        block, qb = _gguf_block(g, d, m, q_min, q_max)
-        q = np.where(block[..., None], qb, q)
-        scale, offset = np.where(block, d, scale), np.where(block, m, offset)
-    return Int8Weight(np.ascontiguousarray(q.astype(np.int8).reshape(wt.shape)),
-                      scale.astype(np.float16), offset.astype(np.float16))
+    return scale, offset, np.clip(np.rint((g - offset[..., None]) / step), -128, 127)
 
 
 def quantize_int8(params: dict) -> dict:
