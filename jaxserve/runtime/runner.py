@@ -149,8 +149,11 @@ class ModelRunner:
                                  self.page_size, cfg.head_dim, self.kv_dtype)
 
     def _to_device(self, x):
+        """Float weights take the model's dtype; the int8 weights' float16 group scales and
+        offsets (quantize.py) and integer arrays keep theirs."""
         x = np.asarray(x)
-        return jnp.asarray(x, self.dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)
+        keep = x.dtype == np.float16 or not jnp.issubdtype(x.dtype, jnp.floating)
+        return jnp.asarray(x, x.dtype if keep else self.dtype)
 
     @property
     def compilations(self) -> int:

@@ -8,7 +8,8 @@
                       packed in 48-column panels (`pack_panels`): a register-tiled GEMM that
                       streams each weight from memory once however many rows there are (a
                       decode step's few rows are bound by that stream), and for int8
-                      dequantizing weights (group scales and offsets) a panel at a time.
+                      applying the float16 group scales and offsets per group of 32 k
+                      (one or two rows) or dequantizing the weights a panel at a time.
   matmul_bf16         (matmul_bf16.cc) x rounded to bfloat16 times bfloat16 weights on AMX
                       tiles, f32 accumulation, against weights packed in 16-column tiles
                       (`pack_bf16_tiles`); `amx_bf16_available()` says whether this CPU and
@@ -42,7 +43,7 @@ import numpy as np
 # The library's translation units, and the header each includes.
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("paged_attention.cc", "matmul.cc", "matmul_bf16.cc", "argmax.cc"))
-HEADERS = (Path(__file__).with_name("parallel.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("parallel.h", "vec.h"))
 # FFI target name -> the handler symbol the sources export.
 _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_paged_attention_bf16": "JaxservePagedAttentionBf16",
@@ -263,7 +264,7 @@ def matmul_f32(x, panels, n: int):
 
 def matmul_int8(x, panels, scale, offset, n: int):
     """x f32[M, K] @ (Q * scale + offset) for Q i8[K, n] packed by `pack_panels`, and its scale
-    and offset per 32 k of each column ([n, K / 32], quantize.py) packed the same way,
+    and offset per 32 k of each column (f16[n, K / 32], quantize.py) packed the same way,
     dequantizing the weights inside the product -> f32[M, n]."""
     return _call("jaxserve_matmul_int8", _f32(x.shape[0], n), x, panels, scale, offset)
 
