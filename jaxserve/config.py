@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 
-ROPE_SCALINGS = ("linear", "llama3", "yarn")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "freq_factors")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama); GeGLU with tanh-approximated gelu (Gemma)
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -19,8 +19,10 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rotary scaling past the pretrained context, as Hugging Face's rope_type names it
-    (jaxserve/model/rope.py computes it). "dynamic" (NTK) is refused: its frequencies depend on
-    the sequence's length, so a cached page's keys would not match a later step's."""
+    (jaxserve/model/rope.py computes it), or "freq_factors": a divisor per rotated pair as
+    llama.cpp stores a scaling in GGUF (its rope_freqs tensor, e.g. llama3's). "dynamic" (NTK) is
+    refused: its frequencies depend on the sequence's length, so a cached page's keys would not
+    match a later step's."""
 
     rope_type: str
     factor: float
@@ -33,6 +35,7 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: correction range to whole dimensions
+    freq_factors: tuple[float, ...] | None = None  # freq_factors: one per rotated pair
 
     def __post_init__(self):
         if self.rope_type == "dynamic":
@@ -43,7 +46,9 @@ class RopeScaling:
                              f"{ROPE_SCALINGS})")
         if not self.factor or self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor!r}")
-        if self.rope_type != "linear" and not self.original_max_position_embeddings:
+        if (self.rope_type == "freq_factors") != (self.freq_factors is not None):
+            raise ValueError("freq_factors (and only it) takes a divisor per rotated pair")
+        if self.rope_type in ("llama3", "yarn") and not self.original_max_position_embeddings:
             raise ValueError(f"rope scaling {self.rope_type!r} needs "
                              "original_max_position_embeddings")
 

@@ -26,7 +26,7 @@ PREFILL_PAGES_PER_BLOCK = 8
 PREFILL_ROWS_PER_CHUNK = 16
 
 
-def _online_update(carry, s, v):
+def _online_update(carry, s, v, valid=None):
     """One online-softmax step over a key block, s f32[Hkv, R, Q, C] and v f32[Hkv, R, C, D]:
     m' = max(m, max_j s_j); l' = exp(m - m') l + sum_j exp(s_j - m'); the value accumulator is
     rescaled by exp(m - m'). Products are written as multiply-and-sum, not einsum: XLA's CPU
@@ -36,6 +36,8 @@ def _online_update(carry, s, v):
     m_new = jnp.maximum(m, s.max(-1))
     scale = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[..., None])
+    if valid is not None:  # bool[Hkv, R, Q, C]: masked scores weigh 0 even in a masked row
+        p = jnp.where(valid, p, 0.0)
     pv = jnp.sum(p[..., None] * v[:, :, None], axis=3)
     return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
 
@@ -131,14 +133,21 @@ def _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, *,
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
         key_pos = first + jnp.arange(k.shape[2])[None, None, None, :]
-        valid = key_pos <= pos
-        if window is not None:
-            valid &= key_pos > pos - window
-        return _online_update(carry, jnp.where(valid, s, _MASKED), v)
+        if window is None:
+            return _online_update(carry, jnp.where(key_pos <= pos, s, _MASKED), v)
+        # A block may lie wholly before a query's window (a masked row's p would be 1) and
+        # hold released pages (the scratch page 0: any values): both are selected away, as
+        # are the slots past a row's length.
+        valid = (key_pos <= pos) & (key_pos > pos - window)
+        key = key_pos[0, :, 0, :]  # [1, C]
+        in_row = (key >= lowest[:, None]) & (key < seq_lens[:, None])  # [R, C]
+        v = jnp.where(in_row[None, :, :, None], v, 0.0)
+        return _online_update(carry, jnp.where(valid, s, _MASKED), v, valid)
 
     first_key = 0
     if window is not None:  # no query of these rows reads a key before this one
-        first_key = jnp.maximum(0, jnp.min(jnp.where(seq_lens > 0, q_pos[:, 0], 0)) - window + 1)
+        lowest = q_pos[:, 0] - window + 1  # [R]: the first key of each row's earliest window
+        first_key = jnp.maximum(0, jnp.min(jnp.where(seq_lens > 0, lowest, 0)))
     out = _over_page_blocks(page_tables, seq_lens, first_key, pages_per_block, page_size,
                             (hkv, r, qb * g), d, block)  # [Hkv, R, Qb*G, D]
     out = out.reshape(hkv, r, qb, g, d).transpose(1, 2, 0, 3, 4)

@@ -154,7 +154,9 @@ def _rope_scaling(scaling: dict, max_position_embeddings: int) -> RopeScaling | 
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in (None, "default"):
         return None
-    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
+    if rope_type == "freq_factors":  # GGUF's, not a Hugging Face rope_type
+        raise ValueError("rope scaling 'freq_factors' is not supported in config.json")
+    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type", "freq_factors"}
     ignored = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     unknown = sorted(set(scaling) - fields - ignored)
     if unknown:
