@@ -137,11 +137,19 @@ def test_mistral_window_with_prefix_hits_and_preemption():
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
 def test_gemma_greedy_generation_matches_transformers(family):
     """The engine (auto backend: the C++ kernels on a CPU that has them) keeps every page of a
-    mixed local/global model and generates transformers' greedy tokens past the window."""
-    llm = _engine(family, "auto", num_pages=32)
-    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 211, 45)]
-    out = llm.generate([{"prompt_token_ids": prompt}], _greedy(24), use_tqdm=False)[0]
-    assert list(out.outputs[0].token_ids) == greedy_reference(family, prompt, 24)
+    mixed local/global model and generates transformers' greedy tokens past the window, for
+    requests sharing a cached 40-token prefix in a pool of 12 usable pages, too few for all
+    three (preemption)."""
+    llm = _engine(family, "auto", num_pages=13)
+    rng = np.random.default_rng(4)
+    prefix = [int(t) for t in rng.integers(3, 211, 40)]
+    prompts = [prefix + [int(t) for t in rng.integers(3, 211, n)] for n in (3, 9, 17)]
+    llm.generate([{"prompt_token_ids": prompts[0]}], _greedy(2), use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(12), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == greedy_reference(family, prompt, 12)
+    counters = llm.engine.scheduler.counters
+    assert counters["prefix_cache_hits"] >= 4 * PAGE and counters["num_preempted_total"] > 0
     assert llm.engine.scheduler.kv.window is None
 
 
