@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import F64_TOL, TOL, assert_close, call, mixed_rows, ragged_case
+from attention_cases import (F64_TOL, TOL, assert_close, call, mixed_rows, quantize_case,
+                             ragged_case, scales)
 from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.model.attention import AttentionMetadata, attend
 from jaxserve.model.kv_cache import KVCache
@@ -40,7 +41,8 @@ def _released_case(page_size, rows, *, group=2, head_dim=64, seed=5):
 def _oracle(case, sm_scale, window, soft_cap):
     return ref_ragged_paged_attention_f64(
         case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
-        case["query_start"], sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+        case["query_start"], sm_scale=sm_scale, window=window, soft_cap=soft_cap,
+        **scales(case))
 
 
 def _metadata(case) -> AttentionMetadata:
@@ -91,6 +93,21 @@ def test_engine_backends_match_float64(backend, window, soft_cap):
     assert_close(out[:real], _oracle(case, scale, window, soft_cap)[:real], F64_TOL)
 
 
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+def test_engine_backends_read_int8_pages_in_windows(backend):
+    """int8 pages with per-token scales: the window's first run of keys may start inside a page
+    (its scales offset alike); page 0 and garbage slots hold int8 garbage and NaN scales."""
+    if backend == "cpu" and not cpu_kernels.available():
+        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
+    case = quantize_case(_released_case(8, mixed_rows(8, long=60), group=3))
+    cache = KVCache(k=case["k_pages"], v=case["v_pages"], k_scale=case["k_scale"],
+                    v_scale=case["v_scale"])
+    out = attend(backend, case["q"], cache, _metadata(case), 1 / 8, window=WINDOW,
+                 soft_cap=SOFT_CAP)
+    real = int(case["query_start"][-1])
+    assert_close(out[:real], _oracle(case, 1 / 8, WINDOW, SOFT_CAP)[:real], F64_TOL)
+
+
 @pytest.mark.parametrize("path", ["decode", "prefill"])
 def test_tpu_kernel_matches_float64(path):
     from pallas_kernels.tpu import TpuBlockSizes, ragged_paged_attention
@@ -103,10 +120,13 @@ def test_tpu_kernel_matches_float64(path):
     assert_close(out, _oracle(case, scale, WINDOW, SOFT_CAP), TOL[jnp.float32])
 
 
-def test_gpu_kernel_matches_float64():
+@pytest.mark.parametrize("pool", ["float32", "int8"])
+def test_gpu_kernel_matches_float64(pool):
     from pallas_kernels.gpu import ragged_paged_attention
 
     case = _released_case(16, mixed_rows(16, long=70), head_dim=64)
+    if pool == "int8":
+        case = quantize_case(case)
     scale = 1 / math.sqrt(64)
     out = call(ragged_paged_attention, case, sm_scale=scale, interpret=True, window=WINDOW,
                soft_cap=SOFT_CAP)
