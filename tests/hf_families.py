@@ -1,8 +1,8 @@
 """Tiny seeded Hugging Face checkpoints of the model families jaxserve serves, built with
 transformers (the reference) for parity tests: Mistral (sliding window on every layer), Gemma
 (GeGLU, scaled embeddings, 1 + weight norms), Gemma 2 (soft-capping, query_pre_attn_scalar,
-alternating sliding and full layers, sandwich norms) and Gemma 3 text (q/k norm, local and global
-rope bases, a sliding-window pattern). Two layers, hidden 64, f32; norm weights are drawn around
+alternating sliding and full layers, sandwich norms), Gemma 3 text (q/k norm, local and global
+rope bases, a sliding-window pattern) and a Qwen2 with sliding layers from max_window_layers on. Two layers, hidden 64, f32; norm weights are drawn around
 their identity (ones, or zeros for Gemma's 1 + weight) so that every norm matters, and query and
 key projections scaled up so that attention is far from uniform.
 
@@ -20,7 +20,7 @@ WINDOW = 12  # tokens: a few pages of 8, crossed by chunks of 32
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
             rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-FAMILIES = ("mistral", "gemma", "gemma2", "gemma3")
+FAMILIES = ("mistral", "gemma", "gemma2", "gemma3", "qwen2-window")
 
 
 def _hf_config(name: str):
@@ -29,6 +29,9 @@ def _hf_config(name: str):
     if name == "mistral":
         return transformers.MistralConfig(**TINY, sliding_window=WINDOW, rope_theta=1e4,
                                           tie_word_embeddings=False)
+    if name == "qwen2-window":  # layer 0 full, layer 1 sliding (from max_window_layers on)
+        return transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
+                                        max_window_layers=1, tie_word_embeddings=True)
     if name == "gemma":
         return transformers.GemmaConfig(**TINY, head_dim=16, hidden_act="gelu_pytorch_tanh")
     if name == "gemma2":  # layer 0 sliding, layer 1 full; caps low enough to bend scores, logits
@@ -58,7 +61,8 @@ def family_model(name: str):
     hf_cfg = _hf_config(name)
     cls = {"mistral": transformers.MistralForCausalLM, "gemma": transformers.GemmaForCausalLM,
            "gemma2": transformers.Gemma2ForCausalLM,
-           "gemma3": transformers.Gemma3ForCausalLM}[name]
+           "gemma3": transformers.Gemma3ForCausalLM,
+           "qwen2-window": transformers.Qwen2ForCausalLM}[name]
     model = cls(hf_cfg).eval().float()
     with torch.no_grad():
         for param_name, w in model.named_parameters():
