@@ -57,7 +57,8 @@ from jaxserve.core.step_results import StepResults
 
 class Scheduler(StepResults):
     def __init__(self, config: EngineConfig, *, num_pages: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], model_fingerprint: str):
+                 eos_token_ids: tuple[int, ...], model_fingerprint: str,
+                 kv_window: int | None = None):
         self.config = config
         self.page_size = config.page_size
         self.max_model_len = max_model_len
@@ -65,7 +66,8 @@ class Scheduler(StepResults):
         self.pool = PagePool(num_pages)
         self.cache = (PrefixCache(self.pool, self.page_size, model_fingerprint)
                       if config.enable_prefix_caching else None)
-        self.kv = KVManager(self.pool, self.page_size, self.cache)
+        # kv_window (ModelConfig.kv_window): pages before every layer's window are released.
+        self.kv = KVManager(self.pool, self.page_size, self.cache, window=kv_window)
         self.watermark_pages = int(config.watermark * self.pool.num_usable)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -98,7 +100,7 @@ class Scheduler(StepResults):
             if request.request_id in self._requests:
                 raise RequestRejected(f"request_id {request.request_id!r} is already live")
             check_request(request, self.config, max_model_len=self.max_model_len,
-                          pages_for=self.kv.pages_for, num_usable_pages=self.pool.num_usable)
+                          pages_for=self._pages_to_hold, num_usable_pages=self.pool.num_usable)
         except RequestRejected:
             self.counters["num_rejected_total"] += 1
             raise
@@ -272,7 +274,7 @@ class Scheduler(StepResults):
         alone = not self.running
         if need > available - (0 if alone else self.watermark_pages):
             if alone and self.pool.num_pending == 0 \
-                    and self.kv.pages_for(seq.num_tokens) > self.pool.num_usable:
+                    and self._pages_to_hold(seq.num_tokens) > self.pool.num_usable:
                 self.waiting.remove(seq)  # a recomputation that can never fit again
                 self._finish(seq, SequenceStatus.FINISHED_LENGTH)
                 self._finished_unreported.append(seq.request)
@@ -346,6 +348,9 @@ class Scheduler(StepResults):
         self.counters["num_preempted_total"] += 1
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _pages_to_hold(self, num_tokens: int) -> int:
+        return self.kv.pages_to_hold(num_tokens, self.config.max_num_batched_tokens)
+
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1

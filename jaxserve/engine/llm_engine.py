@@ -63,7 +63,8 @@ class LLMEngine:
             config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
             # A cached page is reused only under the weights and KV format that wrote it.
             model_fingerprint=(f"{loaded.fingerprint}:{config.dtype}:{config.quantization}:"
-                               f"kv-{config.kv_cache_dtype}"))
+                               f"kv-{config.kv_cache_dtype}"),
+            kv_window=loaded.config.kv_window)
         self.backend = backends.resolve(
             config.attention_backend, config.dtype, config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,

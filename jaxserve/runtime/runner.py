@@ -65,12 +65,12 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
     pool, hidden = llama.forward(params, pool, token_ids, batch.attn, cfg=cfg, backend=backend)
-    logits = llama.logits(params, hidden[batch.logits_indices])
+    logits = llama.logits(params, hidden[batch.logits_indices], cfg)
     out = {"sampled": sample(logits, batch.sampling, backend)}
     ids = out["sampled"][0]
     out["feed"] = jnp.zeros_like(feed).at[:ids.shape[0]].set(ids)
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
-        logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
+        logprobs = jax.nn.log_softmax(llama.logits(params, hidden, cfg), axis=-1)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logprobs, max(batch.prompt_logprobs, 1))
         k = batch.prompt_logprobs
