@@ -94,7 +94,8 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
+DRAFT_QUANTIZATIONS = ("none", "int8")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -105,12 +106,16 @@ class SpeculativeConfig:
     the target's own (greedy: token for token; sampled: the same distribution, and the same
     tokens for a seed). "ngram": prompt lookup, the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
-    prompt_lookup_min)."""
+    prompt_lookup_min). "draft": a smaller model sharing the target's tokenizer (`model`; None
+    or the target's own name: the target's weights, as self-speculation with
+    quantization="int8") proposes greedily, one token after another."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None  # "draft": name or path; None: the target's own weights
+    quantization: str = "none"  # "draft": the draft's weights, "none" or "int8"
     # Choose the drafts per step from measured costs (0 where speculation does not pay, as in
     # a large batch on hardware whose step time grows with its tokens); False: always k.
     adaptive: bool = True
@@ -125,6 +130,12 @@ class SpeculativeConfig:
                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
+        if self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"speculative quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.method != "draft" and (self.model is not None or self.quantization != "none"):
+            raise ValueError(f"a speculative model and quantization belong to method 'draft', "
+                             f"not {self.method!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, "

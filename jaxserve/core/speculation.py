@@ -2,7 +2,9 @@
 
 `ngram_proposal` is prompt lookup: a sequence that copies, edits or summarises its prompt tends
 to repeat runs of it, so the tokens that followed the latest earlier occurrence of its last n
-tokens are a good guess at what comes next. Acceptance (Scheduler.update) compares each proposed
+tokens are a good guess at what comes next. A draft model's proposals come from the device: the
+scheduler reserves their slots with PENDING tokens, which the engine replaces by the draft
+model's (jaxserve/runtime/draft.py) before the step is built. Acceptance (Scheduler.update) compares each proposed
 token with the target model's own sample at that position, so a proposal can only cost time,
 never change an output.
 """
@@ -14,6 +16,8 @@ import numpy as np
 from jaxserve.config import SpeculativeConfig
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.step_plan import ScheduledChunk
+
+PENDING = -1  # a draft model's token, filled in by the engine before the step runs
 
 
 def ngram_proposal(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -56,8 +60,10 @@ class Proposer:
         return self.propose(seq, k) if k >= 1 else []
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k >= 1 tokens to follow seq's last token."""
+        """Up to k >= 1 tokens to follow seq's last token (a draft model's: k PENDING)."""
         c = self.config
+        if c.method == "draft":
+            return [PENDING] * k
         return ngram_proposal(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
 

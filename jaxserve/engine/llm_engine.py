@@ -24,6 +24,7 @@ from jaxserve.core.step_plan import StepPlan
 from jaxserve.engine.speculation_control import SpeculationControl
 from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.draft import DraftRunner, check_shared_vocabulary
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
@@ -48,7 +49,11 @@ class _Launched:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 draft_loaded: LoadedModel | None = None):
+        """`loaded`: the target model (default: config.model, loaded); `draft_loaded`: the
+        draft model of speculative method "draft" (default: its config's model, loaded; the
+        target's own weights when that is None or the target's name)."""
         config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
         config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
         self.config = config
@@ -83,6 +88,8 @@ class LLMEngine:
                                   max_sample_rows=self.buckets.max_sample_rows,
                                   huge_pages=config.huge_pages)
         spec = config.speculative_config
+        self.drafter = (self._draft_runner(loaded, draft_loaded)
+                        if spec and spec.method == "draft" else None)
         self.spec_control = (SpeculationControl(spec.num_speculative_tokens, self.buckets.tokens)
                              if spec and spec.adaptive else None)
         self._last_step_end: float | None = None
@@ -213,8 +220,33 @@ class LLMEngine:
                                                 s.spec_drafted_at, s.spec_accepted_at)
         return s.spec_k
 
+    def _draft_runner(self, loaded: LoadedModel, draft: LoadedModel | None) -> DraftRunner:
+        config, spec = self.config, self.config.speculative_config
+        if draft is None:
+            own = spec.model is None or spec.model == config.model
+            draft = loaded if own else load_model(spec.model, dtype=config.dtype)
+        check_shared_vocabulary(loaded.config, loaded.tokenizer, draft.config, draft.tokenizer)
+        return DraftRunner(draft.config, draft.params, buckets=self.buckets,
+                           page_size=config.page_size, num_pages=self.num_pages,
+                           max_tokens=config.max_num_batched_tokens,
+                           max_k=spec.num_speculative_tokens, dtype=config.dtype,
+                           kv_cache_dtype=config.kv_cache_dtype, backend=self.backend,
+                           quantization=spec.quantization, huge_pages=config.huge_pages)
+
+    def _propose_drafts(self, plan: StepPlan) -> None:
+        """The draft model's tokens in place of the drafts the scheduler reserved."""
+        self.drafter.forget(plan.preempted)
+        try:
+            proposals = self.drafter.propose(plan)
+        except Exception as e:  # noqa: BLE001 - its pool was donated to the failed call
+            raise StepFailed(f"the draft model's step failed: {e!r}") from e
+        for chunk, drafts in proposals:
+            chunk.draft_token_ids = drafts
+
     def _launch(self, plan: StepPlan, after=None) -> "_Launched":
         self._unapplied.append(plan)
+        if self.drafter is not None:
+            self._propose_drafts(plan)
         try:
             batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
         except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
@@ -266,6 +298,8 @@ class LLMEngine:
             self.scheduler.update(plan, [0] * len(plan.sample_rows))
         self._unapplied, self._in_flight = [], None
         self.runner.reset_pool()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def _apply(self, launched: "_Launched", out) -> list[RequestOutput]:
         """The output processor reads the step's rows first (logprobs, text, stop strings), then
@@ -316,12 +350,20 @@ class LLMEngine:
         packed backend; otherwise every decode-only and prefill-only bucket, and with full=True
         every combination the scheduler can produce) and the copy-on-write copies. No request
         state changes. Returns counts and seconds."""
-        t0, before = time.perf_counter(), self.runner.compilations
+        t0, before = time.perf_counter(), self.compilations
         shapes = self.runner.warmup(self.buckets, full)
-        return {"shapes": shapes, "compilations": self.runner.compilations - before,
+        if self.drafter is not None:
+            shapes += self.drafter.warmup()
+        return {"shapes": shapes, "compilations": self.compilations - before,
                 "seconds": time.perf_counter() - t0}
 
     # ----------------------------------------------------------------- introspection
+    @property
+    def compilations(self) -> int:
+        """Shapes compiled: the step's, and the draft model's calls."""
+        drafts = self.drafter.compilations if self.drafter is not None else 0
+        return self.runner.compilations + drafts
+
     def kv_usage(self) -> dict:
         """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
         return {**self.scheduler.kv_usage(),
@@ -329,11 +371,14 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
-        stats.update(compilations=self.runner.compilations, steps=self.num_steps,
+        stats.update(compilations=self.compilations, steps=self.num_steps,
                      host_seconds=self.host_seconds, device_seconds=self.device_seconds,
                      host_overlapped_seconds=self.host_overlapped_seconds,
                      kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
                      huge_page_bytes=self.runner.huge_page_bytes)
+        if self.drafter is not None:  # beside the target's pool and weights
+            stats.update(draft_kv_pool_bytes=self.drafter.model.kv_pool_bytes,
+                         draft_param_bytes=self.drafter.model.param_bytes)
         if self.spec_control is not None:  # the cost model: seconds per token bucket timed
             stats["spec_step_seconds"] = {
                 kind: dict(sorted(self.spec_control.seconds[speculative].items()))
