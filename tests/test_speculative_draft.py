@@ -1,0 +1,127 @@
+"""Speculative decoding with a draft model (method "draft") on the tiny random model: the
+target's own weights as the draft (exact, and in int8: self-speculation) and a separate smaller
+draft of the same vocabulary. Greedy outputs equal plain decoding token for token, with prefix
+caching, chunked prefill, prompts longer than a step's budget, forced preemption, aborts and
+n > 1; seeded sampling is unchanged (acceptance compares the target's own sample with the
+draft: exact rejection sampling for a proposal that is a single token); every page comes back.
+A draft that is the target itself has every draft accepted: its KV follows the sequences exactly.
+Bad draft configurations fail at startup."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxserve import LLM, SamplingParams
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from tiny_model import tiny_loaded
+
+# The last prompt is longer than a step's token budget (64): its first proposal catches the
+# draft up in several calls.
+PROMPTS = ["abcabcabcabcabc", "the cat sat on the mat, the cat sat on the", "0123456789" * 3,
+           "xyz", "a long prompt that the scheduler prefills in chunks " * 3]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def one_layer_draft():
+    """The tiny model's first layer alone: another shape (its KV pool too), the same vocabulary,
+    proposals the target often accepts."""
+    loaded = tiny_loaded()
+    layers = {name: w[:1] for name, w in loaded.params["layers"].items()}
+    return dataclasses.replace(loaded, config=dataclasses.replace(loaded.config, num_layers=1),
+                               params={**loaded.params, "layers": layers},
+                               fingerprint="tiny-0-first-layer")
+
+
+def make_llm(spec=None, draft=None, **options) -> LLM:
+    options = {**dict(num_pages=96, page_size=8, max_num_seqs=4, max_num_batched_tokens=64),
+               **options}
+    config = EngineConfig.from_options(speculative_config=spec, **options)
+    return LLM.from_engine(LLMEngine(config, tiny_loaded(), draft_loaded=draft))
+
+
+def draft_spec(k: int, quantization: str = "none") -> dict:
+    # Not adaptive: speculate in every step (the tiny model's cost model could go either way).
+    return {"method": "draft", "num_speculative_tokens": k, "quantization": quantization,
+            "adaptive": False}
+
+
+DRAFTS = {"self-k3": (draft_spec(3), None), "self-int8-k4": (draft_spec(4, "int8"), None),
+          "one-layer-k2": (draft_spec(2), one_layer_draft)}
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return make_llm()
+
+
+@pytest.fixture(scope="module", params=list(DRAFTS))
+def drafting(request):
+    # 25 pages of 8 slots for five sequences of up to 196 tokens: preemption is forced. (One
+    # pool size for all: the pool's shape is the compiled steps'.)
+    spec, draft = DRAFTS[request.param]
+    return request.param, make_llm(spec, draft() if draft else None, num_pages=26)
+
+
+def token_ids(outputs):
+    return [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in outputs]
+
+
+def check_clean(llm) -> dict:
+    st = llm.stats()
+    assert st["referenced_pages"] == 0 and st["running"] == st["waiting"] == 0
+    llm.engine.scheduler.check_invariants()
+    return st
+
+
+def test_greedy_outputs_are_plain_decoding_token_for_token(plain, drafting):
+    name, llm = drafting
+    want = token_ids(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    # Again: the prompts' full pages now come from the prefix cache (the draft computes them
+    # for its own pool, whose pages at those ids may hold another sequence's draft KV).
+    assert token_ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+    st = check_clean(llm)
+    assert st["prefix_cache_hits"] > 0 and st["preemptions"] > 0
+    assert st["spec_accepted_tokens"] > 0
+    if name.startswith("self-k"):  # the target as its own draft: every draft is its argmax
+        assert st["spec_accepted_tokens"] == st["spec_draft_tokens"]
+
+
+def test_sampling_forks_and_aborts(plain, drafting):
+    name, llm = drafting
+    params = [GREEDY, SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=3, max_tokens=32, n=2),
+              SamplingParams(temperature=0, max_tokens=5), GREEDY]
+    want = token_ids(plain.generate(PROMPTS, params, use_tqdm=False))
+    assert token_ids(llm.generate(PROMPTS, params, use_tqdm=False)) == want
+    check_clean(llm)
+    # An abort in the middle of speculation returns every page; the others are unchanged.
+    greedy = token_ids(plain.generate(PROMPTS[:3], GREEDY, use_tqdm=False))
+    engine = llm.engine
+    requests = [engine.add_request(p, GREEDY) for p in PROMPTS[:3]]
+    outputs = {}
+    for steps in range(200):
+        for out in engine.step():
+            outputs[out.request_id] = out
+        if steps == 6:
+            assert engine.abort(requests[1].request_id)
+        if not engine.has_unfinished():
+            break
+    for i in (0, 2):
+        assert outputs[requests[i].request_id].outputs[0].token_ids == greedy[i][0][0]
+    check_clean(llm)
+
+
+def test_bad_draft_configurations_fail_at_startup():
+    for bad, message in [({"method": "draft", "quantization": "int4"}, "quantization"),
+                         ({"method": "ngram", "model": "other"}, "method 'draft'"),
+                         ({"method": "ngram", "quantization": "int8"}, "method 'draft'")]:
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(speculative_config=bad)
+    with pytest.raises(ValueError, match="vocabulary has 300 tokens, the target's 320"):
+        make_llm(draft_spec(2), tiny_loaded(vocab_size=300))
+    with pytest.raises(ValueError, match="unknown model"):
+        make_llm({"method": "draft", "model": "/no/such/draft"})
