@@ -274,12 +274,17 @@ class EngineConfig:
         """One token's KV bytes over all layers, scales included."""
         return model.kv_bytes_per_token(*kv_slot_bytes(self.resolved_kv_cache_dtype))
 
-    def resolve_num_pages(self, model: ModelConfig, max_model_len: int) -> int:
+    def resolve_num_pages(self, model: ModelConfig, max_model_len: int,
+                          draft: ModelConfig | None = None) -> int:
         """Total pages (scratch page 0 included) from num_pages, a byte budget, or a default
-        that holds max_num_seqs sequences of min(max_model_len, 512) tokens each."""
+        that holds max_num_seqs sequences of min(max_model_len, 512) tokens each. A draft
+        model's pool (speculative method "draft") has as many pages, of its own shape: a byte
+        budget pays for both."""
         if self.num_pages is not None:
             return self.num_pages
         page_bytes = self.kv_bytes_per_token(model) * self.page_size
+        if draft is not None:
+            page_bytes += self.kv_bytes_per_token(draft) * self.page_size
         if self.kv_cache_bytes is not None:
             pages = self.kv_cache_bytes // page_bytes
             if pages < 2:

@@ -125,3 +125,12 @@ def test_bad_draft_configurations_fail_at_startup():
         make_llm(draft_spec(2), tiny_loaded(vocab_size=300))
     with pytest.raises(ValueError, match="unknown model"):
         make_llm({"method": "draft", "model": "/no/such/draft"})
+
+
+def test_a_kv_byte_budget_pays_for_both_pools():
+    target = tiny_loaded().config
+    draft = one_layer_draft().config  # half the target's layers: half its KV per token
+    config = EngineConfig(kv_cache_bytes=3 * 10 * 8 * target.kv_bytes_per_token(4), page_size=8,
+                          dtype="float32")
+    assert config.resolve_num_pages(target, 256) == 30
+    assert config.resolve_num_pages(target, 256, draft=draft) == 20

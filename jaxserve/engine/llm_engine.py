@@ -62,7 +62,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.num_pages = config.resolve_num_pages(loaded.config, self.max_model_len)
+        spec = config.speculative_config
+        draft = (self._draft_model(loaded, draft_loaded)
+                 if spec and spec.method == "draft" else None)
+        self.num_pages = config.resolve_num_pages(loaded.config, self.max_model_len,
+                                                  draft=draft.config if draft else None)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.scheduler = Scheduler(
             config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -87,9 +91,7 @@ class LLMEngine:
                                   backend=self.backend, quantization=config.quantization,
                                   max_sample_rows=self.buckets.max_sample_rows,
                                   huge_pages=config.huge_pages)
-        spec = config.speculative_config
-        self.drafter = (self._draft_runner(loaded, draft_loaded)
-                        if spec and spec.method == "draft" else None)
+        self.drafter = self._draft_runner(draft) if draft else None
         self.spec_control = (SpeculationControl(spec.num_speculative_tokens, self.buckets.tokens)
                              if spec and spec.adaptive else None)
         self._last_step_end: float | None = None
@@ -220,12 +222,18 @@ class LLMEngine:
                                                 s.spec_drafted_at, s.spec_accepted_at)
         return s.spec_k
 
-    def _draft_runner(self, loaded: LoadedModel, draft: LoadedModel | None) -> DraftRunner:
+    def _draft_model(self, loaded: LoadedModel, draft: LoadedModel | None) -> LoadedModel:
+        """The draft model (given, the speculative config's, or the target's own weights),
+        checked to share the target's tokenizer."""
         config, spec = self.config, self.config.speculative_config
         if draft is None:
             own = spec.model is None or spec.model == config.model
             draft = loaded if own else load_model(spec.model, dtype=config.dtype)
         check_shared_vocabulary(loaded.config, loaded.tokenizer, draft.config, draft.tokenizer)
+        return draft
+
+    def _draft_runner(self, draft: LoadedModel) -> DraftRunner:
+        config, spec = self.config, self.config.speculative_config
         return DraftRunner(draft.config, draft.params, buckets=self.buckets,
                            page_size=config.page_size, num_pages=self.num_pages,
                            max_tokens=config.max_num_batched_tokens,
