@@ -134,3 +134,23 @@ def test_a_kv_byte_budget_pays_for_both_pools():
                           dtype="float32")
     assert config.resolve_num_pages(target, 256) == 30
     assert config.resolve_num_pages(target, 256, draft=draft) == 20
+
+
+def test_draft_flags_map_onto_the_config():
+    from absl import flags
+    from absl.testing import flagsaver
+
+    from jaxserve.cli import engine_flags
+
+    with flagsaver.flagsaver(speculative_method="draft", speculative_quantization="int8",
+                             speculative_model="smollm2", num_speculative_tokens=3):
+        parsed = flags.FLAGS.is_parsed()
+        flags.FLAGS.mark_as_parsed()
+        try:
+            options = engine_flags.engine_options()
+        finally:
+            if not parsed:
+                flags.FLAGS.unparse_flags()
+    spec = EngineConfig.from_options(**options).speculative_config
+    assert (spec.method, spec.model, spec.quantization, spec.num_speculative_tokens) == \
+        ("draft", "smollm2", "int8", 3)

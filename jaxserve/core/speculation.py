@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.core.draft_kv import DraftKV
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.step_plan import ScheduledChunk
 
@@ -44,9 +45,11 @@ def ngram_proposal(token_ids: list[int], k: int, min_n: int, max_n: int) -> list
 class Proposer:
     """Drafts for a decoding sequence's next step (`rows_to_apply` judges them)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, page_size: int = 16):
         self.config = config
         self.max_model_len = max_model_len
+        # The draft method: what the draft model's KV holds of each sequence.
+        self.draft_kv = DraftKV(page_size) if config.method == "draft" else None
 
     def drafts(self, seq: Sequence, tokens_left: int) -> list[int]:
         """Up to num_speculative_tokens drafts after seq's last token, within the step's
@@ -63,7 +66,7 @@ class Proposer:
         """Up to k >= 1 tokens to follow seq's last token (a draft model's: k PENDING)."""
         c = self.config
         if c.method == "draft":
-            return [PENDING] * k
+            return [PENDING] * k if self.draft_kv.can_draft(seq) else []
         return ngram_proposal(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
 

@@ -46,6 +46,7 @@ class _Launched:
     out: dict
     num_rows: int
     offsets: list[int]
+    catch_up_seconds: float = 0.0  # the draft model's prefill of new prompts before it
 
 
 class LLMEngine:
@@ -194,9 +195,11 @@ class LLMEngine:
         if self.spec_control is not None:
             # A step's cost is the interval between steps that follow each other (with async
             # scheduling the device ran this one while the host finished the last).
+            # The draft model's catch-up over a new prompt is its prefill, not the step's cost.
             back_to_back = self._last_step_end is not None and t0 - self._last_step_end < 1e-3
             self.spec_control.observe(current.plan.num_tokens,
-                                      t3 - (self._last_step_end if back_to_back else t0),
+                                      t3 - (self._last_step_end if back_to_back else t0)
+                                      - current.catch_up_seconds,
                                       any(c.draft_token_ids for c in current.plan.chunks))
             self._last_step_end = t3
         # Host work while a step ran on the device overlapped it: planning the next step while
@@ -234,7 +237,8 @@ class LLMEngine:
 
     def _draft_runner(self, draft: LoadedModel) -> DraftRunner:
         config, spec = self.config, self.config.speculative_config
-        return DraftRunner(draft.config, draft.params, buckets=self.buckets,
+        return DraftRunner(draft.config, draft.params, self.scheduler.proposer.draft_kv,
+                           buckets=self.buckets,
                            page_size=config.page_size, num_pages=self.num_pages,
                            max_tokens=config.max_num_batched_tokens,
                            max_k=spec.num_speculative_tokens, dtype=config.dtype,
@@ -243,7 +247,6 @@ class LLMEngine:
 
     def _propose_drafts(self, plan: StepPlan) -> None:
         """The draft model's tokens in place of the drafts the scheduler reserved."""
-        self.drafter.forget(plan.preempted)
         try:
             proposals = self.drafter.propose(plan)
         except Exception as e:  # noqa: BLE001 - its pool was donated to the failed call
@@ -265,7 +268,8 @@ class LLMEngine:
             out = self.runner.dispatch(batch, copies, after)
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
-        return _Launched(plan, out, num_rows, offsets)
+        catch_up = self.drafter.catch_up_seconds if self.drafter is not None else 0.0
+        return _Launched(plan, out, num_rows, offsets, catch_up)
 
     def _fetch(self, launched: "_Launched"):
         try:

@@ -2,21 +2,18 @@
 
 The draft's KV pool has the draft model's shape and the target's num_pages and page_size, and is
 indexed by the same page ids: a sequence's pages hold its draft KV beside its target KV, so one
-allocation (lookahead slots included) and one rollback serve both. The draft's KV follows each
-sequence lazily: `propose` first computes what the draft has not seen of a row (its prompt at
-the first proposal; later the target's own token, and a last accepted draft the draft never took
-as input), which ends at the row's last token and gives the first draft, then runs the other
-k - 1 greedy decode steps in the same jitted call (a loop on the device), writing draft KV at
-the lookahead slots. A record per sequence says which positions hold its draft KV: those of the
-tokens the draft computed, up to the first draft the target rejected, on the pages the sequence
-still holds. Draft KV only shapes proposals and the target verifies every one, so a stale entry
-could cost acceptance, never change an output.
+allocation (lookahead slots included) and one rollback serve both. What the pool holds of each
+sequence is the host's record (core/draft_kv.py). `propose` computes what the draft has not seen
+of each row: a long stretch (a prompt) in calls of its own, timed apart (`catch_up_seconds`:
+a prefill, not a cost of the step), then in one jitted call the last token or two, which give
+the first draft, and the other k - 1 greedy decode steps in a loop on the device, writing draft
+KV at the lookahead slots.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +21,7 @@ import numpy as np
 
 from jaxserve import backends
 from jaxserve.config import ModelConfig
+from jaxserve.core.draft_kv import DraftKV
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan
 from jaxserve.model import llama
@@ -99,31 +97,6 @@ def _jitted(cfg: ModelConfig, backend: str, max_k: int):
     return catch_up, propose
 
 
-@dataclasses.dataclass
-class _Written:
-    """What a sequence's draft KV holds: positions [0, length) that of its tokens; then those of
-    `tail` (drafts taken as input), which stay valid as far as the target accepted them; all on
-    the pages `page_ids` (a page the sequence no longer holds there holds nothing of it)."""
-
-    seq: Sequence
-    length: int
-    tail: list[int]
-    page_ids: list[int]
-
-    def valid(self, page_size: int) -> int:
-        tokens, n = self.seq.token_ids, self.length
-        for t in self.tail:
-            if n >= len(tokens) or tokens[n] != t:
-                break
-            n += 1
-        pages = -(-n // page_size)
-        held = self.seq.page_ids[:pages]
-        if held != self.page_ids[:pages]:
-            same = next(i for i, (a, b) in enumerate(zip(held + [-1], self.page_ids)) if a != b)
-            n = min(n, same * page_size)
-        return n
-
-
 def _decode_first(chunks: list[ScheduledChunk]) -> list[ScheduledChunk]:
     return sorted(chunks, key=lambda c: not c.is_decode)  # stable: build_batch's row order
 
@@ -138,17 +111,18 @@ class DraftRunner:
     """The draft model's params and KV pool (in a ModelRunner of its own) and its two jitted
     calls: `propose` and the catch-up of rows too long to compute in one call."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, *, buckets: Buckets, page_size: int,
-                 num_pages: int, max_tokens: int, max_k: int, dtype: str, kv_cache_dtype: str,
-                 backend: str, quantization: str, huge_pages: bool = False):
+    def __init__(self, cfg: ModelConfig, params: dict, draft_kv: DraftKV, *, buckets: Buckets,
+                 page_size: int, num_pages: int, max_tokens: int, max_k: int, dtype: str,
+                 kv_cache_dtype: str, backend: str, quantization: str, huge_pages: bool = False):
         self.model = ModelRunner(cfg, params, num_pages=num_pages, page_size=page_size,
                                  dtype=dtype, kv_cache_dtype=kv_cache_dtype, backend=backend,
                                  quantization=quantization, max_sample_rows=1,
                                  huge_pages=huge_pages)
+        self.draft_kv = draft_kv
         self.buckets, self.page_size, self.max_tokens = buckets, page_size, max_tokens
         self._catch_up, self._propose = _jitted(cfg, backend, max_k)
-        self._written: dict[int, _Written] = {}
         self._signatures: set = set()
+        self.catch_up_seconds = 0.0  # of the latest proposal
 
     @property
     def compilations(self) -> int:
@@ -156,23 +130,22 @@ class DraftRunner:
 
     def reset(self) -> None:
         """A fresh pool (after a failed step), holding nothing of any sequence."""
-        self._written.clear()
+        self.draft_kv.clear()
         self.model.reset_pool()
-
-    def forget(self, seqs: list[Sequence]) -> None:
-        """Preempted sequences: their pages went back, and what the draft wrote there with them."""
-        for seq in seqs:
-            self._written.pop(seq.seq_id, None)
 
     def propose(self, plan: StepPlan) -> list[tuple[ScheduledChunk, list[int]]]:
         """Drafts for the plan's chunks that reserved them (as many as each reserved)."""
-        self._written = {i: w for i, w in self._written.items() if not w.seq.is_finished}
+        self.draft_kv.prune()
         chunks = [c for c in plan.chunks if c.draft_token_ids and not c.seq.is_finished]
+        self.catch_up_seconds = 0.0
         if not chunks:
             return []
-        firsts = [min(self._valid(c.seq), c.start) for c in chunks]
-        if sum(c.start + 1 - f for c, f in zip(chunks, firsts)) > self.max_tokens:
+        firsts = [min(self.draft_kv.computed(c.seq), c.start) for c in chunks]
+        if any(c.start - f > 1 for c, f in zip(chunks, firsts)):
+            t0 = time.perf_counter()
             self._catch_up_to([(c.seq, f, c.start) for c, f in zip(chunks, firsts)])
+            jax.block_until_ready(self.model.pool)
+            self.catch_up_seconds = time.perf_counter() - t0
             firsts = [c.start for c in chunks]
         # Each row's chunk: what the draft has not computed, up to and with the last token.
         pairs = sorted(zip(chunks, firsts), key=lambda p: not _todo(*p).is_decode)
@@ -194,16 +167,10 @@ class DraftRunner:
         drafts = np.asarray(jax.device_get(drafts))
         out = []
         for i, chunk in enumerate(chunks):
-            k = len(chunk.draft_token_ids)
-            proposed = drafts[i, :k].tolist()
-            self._written[chunk.seq.seq_id] = _Written(chunk.seq, chunk.start + 1,
-                                                       proposed[:k - 1], list(chunk.seq.page_ids))
+            proposed = drafts[i, :len(chunk.draft_token_ids)].tolist()
+            self.draft_kv.wrote(chunk.seq, chunk.start, proposed)
             out.append((chunk, proposed))
         return out
-
-    def _valid(self, seq: Sequence) -> int:
-        written = self._written.get(seq.seq_id)
-        return written.valid(self.page_size) if written is not None else 0
 
     def _catch_up_to(self, rows: list[tuple[Sequence, int, int]]) -> None:
         """Draft KV for each row's tokens [first, end), in calls of at most max_tokens tokens."""
@@ -226,17 +193,26 @@ class DraftRunner:
                                              token_ids=batch.token_ids, md=batch.attn)
 
     def warmup(self) -> int:
-        """Compile `propose` for every step shape of the buckets (a proposal's first chunks
-        are a step's), on dummy rows of the scratch page 0 that draft nothing."""
-        shapes = self.buckets.step_shapes(self.page_size)
-        for shape in shapes:
+        """Compile the catch-up for every step shape of the buckets, and `propose` for those
+        a proposal takes (packed: at most two tokens a row), on dummy rows of the scratch page
+        0 that draft nothing. Returns how many shapes were run."""
+        run = 0
+        for shape in self.buckets.step_shapes(self.page_size):
             batch, _, _ = build_batch(warmup_plan(shape, self.buckets, self.page_size),
                                       self.buckets, self.page_size)
             rows = batch.logits_indices.shape[0]
-            self._signatures.add(("propose", batch.token_ids.shape[0], rows))
-            self.model.pool, drafts = self._propose(
+            tokens = batch.token_ids.shape[0]
+            self._signatures.add(("catch_up", tokens, batch.attn.page_tables.shape[0]))
+            self.model.pool = self._catch_up(self.model.params, pool=self.model.pool,
+                                             token_ids=batch.token_ids, md=batch.attn)
+            run += 1
+            if self.buckets.packed and tokens > 2 * self.buckets.seqs[-1]:
+                continue
+            self._signatures.add(("propose", tokens, rows))
+            self.model.pool, _ = self._propose(
                 self.model.params, pool=self.model.pool, token_ids=batch.token_ids,
                 md=batch.attn, logits_indices=batch.logits_indices,
                 num_drafts=np.zeros(rows, np.int32))
+            run += 1
         jax.block_until_ready(self.model.pool)
-        return len(shapes)
+        return run
