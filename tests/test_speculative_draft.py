@@ -154,3 +154,26 @@ def test_draft_flags_map_onto_the_config():
     spec = EngineConfig.from_options(**options).speculative_config
     assert (spec.method, spec.model, spec.quantization, spec.num_speculative_tokens) == \
         ("draft", "smollm2", "int8", 3)
+
+
+def test_draft_kv_follows_accepted_drafts_and_held_pages():
+    from jaxserve.core.draft_kv import LAG_LIMIT, DraftKV
+    from jaxserve.core.sequence import Request, Sequence
+
+    request = Request("r", list(range(10)), SamplingParams(temperature=0))
+    seq = Sequence(1, request, list(range(10)), 10, page_ids=[5, 6, 7])  # pages of 4 slots
+    kv = DraftKV(page_size=4)
+    assert kv.computed(seq) == 0 and kv.can_draft(seq)
+    # A proposal at the last token (position 9) wrote drafts 40, 41 at positions 10, 11 and
+    # proposed 42 after them.
+    kv.wrote(seq, 9, [40, 41, 42])
+    seq.token_ids += [40, 99]  # the target accepted 40, then took its own 99
+    assert kv.computed(seq) == 11  # positions 0..10: the prompt and the accepted draft
+    seq.token_ids[10:] = [41]
+    assert kv.computed(seq) == 10  # the first draft rejected: only what preceded it
+    seq.page_ids[2] = 8  # the page of positions 8..11 replaced (copy-on-write)
+    assert kv.computed(seq) == 8
+    seq.token_ids += [0] * (LAG_LIMIT + 2)
+    assert not kv.can_draft(seq)  # too far behind: it decodes plainly
+    kv.forget(seq)
+    assert kv.computed(seq) == 0 and not kv.can_draft(seq)  # output too long to start
