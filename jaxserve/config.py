@@ -152,7 +152,8 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
+DRAFT_QUANTIZATIONS = ("none", "int8")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -163,12 +164,16 @@ class SpeculativeConfig:
     the target's own (greedy: token for token; sampled: the same distribution, and the same
     tokens for a seed). "ngram": prompt lookup, the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
-    prompt_lookup_min)."""
+    prompt_lookup_min). "draft": a smaller model sharing the target's tokenizer (`model`; None
+    or the target's own name: the target's weights, as self-speculation with
+    quantization="int8") proposes greedily, one token after another."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None  # "draft": name or path; None: the target's own weights
+    quantization: str = "none"  # "draft": the draft's weights, "none" or "int8"
     # Choose the drafts per step from measured costs (0 where speculation does not pay, as in
     # a large batch on hardware whose step time grows with its tokens); False: always k.
     adaptive: bool = True
@@ -183,6 +188,12 @@ class SpeculativeConfig:
                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
+        if self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"speculative quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.method != "draft" and (self.model is not None or self.quantization != "none"):
+            raise ValueError(f"a speculative model and quantization belong to method 'draft', "
+                             f"not {self.method!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
@@ -321,12 +332,17 @@ class EngineConfig:
         """One token's KV bytes over all layers, scales included."""
         return model.kv_bytes_per_token(*kv_slot_bytes(self.resolved_kv_cache_dtype))
 
-    def resolve_num_pages(self, model: ModelConfig, max_model_len: int) -> int:
+    def resolve_num_pages(self, model: ModelConfig, max_model_len: int,
+                          draft: ModelConfig | None = None) -> int:
         """Total pages (scratch page 0 included) from num_pages, a byte budget, or a default
-        that holds max_num_seqs sequences of min(max_model_len, 512) tokens each."""
+        that holds max_num_seqs sequences of min(max_model_len, 512) tokens each. A draft
+        model's pool (speculative method "draft") has as many pages, of its own shape: a byte
+        budget pays for both."""
         if self.num_pages is not None:
             return self.num_pages
         page_bytes = self.kv_bytes_per_token(model) * self.page_size
+        if draft is not None:
+            page_bytes += self.kv_bytes_per_token(draft) * self.page_size
         if self.kv_cache_bytes is not None:
             pages = self.kv_cache_bytes // page_bytes
             if pages < 2:

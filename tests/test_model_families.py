@@ -7,6 +7,8 @@ window's pages, not its length's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -132,6 +134,31 @@ def test_mistral_window_with_prefix_hits_and_preemption():
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == greedy_reference("mistral", prompt, 40)
     llm.engine.scheduler.check_invariants()
+
+
+def test_mistral_window_with_draft_speculation():
+    """Speculative method "draft" on a model that releases pages before its window: the
+    target's own weights as the draft read only inside the window too, so its KV past the
+    released pages stays valid and every draft is accepted; tokens equal transformers' greedy
+    ones in the pool of 9 usable pages. A draft that attends its whole context would read the
+    released pages: refused at startup by name."""
+    spec = {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}
+    llm = _engine("mistral", "cpu" if cpu_kernels.available() else "xla", num_pages=10,
+                  speculative_config=spec)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 211, 40)]
+    out = llm.generate([{"prompt_token_ids": prompt}], _greedy(80), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == greedy_reference("mistral", prompt, 80)
+    st = llm.stats()
+    assert st["spec_draft_tokens"] > 40 and st["spec_accepted_tokens"] == st["spec_draft_tokens"]
+    llm.engine.scheduler.check_invariants()
+
+    loaded = family_loaded("mistral")
+    full = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config,
+                                                                  sliding_window=None))
+    config = EngineConfig(page_size=PAGE, max_num_batched_tokens=CHUNK, max_num_seqs=4,
+                          num_pages=10, speculative_config=spec)
+    with pytest.raises(ValueError, match="draft model must then be windowed"):
+        LLMEngine(config, loaded, draft_loaded=full)
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])

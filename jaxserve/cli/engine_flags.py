@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PALLAS_KERNELS,
-                             PRIORITY_POLICIES, QUANTIZATIONS, SCHEDULING_POLICIES,
+from jaxserve.config import (ATTENTION_BACKENDS, DRAFT_QUANTIZATIONS, DTYPES, KV_CACHE_DTYPES,
+                             PALLAS_KERNELS, PRIORITY_POLICIES, QUANTIZATIONS, SCHEDULING_POLICIES,
                              SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig)
 
 _D = EngineConfig()
@@ -45,11 +45,16 @@ flags.DEFINE_integer("max_waiting", None, "Refuse new requests beyond this many 
 _S = SpeculativeConfig()
 flags.DEFINE_enum("speculative_method", None, SPECULATIVE_METHODS,
                   "Speculative decoding (off unless this or --num_speculative_tokens is given); "
-                  "ngram: prompt lookup.")
+                  "ngram: prompt lookup; draft: a draft model (--speculative_model).")
 flags.DEFINE_integer("num_speculative_tokens", None,
                      f"Drafts per sequence and step, 1..16 (default {_S.num_speculative_tokens}).")
 flags.DEFINE_integer("prompt_lookup_min", _S.prompt_lookup_min, "Shortest n-gram matched (ngram).")
 flags.DEFINE_integer("prompt_lookup_max", _S.prompt_lookup_max, "Longest n-gram matched (ngram).")
+flags.DEFINE_string("speculative_model", None,
+                    "Draft model (method draft) sharing the target's tokenizer; default: the "
+                    "target's own weights (self-speculation, with --speculative_quantization=int8).")
+flags.DEFINE_enum("speculative_quantization", _S.quantization, DRAFT_QUANTIZATIONS,
+                  "The draft model's weights (method draft).")
 flags.DEFINE_bool("speculative_adaptive", _S.adaptive,
                   "Choose drafts per step from measured step costs (off: always k).")
 
@@ -69,5 +74,9 @@ def engine_options() -> dict:
                 "adaptive": FLAGS.speculative_adaptive}
         if FLAGS.num_speculative_tokens is not None:
             spec["num_speculative_tokens"] = FLAGS.num_speculative_tokens
+        if FLAGS.speculative_model is not None:  # set with another method: a clear error
+            spec["model"] = FLAGS.speculative_model
+        if FLAGS.speculative_quantization != _S.quantization:
+            spec["quantization"] = FLAGS.speculative_quantization
         options["speculative_config"] = spec
     return options

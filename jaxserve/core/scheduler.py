@@ -85,7 +85,7 @@ class Scheduler(StepResults):
                              num_scheduled_ahead=0, spec_steps=0, spec_draft_tokens=0,
                              spec_accepted_tokens=0)
         spec = config.speculative_config
-        self.proposer = Proposer(spec, max_model_len) if spec else None
+        self.proposer = Proposer(spec, max_model_len, config.page_size) if spec else None
         k = spec.num_speculative_tokens if spec else 0
         self.spec_k = k  # drafts per sequence at most: the engine's choice per step
         # Per draft position (1st, 2nd, ...): drafts verified there and accepted there, and the
@@ -346,6 +346,8 @@ class Scheduler(StepResults):
         self.waiting.insert(0, seq)
         plan.preempted.append(seq)
         self.counters["num_preempted_total"] += 1
+        if self.proposer is not None and self.proposer.draft_kv is not None:
+            self.proposer.draft_kv.forget(seq)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _pages_to_hold(self, num_tokens: int) -> int:

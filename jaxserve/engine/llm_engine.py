@@ -24,6 +24,7 @@ from jaxserve.core.step_plan import StepPlan
 from jaxserve.engine.speculation_control import SpeculationControl
 from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.draft import DraftRunner, check_draft_window, check_shared_vocabulary
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
@@ -45,10 +46,15 @@ class _Launched:
     out: dict
     num_rows: int
     offsets: list[int]
+    catch_up_seconds: float = 0.0  # the draft model's prefill of new prompts before it
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 draft_loaded: LoadedModel | None = None):
+        """`loaded`: the target model (default: config.model, loaded); `draft_loaded`: the
+        draft model of speculative method "draft" (default: its config's model, loaded; the
+        target's own weights when that is None or the target's name)."""
         config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
         config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
         self.config = config
@@ -57,7 +63,11 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.num_pages = config.resolve_num_pages(loaded.config, self.max_model_len)
+        spec = config.speculative_config
+        draft = (self._draft_model(loaded, draft_loaded)
+                 if spec and spec.method == "draft" else None)
+        self.num_pages = config.resolve_num_pages(loaded.config, self.max_model_len,
+                                                  draft=draft.config if draft else None)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.scheduler = Scheduler(
             config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -83,7 +93,7 @@ class LLMEngine:
                                   backend=self.backend, quantization=config.quantization,
                                   max_sample_rows=self.buckets.max_sample_rows,
                                   huge_pages=config.huge_pages)
-        spec = config.speculative_config
+        self.drafter = self._draft_runner(draft) if draft else None
         self.spec_control = (SpeculationControl(spec.num_speculative_tokens, self.buckets.tokens)
                              if spec and spec.adaptive else None)
         self._last_step_end: float | None = None
@@ -186,9 +196,11 @@ class LLMEngine:
         if self.spec_control is not None:
             # A step's cost is the interval between steps that follow each other (with async
             # scheduling the device ran this one while the host finished the last).
+            # The draft model's catch-up over a new prompt is its prefill, not the step's cost.
             back_to_back = self._last_step_end is not None and t0 - self._last_step_end < 1e-3
             self.spec_control.observe(current.plan.num_tokens,
-                                      t3 - (self._last_step_end if back_to_back else t0),
+                                      t3 - (self._last_step_end if back_to_back else t0)
+                                      - current.catch_up_seconds,
                                       any(c.draft_token_ids for c in current.plan.chunks))
             self._last_step_end = t3
         # Host work while a step ran on the device overlapped it: planning the next step while
@@ -214,8 +226,41 @@ class LLMEngine:
                                                 s.spec_drafted_at, s.spec_accepted_at)
         return s.spec_k
 
+    def _draft_model(self, loaded: LoadedModel, draft: LoadedModel | None) -> LoadedModel:
+        """The draft model (given, the speculative config's, or the target's own weights),
+        checked to share the target's tokenizer and to read no page the target's window
+        released."""
+        config, spec = self.config, self.config.speculative_config
+        if draft is None:
+            own = spec.model is None or spec.model == config.model
+            draft = loaded if own else load_model(spec.model, dtype=config.dtype)
+        check_shared_vocabulary(loaded.config, loaded.tokenizer, draft.config, draft.tokenizer)
+        check_draft_window(loaded.config, draft.config)
+        return draft
+
+    def _draft_runner(self, draft: LoadedModel) -> DraftRunner:
+        config, spec = self.config, self.config.speculative_config
+        return DraftRunner(draft.config, draft.params, self.scheduler.proposer.draft_kv,
+                           buckets=self.buckets,
+                           page_size=config.page_size, num_pages=self.num_pages,
+                           max_tokens=config.max_num_batched_tokens,
+                           max_k=spec.num_speculative_tokens, dtype=config.dtype,
+                           kv_cache_dtype=config.kv_cache_dtype, backend=self.backend,
+                           quantization=spec.quantization, huge_pages=config.huge_pages)
+
+    def _propose_drafts(self, plan: StepPlan) -> None:
+        """The draft model's tokens in place of the drafts the scheduler reserved."""
+        try:
+            proposals = self.drafter.propose(plan)
+        except Exception as e:  # noqa: BLE001 - its pool was donated to the failed call
+            raise StepFailed(f"the draft model's step failed: {e!r}") from e
+        for chunk, drafts in proposals:
+            chunk.draft_token_ids = drafts
+
     def _launch(self, plan: StepPlan, after=None) -> "_Launched":
         self._unapplied.append(plan)
+        if self.drafter is not None:
+            self._propose_drafts(plan)
         try:
             batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
         except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
@@ -226,7 +271,8 @@ class LLMEngine:
             out = self.runner.dispatch(batch, copies, after)
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
-        return _Launched(plan, out, num_rows, offsets)
+        catch_up = self.drafter.catch_up_seconds if self.drafter is not None else 0.0
+        return _Launched(plan, out, num_rows, offsets, catch_up)
 
     def _fetch(self, launched: "_Launched"):
         try:
@@ -267,6 +313,8 @@ class LLMEngine:
             self.scheduler.update(plan, [0] * len(plan.sample_rows))
         self._unapplied, self._in_flight = [], None
         self.runner.reset_pool()
+        if self.drafter is not None:
+            self.drafter.reset()
 
     def _apply(self, launched: "_Launched", out) -> list[RequestOutput]:
         """The output processor reads the step's rows first (logprobs, text, stop strings), then
@@ -317,12 +365,20 @@ class LLMEngine:
         packed backend; otherwise every decode-only and prefill-only bucket, and with full=True
         every combination the scheduler can produce) and the copy-on-write copies. No request
         state changes. Returns counts and seconds."""
-        t0, before = time.perf_counter(), self.runner.compilations
+        t0, before = time.perf_counter(), self.compilations
         shapes = self.runner.warmup(self.buckets, full)
-        return {"shapes": shapes, "compilations": self.runner.compilations - before,
+        if self.drafter is not None:
+            shapes += self.drafter.warmup()
+        return {"shapes": shapes, "compilations": self.compilations - before,
                 "seconds": time.perf_counter() - t0}
 
     # ----------------------------------------------------------------- introspection
+    @property
+    def compilations(self) -> int:
+        """Shapes compiled: the step's, and the draft model's calls."""
+        drafts = self.drafter.compilations if self.drafter is not None else 0
+        return self.runner.compilations + drafts
+
     def kv_usage(self) -> dict:
         """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
         return {**self.scheduler.kv_usage(),
@@ -330,11 +386,14 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
-        stats.update(compilations=self.runner.compilations, steps=self.num_steps,
+        stats.update(compilations=self.compilations, steps=self.num_steps,
                      host_seconds=self.host_seconds, device_seconds=self.device_seconds,
                      host_overlapped_seconds=self.host_overlapped_seconds,
                      kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
                      huge_page_bytes=self.runner.huge_page_bytes)
+        if self.drafter is not None:  # beside the target's pool and weights
+            stats.update(draft_kv_pool_bytes=self.drafter.model.kv_pool_bytes,
+                         draft_param_bytes=self.drafter.model.param_bytes)
         if self.spec_control is not None:  # the cost model: seconds per token bucket timed
             stats["spec_step_seconds"] = {
                 kind: dict(sorted(self.spec_control.seconds[speculative].items()))
