@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import threading
 import time
 
 import numpy as np
@@ -18,12 +19,14 @@ from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestMetrics, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_output import GrammarCompiler
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.engine.speculation_control import SpeculationControl
 from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.logit_controls import build_controls
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
@@ -90,6 +93,10 @@ class LLMEngine:
         self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
         self._failed: list[Request] = []  # failed on their own since the last step() returned
         self.outputs = OutputProcessor(self.tokenizer)
+        # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+        self._eos_token_ids = eos
         self._requests: dict[str, tuple[Request, str | None]] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
@@ -101,6 +108,28 @@ class LLMEngine:
         self.device_seconds = 0.0
 
     # ----------------------------------------------------------------- requests
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Thread-safe: a server compiles (validates) a request's grammar in a worker thread
+        before add_request, which then finds it cached."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(),
+                                                 self.model_config.vocab_size,
+                                                 self._eos_token_ids)
+        return self._grammars
+
+    def check_params(self, params: SamplingParams):
+        """ValueError unless the model can honour params: logit_bias ids within the vocabulary,
+        a valid structured output spec. Returns the compiled grammar (or None)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}, "
+                             f"got {bad[:5]}")
+        spec = params.structured_outputs
+        return None if spec is None else self.grammars.compile(spec)
+
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
 
@@ -111,11 +140,13 @@ class LLMEngine:
         cache_salt (default: the engine's) isolates prefix-cache sharing per tenant."""
         text, ids = self.tokenize(prompt)
         params = dataclasses.replace(params or SamplingParams())
+        grammar = self.check_params(params)
         if params.seed is None:  # unseeded: a fresh seed per request, fixed for its lifetime
             params.seed = int(self._rng.integers(0, 2**31 - 1))
         request = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=ids,
                           sampling_params=params, priority=params.priority,
                           cache_salt=cache_salt if cache_salt is not None else self.config.cache_salt)
+        request.grammar = grammar
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
@@ -213,16 +244,24 @@ class LLMEngine:
                                                 s.spec_drafted_at, s.spec_accepted_at)
         return s.spec_k
 
+    def _build(self, plan: StepPlan):
+        """The plan's padded batch, real sample rows, chunk offsets and logit controls."""
+        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        seqs = [None if chunk.seq.is_finished else seq for chunk, seq in plan.sample_rows]
+        controls = build_controls(seqs, batch.logits_indices.shape[0],
+                                  self.model_config.vocab_size)
+        return batch, num_rows, offsets, controls
+
     def _launch(self, plan: StepPlan, after=None) -> "_Launched":
         self._unapplied.append(plan)
         try:
-            batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+            batch, num_rows, offsets, controls = self._build(plan)
         except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
             self._fail_unbuildable(plan, e)
-            batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+            batch, num_rows, offsets, controls = self._build(plan)
         copies = page_copies(plan.copies, self.buckets) if plan.copies else None
         try:
-            out = self.runner.dispatch(batch, copies, after)
+            out = self.runner.dispatch(batch, copies, after, controls)
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
         return _Launched(plan, out, num_rows, offsets)
@@ -245,7 +284,7 @@ class LLMEngine:
         culprits = []
         for chunk in plan.chunks:
             try:
-                build_batch(StepPlan(chunks=[chunk]), self.buckets, self.config.page_size)
+                self._build(StepPlan(chunks=[chunk]))
             except Exception as e:  # noqa: BLE001
                 culprits.append((chunk.seq.request.request_id, e))
         if not culprits:

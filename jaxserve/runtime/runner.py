@@ -27,7 +27,8 @@ from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.sampling import sample
+from jaxserve.runtime.logit_controls import LogitControls, controlled_sample, no_controls
+from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, sample
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "int8": jnp.int8}  # int8: KV pages only
@@ -66,7 +67,8 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
                           batch.token_ids)
     pool, hidden = llama.forward(params, pool, token_ids, batch.attn, cfg=cfg, backend=backend)
     logits = llama.logits(params, hidden[batch.logits_indices])
-    out = {"sampled": sample(logits, batch.sampling, backend)}
+    # The logits go out too (left on the device) for a step whose rows have logit controls.
+    out = {"sampled": sample(logits, batch.sampling, backend), "logits": logits}
     ids = out["sampled"][0]
     out["feed"] = jnp.zeros_like(feed).at[:ids.shape[0]].set(ids)
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
@@ -164,15 +166,23 @@ class ModelRunner:
     def param_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
 
-    def dispatch(self, batch: StepBatch, copies=None, after=None):
+    def dispatch(self, batch: StepBatch, copies=None, after=None,
+                 controls: LogitControls | None = None):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
         if any; returns device arrays (JAX dispatch is async). `after` is the output of the
-        previous step when this one feeds on its samples (batch.feed_rows)."""
+        previous step when this one feeds on its samples (batch.feed_rows). With `controls`,
+        the rows are sampled again from the controlled logits in a second call chained on the
+        device (runtime/logit_controls.py)."""
         if copies is not None:
             self.copy_pages(*copies)
         self._signatures.add(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
         self.pool, out = self._step(self.params, pool=self.pool, batch=batch, feed=feed)
+        if controls is not None:
+            self._signatures.add(("controls", _signature(controls), batch.sampling.mode,
+                                  batch.sampling.num_top_logprobs))
+            out["sampled"], out["feed"] = controlled_sample(
+                out["logits"], controls, batch.sampling, out["feed"], backend=self.backend)
         return out
 
     def copy_pages(self, src, dst) -> None:
@@ -182,15 +192,27 @@ class ModelRunner:
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:
         """Block on a dispatched step and copy its first num_rows rows to the host."""
-        out = jax.device_get({k: v for k, v in out.items() if k != "feed"})
+        out = jax.device_get({k: v for k, v in out.items() if k not in ("feed", "logits")})
         ids, lp, top_ids, top_lp = out["sampled"]
         result = StepOutput(ids[:num_rows], lp[:num_rows], top_ids[:num_rows], top_lp[:num_rows])
         if "prompt" in out:
             result.prompt_logprobs, result.prompt_top_ids, result.prompt_top_logprobs = out["prompt"]
         return result
 
-    def execute(self, batch: StepBatch, num_rows: int, copies=None) -> StepOutput:
-        return self.fetch(self.dispatch(batch, copies), num_rows)
+    def execute(self, batch: StepBatch, num_rows: int, copies=None,
+                controls: LogitControls | None = None) -> StepOutput:
+        return self.fetch(self.dispatch(batch, copies, controls=controls), num_rows)
+
+    def _warm_controls(self, out, batch: StepBatch) -> None:
+        """Compile the logit-controls call of a step's sample rows in each sampling mode (a
+        small function: cheap to compile), on controls that change nothing."""
+        controls = no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size)
+        for mode in (GREEDY, RANDOM, FILTERED):
+            sampling = dataclasses.replace(batch.sampling, mode=mode)
+            self._signatures.add(("controls", _signature(controls), mode,
+                                  sampling.num_top_logprobs))
+            jax.block_until_ready(controlled_sample(out["logits"], controls, sampling,
+                                                    out["feed"], backend=self.backend))
 
     def warmup(self, buckets: Buckets, full: bool = False) -> int:
         """Compile the step shapes of Buckets.step_shapes and every copies bucket, on dummy
@@ -205,9 +227,12 @@ class ModelRunner:
             sizes = set()
             for verifying in (False, True) if buckets.spec_tokens else (False,):
                 batch, rows, _ = build_batch(plan, buckets, self.page_size, verifying=verifying)
-                if batch.logits_indices.shape[0] not in sizes:
-                    sizes.add(batch.logits_indices.shape[0])
-                    self.execute(batch, rows)
+                r = batch.logits_indices.shape[0]
+                if r not in sizes:
+                    sizes.add(r)
+                    out = self.dispatch(batch)
+                    self.fetch(out, rows)
+                    self._warm_controls(out, batch)
                     run += 1
         for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
             self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))
