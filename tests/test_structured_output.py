@@ -164,3 +164,58 @@ def test_forks_and_preemption_keep_outputs_valid():
             assert engine.stats()["preemptions"] > 0
     assert outs[12] == outs[200]
     assert all(re.fullmatch(regex, t) for t in outs[12]), outs[12]
+
+
+def test_batch_file_takes_the_same_fields(tmp_path):
+    from jaxserve.batch_file import run_batch
+    from jaxserve.server.protocol import ProtocolContext
+
+    engine = LLMEngine(EngineConfig.from_options(num_pages=128, page_size=8, max_num_seqs=4),
+                       tiny_loaded(max_len=512))
+    chat_ = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1,
+             "max_tokens": 200}
+    bodies = [
+        {**chat_, "response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "f", "schema": SCHEMAS["flat"]}}},
+        {**chat_, "tools": [WEATHER], "tool_choice": "required"},
+        {**chat_, "structured_outputs": {"regex": "[a-"}},
+        {**chat_, "guided_json": {"type": "object"}},
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": str(i), "url": "/v1/chat/completions",
+                                       "body": b}) + "\n" for i, b in enumerate(bodies)))
+    run_batch(engine, str(inp), str(out),
+              ctx=ProtocolContext.for_engine(engine, model_names=(MODEL,)))
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    first, second = (r["response"]["body"]["choices"][0] for r in results[:2])
+    jsonschema.validate(json.loads(first["message"]["content"]), SCHEMAS["flat"])
+    call = second["message"]["tool_calls"][0]["function"]
+    assert second["finish_reason"] == "tool_calls" and call["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
+    assert [r["response"]["status_code"] for r in results[2:]] == [400, 400]
+    assert "unclosed character class" in results[2]["response"]["body"]["error"]["message"]
+
+
+def test_speculative_engine_drafts_only_unconstrained_rows():
+    """With prompt-lookup speculation on, a constrained row gets no drafts (its mask at each
+    position would need the drafts before it) and stays valid; a plain greedy row beside it is
+    speculated and gives the output of an engine without speculation."""
+    prompt = {"prompt_token_ids": [7, 8, 9, 10] * 8}
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs=
+                                 StructuredOutputsParams(json=SCHEMAS["enums"]))
+    outs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 4,
+                        "prompt_lookup_min": 2, "prompt_lookup_max": 4}):
+        engine = LLMEngine(EngineConfig.from_options(num_pages=128, page_size=8, max_num_seqs=4,
+                                                     speculative_config=spec), tiny_loaded())
+        engine.add_request(prompt, plain, request_id="plain")
+        engine.add_request(prompt, constrained, request_id="json")
+        while engine.has_unfinished():
+            outs.update(((spec is None, o.request_id), o.outputs[0])
+                        for o in engine.step() if o.finished)
+        if spec:
+            assert engine.stats()["spec_draft_tokens"] > 0
+    assert outs[(False, "plain")].token_ids == outs[(True, "plain")].token_ids
+    for speculative in (False, True):
+        jsonschema.validate(json.loads(outs[(speculative, "json")].text), SCHEMAS["enums"])
