@@ -5,8 +5,10 @@ They run in a small jitted call of their own, chained after the step on the devi
 returns its sample rows' logits), and only for steps that hold a controlled row: a step without
 one runs exactly as before, and the step's compiled shapes do not double. The call re-samples
 every row; rows without controls get their logits back bitwise (+0 bias, -0 penalties, / 1,
-an all-ones mask), so their tokens do not change. Its shapes: the sample-row buckets times a
-few entry buckets (H below), compiled at warm-up for the smallest one.
+an all-ones mask), so their tokens do not change; a controlled row's logprobs are of its
+controlled distribution. Its shapes: the sample-row buckets times a few entry buckets (H
+below), compiled at warm-up for the two smallest (masks only; a few penalised or biased rows)
+in every sampling mode.
 
 Penalty counts are kept fixed-shape as H (row, token) entries, one per distinct token of a
 penalised row's prompt and output and per logit_bias entry, padded to a power-of-4 bucket:
@@ -26,7 +28,7 @@ from jaxserve.core.structured_output import bitmask_words, fill_masks
 from jaxserve.pytree import pytree_dataclass
 from jaxserve.runtime.sampling import SamplingMetadata, sample
 
-MIN_ENTRIES = 16  # entry buckets: 16, 64, 256, ... (powers of 4)
+MIN_ENTRIES = 16  # entry buckets: 0 (masks only), 16, 64, 256, ... (powers of 4)
 
 
 @pytree_dataclass
@@ -52,11 +54,12 @@ def apply_controls(logits, c: LogitControls):
         return jnp.zeros((r, v), jnp.float32).at[c.entry_rows, c.entry_tokens].add(
             values, mode="drop")
 
-    counts, seen = dense(c.output_counts), dense(c.seen) > 0
-    rep = c.repetition[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - c.frequency[:, None] * counts - c.presence[:, None] * (counts > 0)
-    logits = logits + dense(c.bias)
+    if c.entry_rows.shape[0]:  # no entries (masks only): no [R, V] scatters
+        counts, seen = dense(c.output_counts), dense(c.seen) > 0
+        rep = c.repetition[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - c.frequency[:, None] * counts - c.presence[:, None] * (counts > 0)
+        logits = logits + dense(c.bias)
     token = jnp.arange(v)
     allowed = (c.mask[:, token // 32] >> (token % 32)) & 1
     return jnp.where(allowed != 0, logits, -jnp.inf)
@@ -72,6 +75,8 @@ def controlled_sample(logits, controls: LogitControls, sampling: SamplingMetadat
 
 
 def entries_bucket(n: int) -> int:
+    if n == 0:
+        return 0
     h = MIN_ENTRIES
     while h < n:
         h *= 4
@@ -113,9 +118,8 @@ def build_controls(seqs: list, num_rows: int, vocab_size: int) -> LogitControls 
                          presence=presence, frequency=frequency, repetition=repetition)
 
 
-def no_controls(num_rows: int, vocab_size: int) -> LogitControls:
-    """Controls that change nothing, of the smallest entry bucket (warm-up compiles these)."""
-    h = MIN_ENTRIES
+def no_controls(num_rows: int, vocab_size: int, h: int) -> LogitControls:
+    """Controls that change nothing, with h entries (warm-up compiles these)."""
     zeros = np.zeros(h, np.float32)
     return LogitControls(mask=np.full((num_rows, bitmask_words(vocab_size)), -1, np.int32),
                          entry_rows=np.full(h, num_rows, np.int32),

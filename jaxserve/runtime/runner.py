@@ -27,7 +27,8 @@ from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.logit_controls import LogitControls, controlled_sample, no_controls
+from jaxserve.runtime.logit_controls import (MIN_ENTRIES, LogitControls, controlled_sample,
+                                             no_controls)
 from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, sample
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
@@ -206,13 +207,14 @@ class ModelRunner:
     def _warm_controls(self, out, batch: StepBatch) -> None:
         """Compile the logit-controls call of a step's sample rows in each sampling mode (a
         small function: cheap to compile), on controls that change nothing."""
-        controls = no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size)
-        for mode in (GREEDY, RANDOM, FILTERED):
-            sampling = dataclasses.replace(batch.sampling, mode=mode)
-            self._signatures.add(("controls", _signature(controls), mode,
-                                  sampling.num_top_logprobs))
-            jax.block_until_ready(controlled_sample(out["logits"], controls, sampling,
-                                                    out["feed"], backend=self.backend))
+        for h in (0, MIN_ENTRIES):
+            controls = no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size, h)
+            for mode in (GREEDY, RANDOM, FILTERED):
+                sampling = dataclasses.replace(batch.sampling, mode=mode)
+                self._signatures.add(("controls", _signature(controls), mode,
+                                      sampling.num_top_logprobs))
+                jax.block_until_ready(controlled_sample(out["logits"], controls, sampling,
+                                                        out["feed"], backend=self.backend))
 
     def warmup(self, buckets: Buckets, full: bool = False) -> int:
         """Compile the step shapes of Buckets.step_shapes and every copies bucket, on dummy
