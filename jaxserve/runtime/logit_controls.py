@@ -1,14 +1,13 @@
 """Logit controls on device: structured outputs' token bitmasks, logit_bias, and presence,
 frequency and repetition penalties, applied to a step's logits before sampling.
 
-They run in a small jitted call of their own, chained after the step on the device (the step
-returns its sample rows' logits), and only for steps that hold a controlled row: a step without
-one runs exactly as before, and the step's compiled shapes do not double. The call re-samples
-every row; rows without controls get their logits back bitwise (+0 bias, -0 penalties, / 1,
-an all-ones mask), so their tokens do not change; a controlled row's logprobs are of its
-controlled distribution. Its shapes: the sample-row buckets times a few entry buckets (H
-below), compiled at warm-up for the two smallest (masks only; a few penalised or biased rows)
-in every sampling mode.
+They apply in the step's sampling call (runner._sample_rows, a small jitted call chained after
+the model step on the device), and only in steps that hold a controlled row: a step without one
+samples as before, and the model step's compiled shapes do not multiply. Rows without controls
+get their logits back bitwise (+0 bias, -0 penalties, / 1, an all-ones mask), so their tokens do
+not change; a controlled row's logprobs are of its controlled distribution. The sampling call's
+shapes: the sample-row buckets times a few entry buckets (H below); warm-up compiles H = 0 (masks
+only) in every sampling mode, the others compile on first use (about a second each).
 
 Penalty counts are kept fixed-shape as H (row, token) entries, one per distinct token of a
 penalised row's prompt and output and per logit_bias entry, padded to a power-of-4 bucket:
@@ -17,7 +16,6 @@ the dense [R, V] counts are scattered from them on the device.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import jax
@@ -26,7 +24,6 @@ import numpy as np
 
 from jaxserve.core.structured_output import bitmask_words, fill_masks
 from jaxserve.pytree import pytree_dataclass
-from jaxserve.runtime.sampling import SamplingMetadata, sample
 
 MIN_ENTRIES = 16  # entry buckets: 0 (masks only), 16, 64, 256, ... (powers of 4)
 
@@ -60,18 +57,10 @@ def apply_controls(logits, c: LogitControls):
         logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
         logits = logits - c.frequency[:, None] * counts - c.presence[:, None] * (counts > 0)
         logits = logits + dense(c.bias)
-    token = jnp.arange(v)
-    allowed = (c.mask[:, token // 32] >> (token % 32)) & 1
+    # Bits unpacked by a broadcast shift (a gather of words per token is slower on CPUs).
+    bits = (c.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(r, -1)[:, :v]
     return jnp.where(allowed != 0, logits, -jnp.inf)
-
-
-@functools.partial(jax.jit, static_argnames=("backend",))
-def controlled_sample(logits, controls: LogitControls, sampling: SamplingMetadata, feed, *,
-                      backend: str):
-    """The step's sampling again on the controlled logits: (sampled tuple, feed) as the step
-    returns them (see runner._step)."""
-    sampled = sample(apply_controls(logits, controls), sampling, backend)
-    return sampled, jnp.zeros_like(feed).at[:sampled[0].shape[0]].set(sampled[0])
 
 
 def entries_bucket(n: int) -> int:
@@ -118,7 +107,7 @@ def build_controls(seqs: list, num_rows: int, vocab_size: int) -> LogitControls 
                          presence=presence, frequency=frequency, repetition=repetition)
 
 
-def no_controls(num_rows: int, vocab_size: int, h: int) -> LogitControls:
+def no_controls(num_rows: int, vocab_size: int, h: int = 0) -> LogitControls:
     """Controls that change nothing, with h entries (warm-up compiles these)."""
     zeros = np.zeros(h, np.float32)
     return LogitControls(mask=np.full((num_rows, bitmask_words(vocab_size)), -1, np.int32),

@@ -27,9 +27,8 @@ from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.logit_controls import (MIN_ENTRIES, LogitControls, controlled_sample,
-                                             no_controls)
-from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, sample
+from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
+from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata, sample
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "int8": jnp.int8}  # int8: KV pages only
@@ -67,11 +66,8 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
     pool, hidden = llama.forward(params, pool, token_ids, batch.attn, cfg=cfg, backend=backend)
-    logits = llama.logits(params, hidden[batch.logits_indices])
-    # The logits go out too (left on the device) for a step whose rows have logit controls.
-    out = {"sampled": sample(logits, batch.sampling, backend), "logits": logits}
-    ids = out["sampled"][0]
-    out["feed"] = jnp.zeros_like(feed).at[:ids.shape[0]].set(ids)
+    # The sample rows' logits stay on the device for _sample_rows.
+    out = {"logits": llama.logits(params, hidden[batch.logits_indices])}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
         logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
@@ -79,6 +75,19 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
         k = batch.prompt_logprobs
         out["prompt"] = (target, top_ids[:, :k], top_lp[:, :k])
     return pool, out
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "feed_size"))
+def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
+                 backend: str, feed_size: int):
+    """A step's sampling, its own small jitted call chained after the step on the device: the
+    sampling modes and logit controls multiply only its compiles, not the model step's. Returns
+    (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
+    (the ids padded to feed_size)."""
+    if controls is not None:
+        logits = apply_controls(logits, controls)
+    sampled = sample(logits, sampling, backend)
+    return sampled, jnp.zeros(feed_size, jnp.int32).at[:sampled[0].shape[0]].set(sampled[0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,7 +118,11 @@ def _use_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def _signature(batch: StepBatch) -> tuple:
+def _signature(batch) -> tuple:
+    """A jitted call's cache key: the model step's is its batch without the sampling metadata
+    (sampled in _sample_rows)."""
+    if isinstance(batch, StepBatch):
+        batch = dataclasses.replace(batch, sampling=None)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
 
@@ -171,20 +184,23 @@ class ModelRunner:
                  controls: LogitControls | None = None):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
         if any; returns device arrays (JAX dispatch is async). `after` is the output of the
-        previous step when this one feeds on its samples (batch.feed_rows). With `controls`,
-        the rows are sampled again from the controlled logits in a second call chained on the
-        device (runtime/logit_controls.py)."""
+        previous step when this one feeds on its samples (batch.feed_rows). The rows are
+        sampled in a second small call chained on the device, through `controls` when given
+        (runtime/logit_controls.py)."""
         if copies is not None:
             self.copy_pages(*copies)
         self._signatures.add(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
-        self.pool, out = self._step(self.params, pool=self.pool, batch=batch, feed=feed)
-        if controls is not None:
-            self._signatures.add(("controls", _signature(controls), batch.sampling.mode,
-                                  batch.sampling.num_top_logprobs))
-            out["sampled"], out["feed"] = controlled_sample(
-                out["logits"], controls, batch.sampling, out["feed"], backend=self.backend)
+        self.pool, out = self._step(self.params, pool=self.pool,
+                                    batch=dataclasses.replace(batch, sampling=None), feed=feed)
+        self._sample(out, batch.sampling, controls)
         return out
+
+    def _sample(self, out: dict, sampling: SamplingMetadata, controls) -> None:
+        self._signatures.add(("sample", _signature((sampling, controls))))
+        out["sampled"], out["feed"] = _sample_rows(out["logits"], sampling, controls,
+                                                   backend=self.backend,
+                                                   feed_size=self._no_feed.shape[0])
 
     def copy_pages(self, src, dst) -> None:
         self._signatures.add(("copies", len(src)))
@@ -204,17 +220,14 @@ class ModelRunner:
                 controls: LogitControls | None = None) -> StepOutput:
         return self.fetch(self.dispatch(batch, copies, controls=controls), num_rows)
 
-    def _warm_controls(self, out, batch: StepBatch) -> None:
-        """Compile the logit-controls call of a step's sample rows in each sampling mode (a
-        small function: cheap to compile), on controls that change nothing."""
-        for h in (0, MIN_ENTRIES):
-            controls = no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size, h)
+    def _warm_sampling(self, out, batch: StepBatch) -> None:
+        """Compile the sampling call of a step's sample rows in each sampling mode, without
+        logit controls and with masks only (structured outputs); penalties and logit_bias
+        compile their entry bucket on first use (a small function: about a second)."""
+        for controls in (None, no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size)):
             for mode in (GREEDY, RANDOM, FILTERED):
-                sampling = dataclasses.replace(batch.sampling, mode=mode)
-                self._signatures.add(("controls", _signature(controls), mode,
-                                      sampling.num_top_logprobs))
-                jax.block_until_ready(controlled_sample(out["logits"], controls, sampling,
-                                                        out["feed"], backend=self.backend))
+                self._sample(out, dataclasses.replace(batch.sampling, mode=mode), controls)
+                jax.block_until_ready(out["sampled"])
 
     def warmup(self, buckets: Buckets, full: bool = False) -> int:
         """Compile the step shapes of Buckets.step_shapes and every copies bucket, on dummy
@@ -234,7 +247,7 @@ class ModelRunner:
                     sizes.add(r)
                     out = self.dispatch(batch)
                     self.fetch(out, rows)
-                    self._warm_controls(out, batch)
+                    self._warm_sampling(out, batch)
                     run += 1
         for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
             self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))

@@ -172,7 +172,8 @@ def tool_call(text: str) -> dict | None:
     the output stopped early (its JSON is incomplete)."""
     try:
         call = json.loads(text)
-    except json.JSONDecodeError:
+        name, arguments = call["name"], json.dumps(call["arguments"])
+    except (json.JSONDecodeError, KeyError, TypeError):  # cut short (a stop string)
         return None
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])}}
+            "function": {"name": name, "arguments": arguments}}
