@@ -162,3 +162,23 @@ def test_logit_bias_beyond_vocabulary_is_refused(engine):
     with pytest.raises(ValueError, match="vocabulary size 320"):
         engine.add_request({"prompt_token_ids": PROMPT}, SamplingParams(logit_bias={320: 1.0}))
     assert not engine.has_unfinished()
+
+
+def test_async_scheduling_defers_sampling_and_changes_no_output(loaded):
+    """With async scheduling a step of rows with penalties or a grammar is launched ahead of
+    the previous step's read-back, its sampling after those tokens are applied: the outputs
+    equal those of an engine that plans each step after the last."""
+    requests = [
+        (PROMPT, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                frequency_penalty=1.2, repetition_penalty=1.5)),
+        (PROMPT[:7], SamplingParams(temperature=0.9, seed=4, max_tokens=40, n=2,
+                                    structured_outputs=StructuredOutputsParams(
+                                        regex=r"([a-z]{2,5} ){2,4}[0-9]{1,4}"))),
+        (PROMPT[3:], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))]
+    outs, ahead = {}, {}
+    for async_ in (False, True):
+        engine = LLMEngine(EngineConfig.from_options(num_pages=64, page_size=8, max_num_seqs=8,
+                                                     async_scheduling=async_), loaded)
+        outs[async_] = [[c.token_ids for c in o.outputs] for o in run(engine, requests)]
+        ahead[async_] = engine.stats()["num_scheduled_ahead"]
+    assert outs[True] == outs[False] and ahead[True] > 10 and ahead[False] == 0

@@ -206,7 +206,7 @@ def test_speculative_engine_drafts_only_unconstrained_rows():
                                  StructuredOutputsParams(json=SCHEMAS["enums"]))
     outs = {}
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 4,
-                        "prompt_lookup_min": 2, "prompt_lookup_max": 4}):
+                        "prompt_lookup_min": 2, "prompt_lookup_max": 4, "adaptive": False}):
         engine = LLMEngine(EngineConfig.from_options(num_pages=128, page_size=8, max_num_seqs=4,
                                                      speculative_config=spec), tiny_loaded())
         engine.add_request(prompt, plain, request_id="plain")

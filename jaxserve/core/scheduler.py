@@ -81,7 +81,7 @@ class Scheduler(StepResults):
                              num_rejected_total=0, num_failed_total=0, prefix_cache_queries=0,
                              prefix_cache_hits=0, num_steps=0, num_cow_copies=0,
                              num_scheduled_ahead=0, spec_steps=0, spec_draft_tokens=0,
-                             spec_accepted_tokens=0, num_not_ahead_for_controls=0)
+                             spec_accepted_tokens=0)
         spec = config.speculative_config
         self.proposer = Proposer(spec, max_model_len) if spec else None
         k = spec.num_speculative_tokens if spec else 0
@@ -228,9 +228,6 @@ class Scheduler(StepResults):
         if id(plan) not in self._outstanding:
             raise ValueError("schedule_next plans the step after one still in flight")
         if self.waiting or plan.preempted:
-            return None
-        if any(c.seq.sampling_params.needs_previous_token for c in plan.chunks):
-            self.counters["num_not_ahead_for_controls"] += 1  # its masks need plan's tokens
             return None
         if len(plan.chunks) != len(self.running) or \
                 any(len(c.sample_seqs) != 1 or c.sample_seqs[0] is not c.seq or c.draft_token_ids

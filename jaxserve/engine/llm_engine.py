@@ -24,7 +24,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.engine.speculation_control import SpeculationControl
-from jaxserve.runtime.batch import build_batch, page_copies
+from jaxserve.runtime.batch import StepBatch, build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import build_controls
 from jaxserve.runtime.runner import ModelRunner
@@ -42,12 +42,14 @@ class StepFailed(RuntimeError):
 
 @dataclasses.dataclass
 class _Launched:
-    """A step on the device: its plan, output arrays, real sample rows and chunk offsets."""
+    """A step on the device: its plan, output arrays, real sample rows and chunk offsets; and
+    while its sampling waits for its logit controls (`LLMEngine._launch`), its batch."""
 
     plan: StepPlan
     out: dict
     num_rows: int
     offsets: list[int]
+    unsampled: StepBatch | None = None
 
 
 class LLMEngine:
@@ -209,6 +211,8 @@ class LLMEngine:
         out = self._fetch(current)
         t2 = time.perf_counter()
         results = self._apply(current, out)
+        if self._in_flight is not None and self._in_flight.unsampled is not None:
+            self._sample(self._in_flight)  # its controls follow from the tokens just applied
         ahead = self._in_flight is not None
         if ahead and not self.scheduler.has_unfinished():
             self._settle()  # everything it computes was finished meanwhile: drop it now
@@ -244,29 +248,58 @@ class LLMEngine:
                                                 s.spec_drafted_at, s.spec_accepted_at)
         return s.spec_k
 
-    def _build(self, plan: StepPlan):
-        """The plan's padded batch, real sample rows, chunk offsets and logit controls."""
-        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+    def _controls(self, plan: StepPlan, num_rows: int):
         seqs = [None if chunk.seq.is_finished else seq for chunk, seq in plan.sample_rows]
-        controls = build_controls(seqs, batch.logits_indices.shape[0],
-                                  self.model_config.vocab_size)
-        return batch, num_rows, offsets, controls
+        return build_controls(seqs, num_rows, self.model_config.vocab_size)
+
+    def _build(self, plan: StepPlan, ahead: bool = False):
+        """The plan's padded batch, real sample rows, chunk offsets and logit controls. A plan
+        made `ahead` of the previous step's tokens with a row whose controls depend on them
+        (a grammar, penalties) has its controls built later (controls "later")."""
+        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        if ahead and any(seq.sampling_params.needs_previous_token for _, seq in plan.sample_rows):
+            return batch, num_rows, offsets, "later"
+        return batch, num_rows, offsets, self._controls(plan, batch.logits_indices.shape[0])
 
     def _launch(self, plan: StepPlan, after=None) -> "_Launched":
+        """Build and dispatch a plan. Planned ahead of the previous step's read-back with rows
+        whose controls need that step's tokens, only its forward pass goes out now: its
+        sampling follows once those tokens are applied (`_sample`), so the device computes the
+        forward pass while the host reads the previous step and fills the masks."""
         self._unapplied.append(plan)
+        ahead = after is not None
         try:
-            batch, num_rows, offsets, controls = self._build(plan)
+            batch, num_rows, offsets, controls = self._build(plan, ahead)
         except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
             self._fail_unbuildable(plan, e)
-            batch, num_rows, offsets, controls = self._build(plan)
+            batch, num_rows, offsets, controls = self._build(plan, ahead)
+        later = isinstance(controls, str)
         copies = page_copies(plan.copies, self.buckets) if plan.copies else None
         try:
-            out = self.runner.dispatch(batch, copies, after, controls)
+            out = self.runner.dispatch(batch, copies, after, None if later else controls,
+                                       sample=not later)
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
-        return _Launched(plan, out, num_rows, offsets)
+        return _Launched(plan, out, num_rows, offsets, unsampled=batch if later else None)
+
+    def _sample(self, launched: "_Launched") -> None:
+        """Launch the deferred sampling of a step with its controls, now that the tokens before
+        it are applied; a request whose controls cannot be built fails alone."""
+        batch, launched.unsampled = launched.unsampled, None
+        r = batch.logits_indices.shape[0]
+        try:
+            controls = self._controls(launched.plan, r)
+        except Exception as e:  # noqa: BLE001
+            self._fail_unbuildable(launched.plan, e)
+            controls = self._controls(launched.plan, r)
+        try:
+            self.runner.sample(launched.out, batch.sampling, controls)
+        except Exception as e:  # noqa: BLE001
+            raise StepFailed(f"the device step failed: {e!r}") from e
 
     def _fetch(self, launched: "_Launched"):
+        if launched.unsampled is not None:
+            self._sample(launched)
         try:
             return self.runner.fetch(launched.out, launched.num_rows)
         except Exception as e:  # noqa: BLE001

@@ -181,22 +181,25 @@ class ModelRunner:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
 
     def dispatch(self, batch: StepBatch, copies=None, after=None,
-                 controls: LogitControls | None = None):
+                 controls: LogitControls | None = None, sample: bool = True):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
         if any; returns device arrays (JAX dispatch is async). `after` is the output of the
         previous step when this one feeds on its samples (batch.feed_rows). The rows are
         sampled in a second small call chained on the device, through `controls` when given
-        (runtime/logit_controls.py)."""
+        (runtime/logit_controls.py); with sample=False the caller launches it later
+        (`sample`), once the controls are known."""
         if copies is not None:
             self.copy_pages(*copies)
         self._signatures.add(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
         self.pool, out = self._step(self.params, pool=self.pool,
                                     batch=dataclasses.replace(batch, sampling=None), feed=feed)
-        self._sample(out, batch.sampling, controls)
+        if sample:
+            self.sample(out, batch.sampling, controls)
         return out
 
-    def _sample(self, out: dict, sampling: SamplingMetadata, controls) -> None:
+    def sample(self, out: dict, sampling: SamplingMetadata, controls) -> None:
+        """Launch the sampling of a dispatched step's rows: out gains "sampled" and "feed"."""
         self._signatures.add(("sample", _signature((sampling, controls))))
         out["sampled"], out["feed"] = _sample_rows(out["logits"], sampling, controls,
                                                    backend=self.backend,
@@ -226,7 +229,7 @@ class ModelRunner:
         compile their entry bucket on first use (a small function: about a second)."""
         for controls in (None, no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size)):
             for mode in (GREEDY, RANDOM, FILTERED):
-                self._sample(out, dataclasses.replace(batch.sampling, mode=mode), controls)
+                self.sample(out, dataclasses.replace(batch.sampling, mode=mode), controls)
                 jax.block_until_ready(out["sampled"])
 
     def warmup(self, buckets: Buckets, full: bool = False) -> int:
