@@ -6,7 +6,9 @@ at each concurrency, interleaved in one run on one engine (the default model).
 
 The workload (configs/bench_structured.json): chat prompts asking for a value of each schema of
 configs/structured_schemas.json, sampled at the config's temperature; the constrained run sends
-the schema as its structured output, the plain run does not. Rounds alternate which goes first.
+the schema as its structured output, the plain run does not and decodes as many tokens per
+request (ignore_eos, max_tokens = the constrained output's length). Rounds alternate which
+goes first.
 Reported per concurrency and mode: mean time per output token of a request (its decode time
 over its tokens after the first), aggregate output tokens per second, steps planned ahead of the
 previous step's read-back (async scheduling; a constrained step's sampling then waits for its
@@ -35,7 +37,10 @@ flags.DEFINE_string("json_out", None, "Write the results as JSON.")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(llm, cfg, schemas, concurrency: int, constrained: bool, round_: int) -> dict:
+def run(llm, cfg, schemas, concurrency: int, constrained: bool, lengths=None) -> dict:
+    """One run of `concurrency` requests at once. Seeds are fixed per request, so a constrained
+    request gives the same output every round; a plain run is given those output lengths
+    (`lengths`, with ignore_eos) so both modes decode the same tokens per request."""
     from jaxserve import SamplingParams
     from jaxserve.core.structured_output import StructuredOutputsParams
 
@@ -43,8 +48,9 @@ def run(llm, cfg, schemas, concurrency: int, constrained: bool, round_: int) -> 
     picks = [names[i % len(names)] for i in range(concurrency)]
     messages = [[{"role": "user", "content": cfg["prompt"].format(
         schema=json.dumps(schemas[name]))}] for name in picks]
-    params = [SamplingParams(temperature=cfg["temperature"], max_tokens=cfg["max_tokens"],
-                             seed=cfg["seed"] + 1000 * round_ + i,
+    params = [SamplingParams(temperature=cfg["temperature"],
+                             max_tokens=lengths[i] if lengths else cfg["max_tokens"],
+                             ignore_eos=bool(lengths), seed=cfg["seed"] + i,
                              structured_outputs=StructuredOutputsParams(json=schemas[name])
                              if constrained else None) for i, name in enumerate(picks)]
     prompts = [llm.engine.tokenizer.apply_chat_template(m) for m in messages]
@@ -61,7 +67,8 @@ def run(llm, cfg, schemas, concurrency: int, constrained: bool, round_: int) -> 
             tpots.append((m.finished_time - m.first_token_time) / (len(c.token_ids) - 1))
         if constrained:
             valid += c.finish_reason == "length" or _valid(c.text, schemas[name])
-    return {"tpot_s": sum(tpots) / len(tpots), "tok_s": tokens / seconds, "tokens": tokens,
+    return {"lengths": [len(o.outputs[0].token_ids) for o in outs],
+            "tpot_s": sum(tpots) / len(tpots), "tok_s": tokens / seconds, "tokens": tokens,
             "valid": valid / len(outs) if constrained else None,
             "steps": after["steps"] - before["steps"],
             "ahead": after["num_scheduled_ahead"] - before["num_scheduled_ahead"]}
@@ -97,14 +104,15 @@ def main(argv):
         max_num_seqs=top, num_pages=max(64, top * 24)), loaded))
     print("warm-up:", llm.engine.warmup())
     print(f"llguidance mask threads: {MASK_THREADS} (of {os.cpu_count()} cores)")
-    for c in concurrency:  # untimed: compiles the sampling modes and prompt shapes
-        for constrained in (False, True):
-            run(llm, cfg, schemas, c, constrained, -1)
+    lengths = {}
+    for c in concurrency:  # untimed: the prompt shapes, and the constrained output lengths
+        lengths[c] = run(llm, cfg, schemas, c, True)["lengths"]
+        run(llm, cfg, schemas, c, False, lengths[c])
     totals = {}
     for r in range(rounds):
         for c in concurrency:
             for constrained in ((False, True) if r % 2 == 0 else (True, False)):
-                res = run(llm, cfg, schemas, c, constrained, r)
+                res = run(llm, cfg, schemas, c, constrained, None if constrained else lengths[c])
                 totals.setdefault((c, constrained), []).append(res)
     results = []
     print(f"{'conc.':>6}{'mode':>12}{'ms/token':>10}{'tok/s':>9}{'overhead':>10}"

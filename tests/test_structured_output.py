@@ -219,3 +219,33 @@ def test_speculative_engine_drafts_only_unconstrained_rows():
     assert outs[(False, "plain")].token_ids == outs[(True, "plain")].token_ids
     for speculative in (False, True):
         jsonschema.validate(json.loads(outs[(speculative, "json")].text), SCHEMAS["enums"])
+
+
+def test_chat_template_renders_tools_and_tool_results():
+    """Tools reach the template as `tools` (OpenAI's shape), and assistant tool calls and tool
+    results pass through the messages, for templates that render them."""
+    from jaxserve.server.protocol import ProtocolContext, parse_request
+    from jaxserve.tokenizer import Tokenizer
+    from tiny_model import tiny_tokenizer
+
+    template = ("{% for t in tools or [] %}[tool {{ t['function']['name'] }}]{% endfor %}"
+                "{% for m in messages %}<{{ m['role'] }}>"
+                "{% for c in m.get('tool_calls') or [] %}(call {{ c['function']['name'] }})"
+                "{% endfor %}{{ m['content'] }}{% if m.get('tool_call_id') %}"
+                "#{{ m['tool_call_id'] }}{% endif %}|{% endfor %}<assistant>")
+    base = tiny_tokenizer()
+    tok = Tokenizer(base.backend, bos_token_id=None, eos_token_ids=base.eos_token_ids,
+                    chat_template=template)
+    ctx = ProtocolContext(model_names=(MODEL,), tokenizer=tok, max_model_len=512,
+                          vocab_size=320)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": 1}'}}
+    body = {"model": MODEL, "tools": [WEATHER, TIME], "tool_choice": "required",
+            "messages": [{"role": "user", "content": "time?"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]}
+    parsed = parse_request("chat", body, ctx)
+    assert parsed.prompts[0]["prompt"] == (
+        "[tool get_weather][tool get_time]<user>time?|<assistant>(call get_time)|"
+        "<tool>12:00#call_1|<assistant>")
+    assert parsed.tool_call and parsed.params.structured_outputs is not None

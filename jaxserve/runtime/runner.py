@@ -1,8 +1,11 @@
-"""ModelRunner: owns every device array (params, KV pool) and the one jitted step.
+"""ModelRunner: owns every device array (params, KV pool), the jitted model step and the
+jitted sampling call chained after it.
 
 step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
 pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
-before they were read back (async scheduling). Shapes come from the batch buckets; each new
+before they were read back (async scheduling). Its sample rows' logits stay on the device for
+the sampling call (_sample_rows: sampling modes, logit controls), so those multiply only that
+small function's compiles. Shapes come from the batch buckets; each new
 shape signature is one compilation, counted in `compilations`. The jitted step is shared by
 every runner of the same model config and backend in the process, so a second engine (a
 benchmark's ablation variant, a test) reuses what the first compiled; `compilations` still
