@@ -10,7 +10,7 @@ the schema as its structured output, the plain run does not and decodes as many 
 request (ignore_eos, max_tokens = the constrained output's length). Rounds alternate which
 goes first.
 Reported per concurrency and mode: mean time per output token of a request (its decode time
-over its tokens after the first), aggregate output tokens per second, steps planned ahead of the
+over its tokens after the first), wall time per engine step, aggregate output tokens per second, steps planned ahead of the
 previous step's read-back (async scheduling; a constrained step's sampling then waits for its
 masks while its forward pass runs), and the share of constrained outputs that are valid JSON of
 their schema (all must be, or were cut by max_tokens).
@@ -68,7 +68,7 @@ def run(llm, cfg, schemas, concurrency: int, constrained: bool, lengths=None) ->
         if constrained:
             valid += c.finish_reason == "length" or _valid(c.text, schemas[name])
     return {"lengths": [len(o.outputs[0].token_ids) for o in outs],
-            "tpot_s": sum(tpots) / len(tpots), "tok_s": tokens / seconds, "tokens": tokens,
+            "tpot_s": sum(tpots) / len(tpots), "seconds": seconds, "tok_s": tokens / seconds, "tokens": tokens,
             "valid": valid / len(outs) if constrained else None,
             "steps": after["steps"] - before["steps"],
             "ahead": after["num_scheduled_ahead"] - before["num_scheduled_ahead"]}
@@ -115,7 +115,7 @@ def main(argv):
                 res = run(llm, cfg, schemas, c, constrained, None if constrained else lengths[c])
                 totals.setdefault((c, constrained), []).append(res)
     results = []
-    print(f"{'conc.':>6}{'mode':>12}{'ms/token':>10}{'tok/s':>9}{'overhead':>10}"
+    print(f"{'conc.':>6}{'mode':>12}{'ms/token':>10}{'ms/step':>9}{'tok/s':>9}{'overhead':>10}"
           f"{'valid':>7}{'planned ahead':>15}")
     for c in concurrency:
         plain = None
@@ -124,7 +124,9 @@ def main(argv):
             tpot = sum(x["tpot_s"] for x in runs) / len(runs)
             tok_s = sum(x["tokens"] for x in runs) / sum(x["tokens"] / x["tok_s"] for x in runs)
             plain = tpot if not constrained else plain
+            step_ms = 1e3 * sum(x["seconds"] for x in runs) / sum(x["steps"] for x in runs)
             row = {"concurrency": c, "constrained": constrained, "tpot_ms": 1e3 * tpot,
+                   "step_ms": step_ms,
                    "tok_s": tok_s, "overhead": tpot / plain - 1,
                    "valid": (sum(x["valid"] for x in runs) / len(runs)) if constrained else None,
                    "steps_ahead": sum(x["ahead"] for x in runs),
@@ -132,6 +134,7 @@ def main(argv):
             results.append(row)
             valid = f"{100 * row['valid']:.0f}%" if constrained else "-"
             print(f"{c:>6}{'json schema' if constrained else 'plain':>12}{1e3 * tpot:>10.2f}"
+                  f"{step_ms:>9.2f}"
                   f"{tok_s:>9.1f}{100 * row['overhead']:>9.1f}%{valid:>7}"
                   f"{row['steps_ahead']:>8}/{row['steps']}", flush=True)
     if FLAGS.json_out:
