@@ -157,7 +157,9 @@ class Scheduler(StepResults):
             drafts = []
             if decode:
                 decodes_left -= 1
-                if self.spec_k:
+                # Rows whose logits depend on the previous token (penalties, a grammar) are
+                # not speculated: their drafts' rows would need each earlier draft applied.
+                if self.spec_k and not seq.sampling_params.needs_previous_token:
                     drafts = self.proposer.drafts(
                         seq, min(self.spec_k, budget - plan.num_tokens - decodes_left - 1))
                     self.spec_opportunities += 1

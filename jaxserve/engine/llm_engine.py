@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import threading
 import time
 
 import numpy as np
@@ -18,13 +19,15 @@ from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestMetrics, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_output import GrammarCompiler
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.engine.speculation_control import SpeculationControl
-from jaxserve.runtime.batch import build_batch, page_copies
+from jaxserve.runtime.batch import StepBatch, build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.draft import DraftRunner, check_draft_window, check_shared_vocabulary
+from jaxserve.runtime.logit_controls import build_controls
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
@@ -40,13 +43,15 @@ class StepFailed(RuntimeError):
 
 @dataclasses.dataclass
 class _Launched:
-    """A step on the device: its plan, output arrays, real sample rows and chunk offsets."""
+    """A step on the device: its plan, output arrays, real sample rows and chunk offsets; and
+    while its sampling waits for its logit controls (`LLMEngine._launch`), its batch."""
 
     plan: StepPlan
     out: dict
     num_rows: int
     offsets: list[int]
     catch_up_seconds: float = 0.0  # the draft model's prefill of new prompts before it
+    unsampled: StepBatch | None = None
 
 
 class LLMEngine:
@@ -101,6 +106,10 @@ class LLMEngine:
         self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
         self._failed: list[Request] = []  # failed on their own since the last step() returned
         self.outputs = OutputProcessor(self.tokenizer)
+        # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+        self._eos_token_ids = eos
         self._requests: dict[str, tuple[Request, str | None]] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
@@ -112,6 +121,28 @@ class LLMEngine:
         self.device_seconds = 0.0
 
     # ----------------------------------------------------------------- requests
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Thread-safe: a server compiles (validates) a request's grammar in a worker thread
+        before add_request, which then finds it cached."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(),
+                                                 self.model_config.vocab_size,
+                                                 self._eos_token_ids)
+        return self._grammars
+
+    def check_params(self, params: SamplingParams):
+        """ValueError unless the model can honour params: logit_bias ids within the vocabulary,
+        a valid structured output spec. Returns the compiled grammar (or None)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}, "
+                             f"got {bad[:5]}")
+        spec = params.structured_outputs
+        return None if spec is None else self.grammars.compile(spec)
+
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
 
@@ -122,11 +153,13 @@ class LLMEngine:
         cache_salt (default: the engine's) isolates prefix-cache sharing per tenant."""
         text, ids = self.tokenize(prompt)
         params = dataclasses.replace(params or SamplingParams())
+        grammar = self.check_params(params)
         if params.seed is None:  # unseeded: a fresh seed per request, fixed for its lifetime
             params.seed = int(self._rng.integers(0, 2**31 - 1))
         request = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=ids,
                           sampling_params=params, priority=params.priority,
                           cache_salt=cache_salt if cache_salt is not None else self.config.cache_salt)
+        request.grammar = grammar
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
@@ -189,6 +222,8 @@ class LLMEngine:
         out = self._fetch(current)
         t2 = time.perf_counter()
         results = self._apply(current, out)
+        if self._in_flight is not None and self._in_flight.unsampled is not None:
+            self._sample(self._in_flight)  # its controls follow from the tokens just applied
         ahead = self._in_flight is not None
         if ahead and not self.scheduler.has_unfinished():
             self._settle()  # everything it computes was finished meanwhile: drop it now
@@ -257,24 +292,62 @@ class LLMEngine:
         for chunk, drafts in proposals:
             chunk.draft_token_ids = drafts
 
+    def _controls(self, plan: StepPlan, num_rows: int):
+        seqs = [None if chunk.seq.is_finished else seq for chunk, seq in plan.sample_rows]
+        return build_controls(seqs, num_rows, self.model_config.vocab_size)
+
+    def _build(self, plan: StepPlan, ahead: bool = False):
+        """The plan's padded batch, real sample rows, chunk offsets and logit controls. A plan
+        made `ahead` of the previous step's tokens with a row whose controls depend on them
+        (a grammar, penalties) has its controls built later (controls "later")."""
+        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        if ahead and any(seq.sampling_params.needs_previous_token for _, seq in plan.sample_rows):
+            return batch, num_rows, offsets, "later"
+        return batch, num_rows, offsets, self._controls(plan, batch.logits_indices.shape[0])
+
     def _launch(self, plan: StepPlan, after=None) -> "_Launched":
+        """Build and dispatch a plan. Planned ahead of the previous step's read-back with rows
+        whose controls need that step's tokens, only its forward pass goes out now: its
+        sampling follows once those tokens are applied (`_sample`), so the device computes the
+        forward pass while the host reads the previous step and fills the masks."""
         self._unapplied.append(plan)
+        ahead = after is not None
         if self.drafter is not None:
             self._propose_drafts(plan)
         try:
-            batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+            batch, num_rows, offsets, controls = self._build(plan, ahead)
         except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
             self._fail_unbuildable(plan, e)
-            batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+            batch, num_rows, offsets, controls = self._build(plan, ahead)
+        later = isinstance(controls, str)
         copies = page_copies(plan.copies, self.buckets) if plan.copies else None
         try:
-            out = self.runner.dispatch(batch, copies, after)
+            out = self.runner.dispatch(batch, copies, after, None if later else controls,
+                                       sample=not later)
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
         catch_up = self.drafter.catch_up_seconds if self.drafter is not None else 0.0
-        return _Launched(plan, out, num_rows, offsets, catch_up)
+        return _Launched(plan, out, num_rows, offsets, catch_up,
+                         unsampled=batch if later else None)
+
+    def _sample(self, launched: "_Launched") -> None:
+        """Launch the deferred sampling of a step with its controls, now that the tokens before
+        it are applied; a request whose controls cannot be built fails alone."""
+        batch, launched.unsampled = launched.unsampled, None
+        r = batch.logits_indices.shape[0]
+        try:
+            controls = self._controls(launched.plan, r)
+        except Exception as e:  # noqa: BLE001
+            self._fail_unbuildable(launched.plan, e)
+            controls = self._controls(launched.plan, r)
+        try:
+            self.runner.sample(launched.out, batch.sampling, controls)
+        except Exception as e:  # noqa: BLE001
+            raise StepFailed(f"the device step failed: {e!r}") from e
 
     def _fetch(self, launched: "_Launched"):
+        if launched.unsampled is not None:
+            self._sample(launched)
         try:
             return self.runner.fetch(launched.out, launched.num_rows)
         except Exception as e:  # noqa: BLE001
@@ -292,7 +365,7 @@ class LLMEngine:
         culprits = []
         for chunk in plan.chunks:
             try:
-                build_batch(StepPlan(chunks=[chunk]), self.buckets, self.config.page_size)
+                self._build(StepPlan(chunks=[chunk]))
             except Exception as e:  # noqa: BLE001
                 culprits.append((chunk.seq.request.request_id, e))
         if not culprits:

@@ -1,8 +1,11 @@
-"""ModelRunner: owns every device array (params, KV pool) and the one jitted step.
+"""ModelRunner: owns every device array (params, KV pool), the jitted model step and the
+jitted sampling call chained after it.
 
 step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
 pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
-before they were read back (async scheduling). Shapes come from the batch buckets; each new
+before they were read back (async scheduling). Its sample rows' logits stay on the device for
+the sampling call (_sample_rows: sampling modes, logit controls), so those multiply only that
+small function's compiles. Shapes come from the batch buckets; each new
 shape signature is one compilation, counted in `compilations`. The jitted step is shared by
 every runner of the same model config and backend in the process, so a second engine (a
 benchmark's ablation variant, a test) reuses what the first compiled; `compilations` still
@@ -27,7 +30,8 @@ from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.sampling import sample
+from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
+from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata, sample
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "int8": jnp.int8}  # int8: KV pages only
@@ -65,10 +69,8 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
     pool, hidden = llama.forward(params, pool, token_ids, batch.attn, cfg=cfg, backend=backend)
-    logits = llama.logits(params, hidden[batch.logits_indices], cfg)
-    out = {"sampled": sample(logits, batch.sampling, backend)}
-    ids = out["sampled"][0]
-    out["feed"] = jnp.zeros_like(feed).at[:ids.shape[0]].set(ids)
+    # The sample rows' logits stay on the device for _sample_rows.
+    out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
         logprobs = jax.nn.log_softmax(llama.logits(params, hidden, cfg), axis=-1)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
@@ -76,6 +78,19 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
         k = batch.prompt_logprobs
         out["prompt"] = (target, top_ids[:, :k], top_lp[:, :k])
     return pool, out
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "feed_size"))
+def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
+                 backend: str, feed_size: int):
+    """A step's sampling, its own small jitted call chained after the step on the device: the
+    sampling modes and logit controls multiply only its compiles, not the model step's. Returns
+    (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
+    (the ids padded to feed_size)."""
+    if controls is not None:
+        logits = apply_controls(logits, controls)
+    sampled = sample(logits, sampling, backend)
+    return sampled, jnp.zeros(feed_size, jnp.int32).at[:sampled[0].shape[0]].set(sampled[0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +121,11 @@ def _use_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def _signature(batch: StepBatch) -> tuple:
+def _signature(batch) -> tuple:
+    """A jitted call's cache key: the model step's is its batch without the sampling metadata
+    (sampled in _sample_rows)."""
+    if isinstance(batch, StepBatch):
+        batch = dataclasses.replace(batch, sampling=None)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
 
@@ -167,16 +186,30 @@ class ModelRunner:
     def param_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
 
-    def dispatch(self, batch: StepBatch, copies=None, after=None):
+    def dispatch(self, batch: StepBatch, copies=None, after=None,
+                 controls: LogitControls | None = None, sample: bool = True):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
         if any; returns device arrays (JAX dispatch is async). `after` is the output of the
-        previous step when this one feeds on its samples (batch.feed_rows)."""
+        previous step when this one feeds on its samples (batch.feed_rows). The rows are
+        sampled in a second small call chained on the device, through `controls` when given
+        (runtime/logit_controls.py); with sample=False the caller launches it later
+        (`sample`), once the controls are known."""
         if copies is not None:
             self.copy_pages(*copies)
         self._signatures.add(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
-        self.pool, out = self._step(self.params, pool=self.pool, batch=batch, feed=feed)
+        self.pool, out = self._step(self.params, pool=self.pool,
+                                    batch=dataclasses.replace(batch, sampling=None), feed=feed)
+        if sample:
+            self.sample(out, batch.sampling, controls)
         return out
+
+    def sample(self, out: dict, sampling: SamplingMetadata, controls) -> None:
+        """Launch the sampling of a dispatched step's rows: out gains "sampled" and "feed"."""
+        self._signatures.add(("sample", _signature((sampling, controls))))
+        out["sampled"], out["feed"] = _sample_rows(out["logits"], sampling, controls,
+                                                   backend=self.backend,
+                                                   feed_size=self._no_feed.shape[0])
 
     def copy_pages(self, src, dst) -> None:
         self._signatures.add(("copies", len(src)))
@@ -185,15 +218,25 @@ class ModelRunner:
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:
         """Block on a dispatched step and copy its first num_rows rows to the host."""
-        out = jax.device_get({k: v for k, v in out.items() if k != "feed"})
+        out = jax.device_get({k: v for k, v in out.items() if k not in ("feed", "logits")})
         ids, lp, top_ids, top_lp = out["sampled"]
         result = StepOutput(ids[:num_rows], lp[:num_rows], top_ids[:num_rows], top_lp[:num_rows])
         if "prompt" in out:
             result.prompt_logprobs, result.prompt_top_ids, result.prompt_top_logprobs = out["prompt"]
         return result
 
-    def execute(self, batch: StepBatch, num_rows: int, copies=None) -> StepOutput:
-        return self.fetch(self.dispatch(batch, copies), num_rows)
+    def execute(self, batch: StepBatch, num_rows: int, copies=None,
+                controls: LogitControls | None = None) -> StepOutput:
+        return self.fetch(self.dispatch(batch, copies, controls=controls), num_rows)
+
+    def _warm_sampling(self, out, batch: StepBatch) -> None:
+        """Compile the sampling call of a step's sample rows in each sampling mode, without
+        logit controls and with masks only (structured outputs); penalties and logit_bias
+        compile their entry bucket on first use (a small function: about a second)."""
+        for controls in (None, no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size)):
+            for mode in (GREEDY, RANDOM, FILTERED):
+                self.sample(out, dataclasses.replace(batch.sampling, mode=mode), controls)
+                jax.block_until_ready(out["sampled"])
 
     def warmup(self, buckets: Buckets, full: bool = False) -> int:
         """Compile the step shapes of Buckets.step_shapes and every copies bucket, on dummy
@@ -208,9 +251,12 @@ class ModelRunner:
             sizes = set()
             for verifying in (False, True) if buckets.spec_tokens else (False,):
                 batch, rows, _ = build_batch(plan, buckets, self.page_size, verifying=verifying)
-                if batch.logits_indices.shape[0] not in sizes:
-                    sizes.add(batch.logits_indices.shape[0])
-                    self.execute(batch, rows)
+                r = batch.logits_indices.shape[0]
+                if r not in sizes:
+                    sizes.add(r)
+                    out = self.dispatch(batch)
+                    self.fetch(out, rows)
+                    self._warm_sampling(out, batch)
                     run += 1
         for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
             self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))
