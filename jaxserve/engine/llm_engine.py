@@ -23,10 +23,9 @@ from jaxserve.core.structured_output import GrammarCompiler
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
-from jaxserve.engine.speculation_control import SpeculationControl
+from jaxserve.engine.speculator import Speculator, load_draft
 from jaxserve.runtime.batch import StepBatch, build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.draft import DraftRunner, check_draft_window, check_shared_vocabulary
 from jaxserve.runtime.logit_controls import build_controls
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
@@ -68,9 +67,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        spec = config.speculative_config
-        draft = (self._draft_model(loaded, draft_loaded)
-                 if spec and spec.method == "draft" else None)
+        draft = load_draft(config, loaded, draft_loaded)
         self.num_pages = config.resolve_num_pages(loaded.config, self.max_model_len,
                                                   draft=draft.config if draft else None)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
@@ -98,10 +95,8 @@ class LLMEngine:
                                   backend=self.backend, quantization=config.quantization,
                                   max_sample_rows=self.buckets.max_sample_rows,
                                   huge_pages=config.huge_pages)
-        self.drafter = self._draft_runner(draft) if draft else None
-        self.spec_control = (SpeculationControl(spec.num_speculative_tokens, self.buckets.tokens)
-                             if spec and spec.adaptive else None)
-        self._last_step_end: float | None = None
+        self.speculator = Speculator(config, self.scheduler, self.buckets, draft,
+                                     num_pages=self.num_pages, backend=self.backend)
         self._in_flight: _Launched | None = None  # the step on the device, not yet fetched
         self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
         self._failed: list[Request] = []  # failed on their own since the last step() returned
@@ -205,7 +200,7 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self._in_flight is None:
-            self._choose_drafts()
+            self.speculator.choose()
             plan = self.scheduler.schedule()
             if plan.is_empty:
                 self.scheduler.update(plan, [])
@@ -214,7 +209,7 @@ class LLMEngine:
         t_launched = time.perf_counter()
         current = self._in_flight
         self._in_flight = None
-        if self.config.async_scheduling and not self._choose_drafts():
+        if self.config.async_scheduling and not self.speculator.choose():
             plan = self.scheduler.schedule_next(current.plan)
             if plan is not None:
                 self._in_flight = self._launch(plan, after=current.out)
@@ -228,69 +223,13 @@ class LLMEngine:
         if ahead and not self.scheduler.has_unfinished():
             self._settle()  # everything it computes was finished meanwhile: drop it now
         t3 = time.perf_counter()
-        if self.spec_control is not None:
-            # A step's cost is the interval between steps that follow each other (with async
-            # scheduling the device ran this one while the host finished the last).
-            # The draft model's catch-up over a new prompt is its prefill, not the step's cost.
-            back_to_back = self._last_step_end is not None and t0 - self._last_step_end < 1e-3
-            self.spec_control.observe(current.plan.num_tokens,
-                                      t3 - (self._last_step_end if back_to_back else t0)
-                                      - current.catch_up_seconds,
-                                      any(c.draft_token_ids for c in current.plan.chunks))
-            self._last_step_end = t3
+        self.speculator.observe(current.plan, t0, t3, current.catch_up_seconds)
         # Host work while a step ran on the device overlapped it: planning the next step while
         # `current` ran, and applying `current` while the next one runs.
         self.host_seconds += (t1 - t0) + (t3 - t2)
         self.host_overlapped_seconds += (t1 - t_launched) + ((t3 - t2) if ahead else 0.0)
         self.device_seconds += t2 - t1
         return results
-
-    def _choose_drafts(self) -> int:
-        """Speculative decoding: the drafts per sequence for the next step planned, from the
-        measured cost model (SpeculationControl), in steps that only decode (prompt work, of
-        waiting or still prefilling sequences, takes the budget first); 0 (and nothing without
-        speculation) lets async scheduling plan that step ahead."""
-        s = self.scheduler
-        if self.spec_control is None:
-            return s.spec_k  # off, or fixed (not adaptive)
-        decoding = sum(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in s.running)
-        if s.waiting or decoding < len(s.running):
-            s.spec_k = 0
-        else:
-            s.spec_k = self.spec_control.choose(decoding, s.spec_opportunities,
-                                                s.spec_drafted_at, s.spec_accepted_at)
-        return s.spec_k
-
-    def _draft_model(self, loaded: LoadedModel, draft: LoadedModel | None) -> LoadedModel:
-        """The draft model (given, the speculative config's, or the target's own weights),
-        checked to share the target's tokenizer and to read no page the target's window
-        released."""
-        config, spec = self.config, self.config.speculative_config
-        if draft is None:
-            own = spec.model is None or spec.model == config.model
-            draft = loaded if own else load_model(spec.model, dtype=config.dtype)
-        check_shared_vocabulary(loaded.config, loaded.tokenizer, draft.config, draft.tokenizer)
-        check_draft_window(loaded.config, draft.config)
-        return draft
-
-    def _draft_runner(self, draft: LoadedModel) -> DraftRunner:
-        config, spec = self.config, self.config.speculative_config
-        return DraftRunner(draft.config, draft.params, self.scheduler.proposer.draft_kv,
-                           buckets=self.buckets,
-                           page_size=config.page_size, num_pages=self.num_pages,
-                           max_tokens=config.max_num_batched_tokens,
-                           max_k=spec.num_speculative_tokens, dtype=config.dtype,
-                           kv_cache_dtype=config.kv_cache_dtype, backend=self.backend,
-                           quantization=spec.quantization, huge_pages=config.huge_pages)
-
-    def _propose_drafts(self, plan: StepPlan) -> None:
-        """The draft model's tokens in place of the drafts the scheduler reserved."""
-        try:
-            proposals = self.drafter.propose(plan)
-        except Exception as e:  # noqa: BLE001 - its pool was donated to the failed call
-            raise StepFailed(f"the draft model's step failed: {e!r}") from e
-        for chunk, drafts in proposals:
-            chunk.draft_token_ids = drafts
 
     def _controls(self, plan: StepPlan, num_rows: int):
         seqs = [None if chunk.seq.is_finished else seq for chunk, seq in plan.sample_rows]
@@ -312,8 +251,10 @@ class LLMEngine:
         forward pass while the host reads the previous step and fills the masks."""
         self._unapplied.append(plan)
         ahead = after is not None
-        if self.drafter is not None:
-            self._propose_drafts(plan)
+        try:
+            catch_up = self.speculator.propose(plan)
+        except Exception as e:  # noqa: BLE001 - the draft pool was donated to the failed call
+            raise StepFailed(f"the draft model's step failed: {e!r}") from e
         try:
             batch, num_rows, offsets, controls = self._build(plan, ahead)
         except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
@@ -326,7 +267,6 @@ class LLMEngine:
                                        sample=not later)
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
-        catch_up = self.drafter.catch_up_seconds if self.drafter is not None else 0.0
         return _Launched(plan, out, num_rows, offsets, catch_up,
                          unsampled=batch if later else None)
 
@@ -386,8 +326,7 @@ class LLMEngine:
             self.scheduler.update(plan, [0] * len(plan.sample_rows))
         self._unapplied, self._in_flight = [], None
         self.runner.reset_pool()
-        if self.drafter is not None:
-            self.drafter.reset()
+        self.speculator.reset()
 
     def _apply(self, launched: "_Launched", out) -> list[RequestOutput]:
         """The output processor reads the step's rows first (logprobs, text, stop strings), then
@@ -440,8 +379,7 @@ class LLMEngine:
         state changes. Returns counts and seconds."""
         t0, before = time.perf_counter(), self.compilations
         shapes = self.runner.warmup(self.buckets, full)
-        if self.drafter is not None:
-            shapes += self.drafter.warmup()
+        shapes += self.speculator.warmup()
         return {"shapes": shapes, "compilations": self.compilations - before,
                 "seconds": time.perf_counter() - t0}
 
@@ -449,8 +387,7 @@ class LLMEngine:
     @property
     def compilations(self) -> int:
         """Shapes compiled: the step's, and the draft model's calls."""
-        drafts = self.drafter.compilations if self.drafter is not None else 0
-        return self.runner.compilations + drafts
+        return self.runner.compilations + self.speculator.compilations
 
     def kv_usage(self) -> dict:
         """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
@@ -464,13 +401,7 @@ class LLMEngine:
                      host_overlapped_seconds=self.host_overlapped_seconds,
                      kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
                      huge_page_bytes=self.runner.huge_page_bytes)
-        if self.drafter is not None:  # beside the target's pool and weights
-            stats.update(draft_kv_pool_bytes=self.drafter.model.kv_pool_bytes,
-                         draft_param_bytes=self.drafter.model.param_bytes)
-        if self.spec_control is not None:  # the cost model: seconds per token bucket timed
-            stats["spec_step_seconds"] = {
-                kind: dict(sorted(self.spec_control.seconds[speculative].items()))
-                for kind, speculative in (("plain", False), ("verifying", True))}
+        stats.update(self.speculator.stats())
         return stats
 
 
