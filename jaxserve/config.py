@@ -152,6 +152,16 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
+def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each of tensor_parallel_size devices holds: its share, or 1 when there are
+    fewer heads than devices (each head then repeated on tp / H_kv devices)."""
+    hkv, tp = num_kv_heads, tensor_parallel_size
+    if hkv % tp and tp % hkv:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {hkv} KV heads, "
+                         "or be a multiple of them (the heads are then repeated)")
+    return max(hkv // tp, 1)
+
+
 SPECULATIVE_METHODS = ("ngram", "draft")
 DRAFT_QUANTIZATIONS = ("none", "int8")
 MAX_SPECULATIVE_TOKENS = 16
@@ -273,6 +283,15 @@ class EngineConfig:
     max_waiting: int | None = None  # front ends refuse new requests beyond this queue length
     # Speculative decoding (SpeculativeConfig, or a dict of its fields); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Devices: a ("dp", "tp") mesh of data_parallel_size replicas (each its own scheduler and
+    # KV pool) of tensor_parallel_size devices each (jaxserve/runtime/sharding.py).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # Several processes (hosts) as one engine (jaxserve/runtime/distributed.py): process 0
+    # schedules, every process runs each step on its devices of the one mesh.
+    coordinator_address: str | None = None  # host:port of process 0's coordinator
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -308,6 +327,22 @@ class EngineConfig:
               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
               f"({self.max_num_seqs}) so every running sequence can decode each step")
         check(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            n = getattr(self, name)
+            check(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+                  f"{name} must be an integer >= 1, got {n!r}")
+        check(isinstance(self.num_processes, int) and self.num_processes >= 1,
+              f"num_processes must be an integer >= 1, got {self.num_processes!r}")
+        check(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
+              f"process_id must be in 0..{self.num_processes - 1}, got {self.process_id!r}")
+        check(self.num_processes == 1 or self.coordinator_address,
+              "num_processes > 1 needs coordinator_address (host:port of process 0)")
+        spec = self.speculative_config
+        check(self.num_processes == 1 or spec is None or spec.method != "draft",
+              "speculative method 'draft' runs its model on process 0 alone; with "
+              "num_processes > 1 use method 'ngram'")
+        check(self.num_processes == 1 or self.data_parallel_size == 1,
+              "several processes serve one tensor-parallel engine; data_parallel_size must be 1")
         check(self.max_waiting is None or self.max_waiting >= 0,
               f"max_waiting must be >= 0, got {self.max_waiting}")
 

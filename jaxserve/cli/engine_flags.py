@@ -41,6 +41,15 @@ flags.DEFINE_float("watermark", _D.watermark, "Fraction of pages kept free at ad
 flags.DEFINE_string("cache_salt", None, "Prefix-cache salt (isolates tenants).")
 flags.DEFINE_integer("seed", _D.seed, "Engine seed for unseeded requests.")
 flags.DEFINE_integer("max_waiting", None, "Refuse new requests beyond this many waiting.")
+flags.DEFINE_integer("tensor_parallel_size", _D.tensor_parallel_size,
+                     "Devices each replica's weights and KV heads are sharded over.")
+flags.DEFINE_integer("data_parallel_size", _D.data_parallel_size,
+                     "Engine replicas, each with its own scheduler, KV pool and devices.")
+flags.DEFINE_string("coordinator_address", None,
+                    "host:port of process 0, to join several processes (hosts) as one engine.")
+flags.DEFINE_integer("num_processes", _D.num_processes, "Processes joined as one engine.")
+flags.DEFINE_integer("process_id", _D.process_id,
+                     "This process's index; 0 schedules and serves, the others follow it.")
 
 _S = SpeculativeConfig()
 flags.DEFINE_enum("speculative_method", None, SPECULATIVE_METHODS,
@@ -62,7 +71,9 @@ FLAGS = flags.FLAGS
 _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels",
           "page_size", "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
-          "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting")
+          "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting",
+          "tensor_parallel_size", "data_parallel_size", "coordinator_address", "num_processes",
+          "process_id")
 
 
 def engine_options() -> dict:

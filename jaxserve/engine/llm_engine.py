@@ -12,6 +12,7 @@ import threading
 import time
 
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxserve import backends
 from jaxserve.config import EngineConfig
@@ -24,6 +25,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.engine.speculator import Speculator, load_draft
+from jaxserve.runtime import sharding
 from jaxserve.runtime.batch import StepBatch, build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import build_controls
@@ -55,15 +57,23 @@ class _Launched:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 draft_loaded: LoadedModel | None = None):
+                 draft_loaded: LoadedModel | None = None, *, mesh: Mesh | None = None):
         """`loaded`: the target model (default: config.model, loaded); `draft_loaded`: the
         draft model of speculative method "draft" (default: its config's model, loaded; the
-        target's own weights when that is None or the target's name)."""
+        target's own weights when that is None or the target's name); mesh: the replica's
+        devices (sharding.replica_mesh), for a data-parallel front; default the first
+        tensor_parallel_size devices."""
         config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
         config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
         self.config = config
         loaded = loaded or load_model(config.model, dtype=config.dtype)
         self.model_config = loaded.config
+        sharding.check_fits(loaded.config, config.tensor_parallel_size, config.quantization)
+        if mesh is None:
+            if config.data_parallel_size > 1:
+                raise ValueError("data_parallel_size > 1 is served by several engines: "
+                                 "jaxserve.engine.make_engine builds them")
+            mesh = sharding.replica_mesh(sharding.make_mesh(config.tensor_parallel_size), 0)
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
@@ -81,7 +91,7 @@ class LLMEngine:
             config.attention_backend, config.dtype, config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
             pallas_kernels=config.pallas_kernels, head_dim=loaded.config.head_dim,
-            page_size=config.page_size)
+            page_size=config.page_size, tensor_parallel_size=config.tensor_parallel_size)
         backend = backends.get(self.backend)
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
@@ -94,9 +104,9 @@ class LLMEngine:
                                   kv_cache_dtype=config.kv_cache_dtype,
                                   backend=self.backend, quantization=config.quantization,
                                   max_sample_rows=self.buckets.max_sample_rows,
-                                  huge_pages=config.huge_pages)
+                                  huge_pages=config.huge_pages, mesh=mesh)
         self.speculator = Speculator(config, self.scheduler, self.buckets, draft,
-                                     num_pages=self.num_pages, backend=self.backend)
+                                     num_pages=self.num_pages, backend=self.backend, mesh=mesh)
         self._in_flight: _Launched | None = None  # the step on the device, not yet fetched
         self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
         self._failed: list[Request] = []  # failed on their own since the last step() returned
@@ -175,6 +185,29 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def follow(self) -> int:
+        """Process k > 0 of several: run process 0's steps on this process's devices until
+        process 0 calls stop_followers(); returns the steps run."""
+        return self.runner.follow()
+
+    def stop_followers(self) -> None:
+        self.runner.stop_followers()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    def caches_first_page(self, token_ids: list[int], cache_salt: str | None = None) -> bool:
+        """Whether the prefix cache holds the first full page of token_ids (under the salt, the
+        engine's by default): a data-parallel router's affinity."""
+        cache = self.scheduler.cache
+        salt = cache_salt if cache_salt is not None else self.config.cache_salt
+        return cache is not None and bool(cache.lookup(token_ids, salt, max_pages=1)[0])
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
@@ -400,6 +433,12 @@ class LLMEngine:
                      host_seconds=self.host_seconds, device_seconds=self.device_seconds,
                      host_overlapped_seconds=self.host_overlapped_seconds,
                      kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
+                     # Under tensor parallelism each device holds every page, for its KV heads.
+                     tensor_parallel_size=self.config.tensor_parallel_size,
+                     kv_pool_bytes_per_device=self.runner.kv_pool_bytes_per_device,
+                     kv_page_bytes_per_device=self.runner.kv_pool_bytes_per_device
+                     // self.num_pages,
+                     param_bytes_per_device=self.runner.param_bytes_per_device,
                      huge_page_bytes=self.runner.huge_page_bytes)
         stats.update(self.speculator.stats())
         return stats

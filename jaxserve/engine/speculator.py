@@ -6,6 +6,8 @@ only decides how many and, for a draft model, fills them in."""
 
 from __future__ import annotations
 
+from jax.sharding import Mesh
+
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.step_plan import StepPlan
@@ -33,7 +35,9 @@ def load_draft(config: EngineConfig, loaded: LoadedModel,
 
 class Speculator:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, buckets: Buckets,
-                 draft: LoadedModel | None, *, num_pages: int, backend: str):
+                 draft: LoadedModel | None, *, num_pages: int, backend: str, mesh: Mesh):
+        """mesh: the target's replica devices; a draft model runs whole on the first (it is
+        small: sharding it would add two all-reduces a layer to each of its k steps)."""
         spec = config.speculative_config
         self.scheduler = scheduler
         self.control = (SpeculationControl(spec.num_speculative_tokens, buckets.tokens)
@@ -45,7 +49,8 @@ class Speculator:
                 page_size=config.page_size, num_pages=num_pages,
                 max_tokens=config.max_num_batched_tokens, max_k=spec.num_speculative_tokens,
                 dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype, backend=backend,
-                quantization=spec.quantization, huge_pages=config.huge_pages)
+                quantization=spec.quantization, huge_pages=config.huge_pages,
+                mesh=Mesh(mesh.devices[:, :1], mesh.axis_names))
         self._last_step_end: float | None = None
 
     def choose(self) -> int:

@@ -94,7 +94,7 @@ def per_layer_params(params: dict) -> dict:
 
 
 def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, rope, window, x,
-           cache: KVCache, lp):
+           cache: KVCache, lp, sum_shards):
     t = x.shape[0]
     d = cfg.head_dim
     hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -113,22 +113,27 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, rope, window, 
     cache = write_kv(cache, k, v, md.slot_mapping)
     o = attention.attend(backend, q, cache, md, sm_scale=cfg.attention_scale, window=window,
                          soft_cap=cfg.attn_logit_softcapping)
-    o = matmul(o.reshape(t, hq), lp["wo"])
+    o = sum_shards(matmul(o.reshape(t, hq), lp["wo"]))
     if cfg.sandwich_norms:
         o = rms_norm(o, lp["post_attn_norm"], eps, offset)
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], eps, offset)
     gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
     act = jax.nn.silu(gate) if cfg.mlp_activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    o = matmul(act * up, lp["w_down"])
+    o = sum_shards(matmul(act * up, lp["w_down"]))
     if cfg.sandwich_norms:
         o = rms_norm(o, lp["post_mlp_norm"], eps, offset)
     return x + o, cache
 
 
-def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: ModelConfig,
-            backend: str):
-    """token_ids i32[T] -> (pool with this step's KV written, final hidden states f[T, H])."""
+def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=None, *,
+            cfg: ModelConfig, backend: str):
+    """token_ids i32[T] -> (pool with this step's KV written, final hidden states f[T, H]).
+
+    Under tensor parallelism (jaxserve/runtime/sharding.py) this runs on one device's shards:
+    cfg counts that device's heads and MLP columns, and sum_shards(x) adds the partial outputs
+    of the row-parallel projections (wo, w_down) across devices; None: one device."""
+    sum_shards = sum_shards or (lambda x: x)
     x = embed(params, token_ids)
     if cfg.embed_scale:  # sqrt(hidden) rounded to the model dtype first, as Gemma's reference
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
@@ -141,7 +146,7 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: Mode
     for i, (lp, cache) in enumerate(zip(params["layers"], pool.layers, strict=True)):
         window = cfg.layer_window(i)  # static per layer: the loop is unrolled
         x, cache = _layer(cfg, backend, md, rope if window is None else local_rope, window, x,
-                          cache, lp)
+                          cache, lp, sum_shards)
         caches.append(cache)
     return KVPool(tuple(caches)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps,
                                            cfg.norm_weight_offset)

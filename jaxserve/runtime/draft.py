@@ -128,11 +128,13 @@ class DraftRunner:
 
     def __init__(self, cfg: ModelConfig, params: dict, draft_kv: DraftKV, *, buckets: Buckets,
                  page_size: int, num_pages: int, max_tokens: int, max_k: int, dtype: str,
-                 kv_cache_dtype: str, backend: str, quantization: str, huge_pages: bool = False):
+                 kv_cache_dtype: str, backend: str, quantization: str, huge_pages: bool = False,
+                 mesh=None):
+        """mesh: one device (default the first), where the draft's params and pool live."""
         self.model = ModelRunner(cfg, params, num_pages=num_pages, page_size=page_size,
                                  dtype=dtype, kv_cache_dtype=kv_cache_dtype, backend=backend,
                                  quantization=quantization, max_sample_rows=1,
-                                 huge_pages=huge_pages)
+                                 huge_pages=huge_pages, mesh=mesh)
         self.draft_kv = draft_kv
         self.buckets, self.page_size, self.max_tokens = buckets, page_size, max_tokens
         self._catch_up, self._propose = _jitted(cfg, backend, max_k)

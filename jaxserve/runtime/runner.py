@@ -21,6 +21,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import backends
 from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
@@ -29,6 +30,7 @@ from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
+from jaxserve.runtime import distributed, sharding
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
 from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata, sample
@@ -63,12 +65,23 @@ def _copy_pages(pool: KVPool, src, dst) -> KVPool:
     return jax.tree_util.tree_map(copy, pool)
 
 
-def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str):
+def _model(cfg: ModelConfig, backend: str, mesh: Mesh):
+    """(params, pool, token_ids, md) -> (pool, hidden) on the mesh's tp devices."""
+    tp = sharding.tp_size(mesh)
+    if tp == 1:
+        return functools.partial(llama.forward, cfg=cfg, backend=backend)
+    per_device = functools.partial(llama.forward, cfg=sharding.shard_config(cfg, tp),
+                                   backend=backend)
+    return sharding.tensor_parallel_forward(per_device, mesh)
+
+
+def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str,
+          mesh: Mesh):
     # Tokens sampled by the previous step (still in flight when this one was planned) come in
     # as `feed`, the previous step's padded sample ids, and go out the same way.
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
-    pool, hidden = llama.forward(params, pool, token_ids, batch.attn, cfg=cfg, backend=backend)
+    pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn)
     # The sample rows' logits stay on the device for _sample_rows.
     out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
@@ -94,8 +107,9 @@ def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | N
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, backend: str):
-    return jax.jit(functools.partial(_step, cfg=cfg, backend=backend), donate_argnames=("pool",))
+def _jitted_step(cfg: ModelConfig, backend: str, mesh: Mesh):
+    return jax.jit(functools.partial(_step, cfg=cfg, backend=backend, mesh=mesh),
+                   donate_argnames=("pool",))
 
 
 def release_compiled_steps() -> None:
@@ -121,6 +135,10 @@ def _use_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+def _bytes_on_one_device(tree) -> int:
+    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
 def _signature(batch) -> tuple:
     """A jitted call's cache key: the model step's is its batch without the sampling metadata
     (sampled in _sample_rows)."""
@@ -142,17 +160,26 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
                  dtype: str = "float32", kv_cache_dtype: str | None = None,
                  backend: str = "xla", quantization: str = "none",
-                 max_sample_rows: int = 512, huge_pages: bool = False):
+                 max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None):
+        """mesh: this runner's ("dp", "tp") devices, one row (sharding.replica_mesh); default
+        the first device."""
         _use_compilation_cache()
         self.cfg = cfg
+        self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
-        self.params = jax.tree_util.tree_map(self._to_device,
-                                             prepare_params(params, quantization, backend))
+        self.params = sharding.shard_params(prepare_params(params, quantization, backend), cfg,
+                                            self.mesh, self._cast)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
+        self.channel = None
         self.reset_pool()
-        self._step = _jitted_step(cfg, backend)
-        self._no_feed = jnp.zeros(max_sample_rows, jnp.int32)  # the feed of a step planned alone
+        # Process 0 of several sends its device calls to the others (distributed.follow).
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            self.channel = distributed.Channel()
+        self._step = _jitted_step(cfg, backend, self.mesh)
+        # The feed of a step planned alone.
+        self._no_feed = jax.device_put(np.zeros(max_sample_rows, np.int32),
+                                       NamedSharding(self.mesh, PartitionSpec()))
         self._signatures: set = set()
         # Only the weights: they are streamed whole every step. The pool's pages are read in
         # scattered small runs, which 2 MiB pages do not speed up, and collapsing a large pool
@@ -162,17 +189,22 @@ class ModelRunner:
 
     def reset_pool(self) -> None:
         """A zeroed KV pool (at start, and after a failed step consumed the donated one)."""
+        if self.channel is not None:
+            self.channel.send(distributed.RESET)
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         cfg = self.cfg
-        self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, self.num_pages,
-                                 self.page_size, cfg.head_dim, self.kv_dtype)
+        heads = sharding.pool_kv_heads(cfg, sharding.tp_size(self.mesh))
+        zeros = functools.partial(KVPool.zeros, cfg.num_layers, heads, self.num_pages,
+                                  self.page_size, cfg.head_dim, self.kv_dtype)
+        # Made in place on each device (never whole on one): sharded on the head axis.
+        self.pool = jax.jit(zeros, out_shardings=sharding.pool_sharding(self.mesh))()
 
-    def _to_device(self, x):
-        """Float weights take the model's dtype; the int8 weights' float16 group scales and
+    def _cast(self, x) -> np.ndarray:
+        """A host weight in the serving dtype; the int8 weights' float16 group scales and
         offsets (quantize.py) and integer arrays keep theirs."""
         x = np.asarray(x)
         keep = x.dtype == np.float16 or not jnp.issubdtype(x.dtype, jnp.floating)
-        return jnp.asarray(x, x.dtype if keep else self.dtype)
+        return x if keep else x.astype(self.dtype)
 
     @property
     def compilations(self) -> int:
@@ -186,6 +218,15 @@ class ModelRunner:
     def param_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
 
+    @property
+    def kv_pool_bytes_per_device(self) -> int:
+        """One device's part of the pool (its KV heads of every page; repeated heads count)."""
+        return _bytes_on_one_device(self.pool)
+
+    @property
+    def param_bytes_per_device(self) -> int:
+        return _bytes_on_one_device(self.params)
+
     def dispatch(self, batch: StepBatch, copies=None, after=None,
                  controls: LogitControls | None = None, sample: bool = True):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
@@ -194,26 +235,50 @@ class ModelRunner:
         sampled in a second small call chained on the device, through `controls` when given
         (runtime/logit_controls.py); with sample=False the caller launches it later
         (`sample`), once the controls are known."""
+        if self.channel is not None:  # process 0 of several: the others run the same calls
+            self.channel.send(distributed.STEP, (batch, copies, after is not None,
+                                                 controls if sample else None, sample))
         if copies is not None:
-            self.copy_pages(*copies)
+            self._copy_local(*copies)
         self._signatures.add(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
         self.pool, out = self._step(self.params, pool=self.pool,
                                     batch=dataclasses.replace(batch, sampling=None), feed=feed)
         if sample:
-            self.sample(out, batch.sampling, controls)
+            self._sample_local(out, batch.sampling, controls)
         return out
 
     def sample(self, out: dict, sampling: SamplingMetadata, controls) -> None:
-        """Launch the sampling of a dispatched step's rows: out gains "sampled" and "feed"."""
+        """Launch the sampling of a dispatched step's rows: out gains "sampled" and "feed".
+        It is always the latest step's (the next one feeds on it): other processes apply it
+        to theirs."""
+        if self.channel is not None:
+            self.channel.send(distributed.SAMPLE, (sampling, controls))
+        self._sample_local(out, sampling, controls)
+
+    def _sample_local(self, out: dict, sampling: SamplingMetadata, controls) -> None:
         self._signatures.add(("sample", _signature((sampling, controls))))
         out["sampled"], out["feed"] = _sample_rows(out["logits"], sampling, controls,
                                                    backend=self.backend,
                                                    feed_size=self._no_feed.shape[0])
 
     def copy_pages(self, src, dst) -> None:
+        if self.channel is not None:
+            self.channel.send(distributed.COPY, (src, dst))
+        self._copy_local(src, dst)
+
+    def _copy_local(self, src, dst) -> None:
         self._signatures.add(("copies", len(src)))
         self.pool = _copy_pages(self.pool, src, dst)
+
+    def follow(self) -> int:
+        """A process other than 0 of several: run process 0's device calls until it stops."""
+        return distributed.follow(self, distributed.Channel())
+
+    def stop_followers(self) -> None:
+        """Process 0 of several: the other processes' `follow` returns."""
+        if self.channel is not None:
+            self.channel.send(distributed.STOP)
 
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:

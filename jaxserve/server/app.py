@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.engine import LLMEngine
+from jaxserve.engine import DataParallelEngine, LLMEngine
 from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
@@ -147,10 +147,10 @@ def _failure(e: Exception) -> APIError:
                     code="engine_error")
 
 
-def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     """The app around one engine. Pass an AsyncEngine to share one engine loop between apps."""
     config = config or ServerConfig()
-    owned = isinstance(engine, LLMEngine)
+    owned = isinstance(engine, (LLMEngine, DataParallelEngine))
     aengine = AsyncEngine(engine) if owned else engine
     ctx = ProtocolContext.for_engine(aengine.engine, config.served_model_names,
                                      config.max_tokens_limit)
