@@ -49,6 +49,9 @@ def logit_controls(body: dict) -> dict:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise StructuredRequestError(f"'{name}' must be a number, got {value!r}", name,
                                              "invalid_type")
+            if name != "repetition_penalty" and not -2 <= value <= 2:  # OpenAI's range
+                raise StructuredRequestError(f"'{name}' must be in [-2, 2], got {value!r}", name,
+                                             "invalid_value")
             out[name] = float(value)
     bias = body.get("logit_bias")
     if bias is not None:
