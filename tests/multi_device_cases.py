@@ -59,7 +59,7 @@ def serve(loaded, max_tokens: int = 20, **options) -> dict:
     stats = llm.stats()
     drafted = sum(sum(r["spec_drafted_per_position"]) for r in stats.get("replicas", [stats]))
     keep = ("referenced_pages", "preemptions", "prefix_cache_hits", "kv_pool_bytes",
-            "kv_pool_bytes_per_device", "param_bytes", "param_bytes_per_device")
+            "kv_pool_bytes_per_device", "weight_bytes", "weight_bytes_per_device")
     return {"outputs": [o.outputs[0].token_ids for o in outs],
             "stats": {**{k: stats[k] for k in keep},
                       "spec_drafted": drafted},

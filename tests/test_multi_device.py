@@ -52,7 +52,7 @@ def test_tensor_parallel_greedy_equals_single_device(cases, model, case):
     tp = int(case.split("-")[0][2:]) if case.startswith("tp") else 1
     share = max(hkv // tp, 1) / hkv
     assert many["stats"]["kv_pool_bytes_per_device"] == one["stats"]["kv_pool_bytes"] * share
-    assert many["stats"]["param_bytes_per_device"] < one["stats"]["param_bytes"] or tp == 1
+    assert many["stats"]["weight_bytes_per_device"] < one["stats"]["weight_bytes"] or tp == 1
 
 
 def test_windows_and_draft_model_under_tensor_parallelism(cases):

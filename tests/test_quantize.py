@@ -137,7 +137,7 @@ def _run(engine, prompts, params: SamplingParams) -> list:
 def _greedy(loaded, prompts, max_tokens, **options):
     engine = _engine(loaded, len(prompts), **options)
     outs = _run(engine, prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
-    return [o.outputs[0].token_ids for o in outs], engine.runner.param_bytes
+    return [o.outputs[0].token_ids for o in outs], engine.runner.weight_bytes
 
 
 @pytest.mark.parametrize("options", [{"quantization": "int8"},

@@ -24,7 +24,7 @@ from jaxserve.weights import LoadedModel, load_model
 _RECENT_FIRST_PAGES = 4096  # first pages whose replica the router remembers
 # Stats that describe one device of a replica (the same on every replica): not summed.
 _PER_DEVICE = ("tensor_parallel_size", "kv_pool_bytes_per_device", "kv_page_bytes_per_device",
-               "param_bytes_per_device")
+               "weight_bytes_per_device")
 
 
 class Router:

@@ -432,13 +432,13 @@ class LLMEngine:
         stats.update(compilations=self.compilations, steps=self.num_steps,
                      host_seconds=self.host_seconds, device_seconds=self.device_seconds,
                      host_overlapped_seconds=self.host_overlapped_seconds,
-                     kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
+                     kv_pool_bytes=self.runner.kv_pool_bytes, weight_bytes=self.runner.weight_bytes,
                      # Under tensor parallelism each device holds every page, for its KV heads.
                      tensor_parallel_size=self.config.tensor_parallel_size,
                      kv_pool_bytes_per_device=self.runner.kv_pool_bytes_per_device,
                      kv_page_bytes_per_device=self.runner.kv_pool_bytes_per_device
                      // self.num_pages,
-                     param_bytes_per_device=self.runner.param_bytes_per_device,
+                     weight_bytes_per_device=self.runner.weight_bytes_per_device,
                      huge_page_bytes=self.runner.huge_page_bytes)
         stats.update(self.speculator.stats())
         return stats

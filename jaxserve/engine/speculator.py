@@ -106,7 +106,7 @@ class Speculator:
         stats = {}
         if self.drafter is not None:  # beside the target's pool and weights
             stats.update(draft_kv_pool_bytes=self.drafter.model.kv_pool_bytes,
-                         draft_param_bytes=self.drafter.model.param_bytes)
+                         draft_weight_bytes=self.drafter.model.weight_bytes)
         if self.control is not None:  # the cost model: seconds per token bucket timed
             stats["spec_step_seconds"] = {
                 kind: dict(sorted(self.control.seconds[speculative].items()))

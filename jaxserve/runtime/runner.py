@@ -215,7 +215,7 @@ class ModelRunner:
         return self.pool.nbytes
 
     @property
-    def param_bytes(self) -> int:
+    def weight_bytes(self) -> int:
         return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
 
     @property
@@ -224,7 +224,7 @@ class ModelRunner:
         return _bytes_on_one_device(self.pool)
 
     @property
-    def param_bytes_per_device(self) -> int:
+    def weight_bytes_per_device(self) -> int:
         return _bytes_on_one_device(self.params)
 
     def dispatch(self, batch: StepBatch, copies=None, after=None,
