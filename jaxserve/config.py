@@ -11,14 +11,18 @@ import math
 from typing import Any
 
 
-ROPE_SCALINGS = ("linear", "llama3", "yarn")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "freq_factors")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama); GeGLU with tanh-approximated gelu (Gemma)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rotary scaling past the pretrained context, as Hugging Face's rope_type names it
-    (jaxserve/model/rope.py computes it). "dynamic" (NTK) is refused: its frequencies depend on
-    the sequence's length, so a cached page's keys would not match a later step's."""
+    (jaxserve/model/rope.py computes it), or "freq_factors": a divisor per rotated pair as
+    llama.cpp stores a scaling in GGUF (its rope_freqs tensor, e.g. llama3's). "dynamic" (NTK) is
+    refused: its frequencies depend on the sequence's length, so a cached page's keys would not
+    match a later step's."""
 
     rope_type: str
     factor: float
@@ -31,6 +35,7 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: correction range to whole dimensions
+    freq_factors: tuple[float, ...] | None = None  # freq_factors: one per rotated pair
 
     def __post_init__(self):
         if self.rope_type == "dynamic":
@@ -41,7 +46,9 @@ class RopeScaling:
                              f"{ROPE_SCALINGS})")
         if not self.factor or self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor!r}")
-        if self.rope_type != "linear" and not self.original_max_position_embeddings:
+        if (self.rope_type == "freq_factors") != (self.freq_factors is not None):
+            raise ValueError("freq_factors (and only it) takes a divisor per rotated pair")
+        if self.rope_type in ("llama3", "yarn") and not self.original_max_position_embeddings:
             raise ValueError(f"rope scaling {self.rope_type!r} needs "
                              "original_max_position_embeddings")
 
@@ -67,6 +74,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
     rope_scaling: RopeScaling | None = None
+    # Sliding-window attention: a windowed layer's query at position p attends keys at
+    # positions > p - sliding_window. layer_types names each layer's kind (LAYER_TYPES); None
+    # with a window: every layer is windowed (Mistral).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # rope base of sliding layers (Gemma 3); None: rope_theta
+    mlp_activation: str = "silu"
+    embed_scale: bool = False  # embeddings times sqrt(hidden), rounded to the model dtype (Gemma)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight) (Gemma: 1)
+    sandwich_norms: bool = False  # norms after attention and MLP too, before the residual (Gemma 2/3)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -76,6 +96,44 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp activation {self.mlp_activation!r} is not supported "
+                             f"(supported: {MLP_ACTIVATIONS})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model "
+                                 f"has {self.num_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer type(s) {unknown} are not supported (supported: "
+                                 f"{LAYER_TYPES})")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("sliding_attention layers need a sliding_window")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends its whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer is windowed: keys older than it are never read again, so
+        their pages can be released (core/kv_manager.py). None when any layer attends all."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return None if None in windows else self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
         """2 (K and V) * layers * KV heads * (head dim * bytes per scalar + bytes of the scale
@@ -94,7 +152,18 @@ class ModelConfig:
         return dataclasses.asdict(self)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
+    """KV heads each of tensor_parallel_size devices holds: its share, or 1 when there are
+    fewer heads than devices (each head then repeated on tp / H_kv devices)."""
+    hkv, tp = num_kv_heads, tensor_parallel_size
+    if hkv % tp and tp % hkv:
+        raise ValueError(f"tensor_parallel_size {tp} must divide the model's {hkv} KV heads, "
+                         "or be a multiple of them (the heads are then repeated)")
+    return max(hkv // tp, 1)
+
+
+SPECULATIVE_METHODS = ("ngram", "draft")
+DRAFT_QUANTIZATIONS = ("none", "int8")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -105,12 +174,16 @@ class SpeculativeConfig:
     the target's own (greedy: token for token; sampled: the same distribution, and the same
     tokens for a seed). "ngram": prompt lookup, the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
-    prompt_lookup_min)."""
+    prompt_lookup_min). "draft": a smaller model sharing the target's tokenizer (`model`; None
+    or the target's own name: the target's weights, as self-speculation with
+    quantization="int8") proposes greedily, one token after another."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None  # "draft": name or path; None: the target's own weights
+    quantization: str = "none"  # "draft": the draft's weights, "none" or "int8"
     # Choose the drafts per step from measured costs (0 where speculation does not pay, as in
     # a large batch on hardware whose step time grows with its tokens); False: always k.
     adaptive: bool = True
@@ -125,6 +198,12 @@ class SpeculativeConfig:
                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
+        if self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"speculative quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.method != "draft" and (self.model is not None or self.quantization != "none"):
+            raise ValueError(f"a speculative model and quantization belong to method 'draft', "
+                             f"not {self.method!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
@@ -214,6 +293,15 @@ class EngineConfig:
     max_waiting: int | None = None  # front ends refuse new requests beyond this queue length
     # Speculative decoding (SpeculativeConfig, or a dict of its fields); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Devices: a ("dp", "tp") mesh of data_parallel_size replicas (each its own scheduler and
+    # KV pool) of tensor_parallel_size devices each (jaxserve/runtime/sharding.py).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    # Several processes (hosts) as one engine (jaxserve/runtime/distributed.py): process 0
+    # schedules, every process runs each step on its devices of the one mesh.
+    coordinator_address: str | None = None  # host:port of process 0's coordinator
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -255,6 +343,22 @@ class EngineConfig:
               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
               f"({self.max_num_seqs}) so every running sequence can decode each step")
         check(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            n = getattr(self, name)
+            check(isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+                  f"{name} must be an integer >= 1, got {n!r}")
+        check(isinstance(self.num_processes, int) and self.num_processes >= 1,
+              f"num_processes must be an integer >= 1, got {self.num_processes!r}")
+        check(isinstance(self.process_id, int) and 0 <= self.process_id < self.num_processes,
+              f"process_id must be in 0..{self.num_processes - 1}, got {self.process_id!r}")
+        check(self.num_processes == 1 or self.coordinator_address,
+              "num_processes > 1 needs coordinator_address (host:port of process 0)")
+        spec = self.speculative_config
+        check(self.num_processes == 1 or spec is None or spec.method != "draft",
+              "speculative method 'draft' runs its model on process 0 alone; with "
+              "num_processes > 1 use method 'ngram'")
+        check(self.num_processes == 1 or self.data_parallel_size == 1,
+              "several processes serve one tensor-parallel engine; data_parallel_size must be 1")
         check(self.max_waiting is None or self.max_waiting >= 0,
               f"max_waiting must be >= 0, got {self.max_waiting}")
 
@@ -286,12 +390,17 @@ class EngineConfig:
             return DEFAULT_MEMORY_UTILIZATION
         return self.memory_utilization
 
-    def resolve_num_pages(self, model: ModelConfig, max_model_len: int) -> int:
+    def resolve_num_pages(self, model: ModelConfig, max_model_len: int,
+                          draft: ModelConfig | None = None) -> int:
         """Total pages (scratch page 0 included) from num_pages, a byte budget, or a default
-        that holds max_num_seqs sequences of min(max_model_len, 512) tokens each."""
+        that holds max_num_seqs sequences of min(max_model_len, 512) tokens each. A draft
+        model's pool (speculative method "draft") has as many pages, of its own shape: a byte
+        budget pays for both."""
         if self.num_pages is not None:
             return self.num_pages
         page_bytes = self.kv_bytes_per_token(model) * self.page_size
+        if draft is not None:
+            page_bytes += self.kv_bytes_per_token(draft) * self.page_size
         if self.kv_cache_bytes is not None:
             pages = self.kv_cache_bytes // page_bytes
             if pages < 2:

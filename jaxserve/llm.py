@@ -7,7 +7,7 @@ from typing import Any, Sequence
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine import LLMEngine, Prompt
+from jaxserve.engine import LLMEngine, Prompt, make_engine
 
 Messages = list[dict[str, str]]
 
@@ -16,7 +16,7 @@ class LLM:
     """`LLM(model="smollm2-135m", **engine_options)`; options are EngineConfig fields."""
 
     def __init__(self, model: str = "smollm2-135m", **engine_options: Any):
-        self.engine = LLMEngine(EngineConfig.from_options(model=model, **engine_options))
+        self.engine = make_engine(EngineConfig.from_options(model=model, **engine_options))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> "LLM":
@@ -46,6 +46,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         for p in params:
             p.validate()
+            self.engine.check_params(p)  # logit_bias ids, the grammar (compiled and cached)
         tokenized = [self.engine.tokenize(p) for p in prompts]  # raises before anything is queued
         added: list[str] = []
         try:

@@ -272,3 +272,23 @@ def test_speculative_lookahead_pages():
     assert la["extra_bytes"] == 16 * arch.bytes_per_token
     p = run_cli(*LLAMA3, "--lengths=16,17", "--page_sizes=16", "--num_speculative_tokens=4")
     assert p.returncode == 0 and "peak 4 pages (plain 3" in p.stdout, p.stderr
+
+
+def test_tensor_parallel_bytes_per_device():
+    """SmolLM2's 3 KV heads: TP 3 gives each device one (a third of the bytes); TP 6 repeats
+    each head on 2 devices, so each still holds one and 6 heads' bytes are held in all; TP 2
+    fits neither way."""
+    smol = ["--num_layers=30", "--num_kv_heads=3", "--head_dim=64", "--lengths=100,200", "--json"]
+    per_token = 2 * 30 * 3 * 64 * 4
+    for tp, heads, repeated in ((3, 1, 0), (6, 1, 3)):
+        p = run_cli(*smol, f"--tensor_parallel_size={tp}")
+        assert p.returncode == 0, p.stderr
+        out = json.loads(p.stdout)
+        d = out["per_device"]
+        assert (d["kv_heads_per_device"], d["repeated_kv_heads"]) == (heads, repeated)
+        assert d["bytes_per_token"] == per_token // 3
+        assert d["all_devices_bytes_per_token"] == per_token // 3 * tp
+        assert out["lengths"]["kv_bytes_per_device"] == 300 * per_token // 3
+    p = run_cli(*smol, "--tensor_parallel_size=2")
+    assert p.returncode == 2 and "must divide the model's 3 KV heads" in p.stderr
+    assert "per_device" not in json.loads(run_cli(*smol).stdout)

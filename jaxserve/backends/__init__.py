@@ -33,8 +33,8 @@ log = logging.getLogger("jaxserve.backends")
 class Backend:
     name: str
     # (q f[T, Hq, D], cache: KVCache (pages f[Hkv, N, B, D], or int8 with scales),
-    #  md: AttentionMetadata, *, sm_scale) -> f[T, Hq, D]: each token attends its row's pages
-    #  causally.
+    #  md: AttentionMetadata, *, sm_scale, window, soft_cap) -> f[T, Hq, D]: each token attends
+    #  its row's pages causally (within the last `window` positions; scores soft-capped).
     attention: Callable
     # Prefill chunks start at multiples of this many tokens (see AttentionMetadata).
     query_block: int = 1
@@ -75,7 +75,8 @@ def resolve_dtype(dtype: str) -> str:
 
 def resolve(name: str, dtype: str = "float32", quantization: str = "none", *,
             kv_cache_dtype: str | None = None, pallas_kernels: str = "auto",
-            head_dim: int | None = None, page_size: int | None = None) -> str:
+            head_dim: int | None = None, page_size: int | None = None,
+            tensor_parallel_size: int = 1) -> str:
     """"auto" -> the Pallas kernels compiled for this device on TPU and GPU (on a GPU when the
     Triton kernels take the model's head dim and page size, else xla, logged); on CPU, the C++
     kernels for a float32 pool where they have a vector path (their portable fallback is far
@@ -111,11 +112,15 @@ def resolve(name: str, dtype: str = "float32", quantization: str = "none", *,
         else:
             fast = kernels.has_vector_path() and kernels.available()
             takes = dtype == "float32" and kv in cpu.KV_CACHE_DTYPES
-            name = "cpu" if takes and fast else "xla"
+            name = "cpu" if takes and fast and tensor_parallel_size == 1 else "xla"
     if name == "pallas":
         name = _resolve_pallas(platform, device_family, pallas_kernels)
     get(name)  # unknown names fail here
     if name == "cpu":
+        if tensor_parallel_size > 1:
+            raise ValueError(f"attention_backend='cpu' runs on one device (its packed weights are "
+                             f"not sharded); tensor_parallel_size {tensor_parallel_size} takes "
+                             "attention_backend='xla' (or 'auto', which chooses it)")
         if not on_cpu or dtype != "float32" or kv not in cpu.KV_CACHE_DTYPES:
             raise ValueError(f"attention_backend='cpu' runs on the CPU with float32 weights and "
                              f"a KV pool of {' or '.join(cpu.KV_CACHE_DTYPES)} (this is "

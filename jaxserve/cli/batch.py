@@ -25,11 +25,11 @@ def main(argv):
     del argv
     from jaxserve.batch_file import run_batch
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine import make_engine
     from jaxserve.server.protocol import ProtocolContext
 
     try:
-        engine = LLMEngine(EngineConfig.from_options(**engine_flags.engine_options()))
+        engine = make_engine(EngineConfig.from_options(**engine_flags.engine_options()))
         names = tuple(FLAGS.served_model_name) if FLAGS.served_model_name else None
         ctx = ProtocolContext.for_engine(engine, names, FLAGS.max_tokens_limit)
         summary = run_batch(engine, FLAGS.input, FLAGS.output, ctx=ctx, progress=FLAGS.progress)

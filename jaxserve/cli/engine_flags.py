@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PALLAS_KERNELS,
-                             PRIORITY_POLICIES, QUANTIZATIONS, SCHEDULING_POLICIES,
+from jaxserve.config import (ATTENTION_BACKENDS, DRAFT_QUANTIZATIONS, DTYPES, KV_CACHE_DTYPES,
+                             PALLAS_KERNELS, PRIORITY_POLICIES, QUANTIZATIONS, SCHEDULING_POLICIES,
                              SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig)
 
 _D = EngineConfig()
@@ -51,15 +51,29 @@ flags.DEFINE_float("watermark", _D.watermark, "Fraction of pages kept free at ad
 flags.DEFINE_string("cache_salt", None, "Prefix-cache salt (isolates tenants).")
 flags.DEFINE_integer("seed", _D.seed, "Engine seed for unseeded requests.")
 flags.DEFINE_integer("max_waiting", None, "Refuse new requests beyond this many waiting.")
+flags.DEFINE_integer("tensor_parallel_size", _D.tensor_parallel_size,
+                     "Devices each replica's weights and KV heads are sharded over.")
+flags.DEFINE_integer("data_parallel_size", _D.data_parallel_size,
+                     "Engine replicas, each with its own scheduler, KV pool and devices.")
+flags.DEFINE_string("coordinator_address", None,
+                    "host:port of process 0, to join several processes (hosts) as one engine.")
+flags.DEFINE_integer("num_processes", _D.num_processes, "Processes joined as one engine.")
+flags.DEFINE_integer("process_id", _D.process_id,
+                     "This process's index; 0 schedules and serves, the others follow it.")
 
 _S = SpeculativeConfig()
 flags.DEFINE_enum("speculative_method", None, SPECULATIVE_METHODS,
                   "Speculative decoding (off unless this or --num_speculative_tokens is given); "
-                  "ngram: prompt lookup.")
+                  "ngram: prompt lookup; draft: a draft model (--speculative_model).")
 flags.DEFINE_integer("num_speculative_tokens", None,
                      f"Drafts per sequence and step, 1..16 (default {_S.num_speculative_tokens}).")
 flags.DEFINE_integer("prompt_lookup_min", _S.prompt_lookup_min, "Shortest n-gram matched (ngram).")
 flags.DEFINE_integer("prompt_lookup_max", _S.prompt_lookup_max, "Longest n-gram matched (ngram).")
+flags.DEFINE_string("speculative_model", None,
+                    "Draft model (method draft) sharing the target's tokenizer; default: the "
+                    "target's own weights (self-speculation, with --speculative_quantization=int8).")
+flags.DEFINE_enum("speculative_quantization", _S.quantization, DRAFT_QUANTIZATIONS,
+                  "The draft model's weights (method draft).")
 flags.DEFINE_bool("speculative_adaptive", _S.adaptive,
                   "Choose drafts per step from measured step costs (off: always k).")
 
@@ -67,7 +81,9 @@ FLAGS = flags.FLAGS
 _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels",
           "page_size", "memory_budget_bytes", "memory_utilization", "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
-          "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting")
+          "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting",
+          "tensor_parallel_size", "data_parallel_size", "coordinator_address", "num_processes",
+          "process_id")
 
 
 def engine_options() -> dict:
@@ -79,5 +95,9 @@ def engine_options() -> dict:
                 "adaptive": FLAGS.speculative_adaptive}
         if FLAGS.num_speculative_tokens is not None:
             spec["num_speculative_tokens"] = FLAGS.num_speculative_tokens
+        if FLAGS.speculative_model is not None:  # set with another method: a clear error
+            spec["model"] = FLAGS.speculative_model
+        if FLAGS.speculative_quantization != _S.quantization:
+            spec["quantization"] = FLAGS.speculative_quantization
         options["speculative_config"] = spec
     return options

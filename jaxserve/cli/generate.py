@@ -36,6 +36,9 @@ def main(argv):
         from jaxserve.llm import LLM
 
         llm = LLM(**engine_flags.engine_options())
+        if FLAGS.process_id != 0:  # another process runs the front end: run its steps here
+            llm.engine.follow()
+            return 0
         t_load = time.perf_counter() - t0
         t1 = time.perf_counter()
         if FLAGS.chat:
@@ -45,6 +48,7 @@ def main(argv):
         else:
             out = llm.generate(FLAGS.prompt, params)[0]
         t_gen = time.perf_counter() - t1
+        llm.engine.stop_followers()
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"jaxserve generate: error: {e}", file=sys.stderr)
         return 2

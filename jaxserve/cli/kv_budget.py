@@ -49,6 +49,8 @@ flags.DEFINE_integer("memory_budget_bytes", None, "Print the engine's memory pla
 flags.DEFINE_integer("max_num_seqs", None, "The plan's engine option (default: the engine's).")
 flags.DEFINE_integer("max_num_batched_tokens", None, "The plan's engine option (default: the "
                      "engine's): it fixes the activation peak.")
+flags.DEFINE_integer("tensor_parallel_size", 1, "Devices the KV heads are sharded over: also "
+                     "report per-device KV bytes (heads repeated when fewer than devices).")
 flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 flags.DEFINE_string("plot_dir", None, "Write the two plots (PNG, SVG, CSV) into this directory.")
 flags.DEFINE_string("architectures", None, "JSON file of named architectures for the "
@@ -141,6 +143,14 @@ def _render(result: dict) -> str:
     out = [f"KV accounting ({a['name']}): {a['num_layers']} layers x {a['num_kv_heads']} KV heads "
            f"x (head dim {a['head_dim']} x {a['dtype_bytes']} bytes{scales}) x 2 (K and V)",
            f"bytes per token: {result['bytes_per_token']} ({_human_bytes(result['bytes_per_token'])})"]
+    if "per_device" in result:
+        d = result["per_device"]
+        repeated = (f", {d['repeated_kv_heads']} repeated copies counted"
+                    if d["repeated_kv_heads"] else "")
+        out.append(f"per device at tensor_parallel_size {d['tensor_parallel_size']}: "
+                   f"{d['kv_heads_per_device']} KV head(s){repeated}; "
+                   f"{d['bytes_per_token']} bytes per token "
+                   f"({_human_bytes(d['bytes_per_token'])})")
     if "lengths" in result:
         s = result["lengths"]
         ls = s["lengths"]
@@ -148,6 +158,9 @@ def _render(result: dict) -> str:
         out += ["", f"lengths: {shown}  ({s['num_requests']} requests, {s['useful_slots']} useful "
                 f"slots, KV {s['kv_bytes']} bytes = {_human_bytes(s['kv_bytes'])}; "
                 f"reserve {s['reserve']} from {s['reserve_source']})"]
+        if "kv_bytes_per_device" in s:
+            out.append(f"KV per device: {s['kv_bytes_per_device']} bytes = "
+                       f"{_human_bytes(s['kv_bytes_per_device'])}")
         rows = []
         for p in s["policies"]:
             per = p["tail_waste_per_request"]
@@ -228,7 +241,8 @@ def _memory_plan() -> dict:
         raise _Usage("the memory plan takes one page size: give --page_sizes=B")
     options = {"page_size": page_sizes[0] if FLAGS["page_sizes"].present else None,
                "kv_cache_dtype": FLAGS.kv_cache_dtype, "max_num_seqs": FLAGS.max_num_seqs,
-               "max_num_batched_tokens": FLAGS.max_num_batched_tokens}
+               "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
+               "tensor_parallel_size": FLAGS.tensor_parallel_size}
     config = EngineConfig(model=FLAGS.model, memory_budget_bytes=FLAGS.memory_budget_bytes,
                           **{k: v for k, v in options.items() if v is not None})
     engine = LLMEngine(config)
@@ -258,6 +272,7 @@ def main(argv: list[str]) -> None:
                 raise _Usage(f"--page_sizes values must be >= 1, got {b}")
         _positive(FLAGS.uniform_max, "uniform_max")
         _positive(FLAGS.reserve, "reserve")
+        _positive(FLAGS.tensor_parallel_size, "tensor_parallel_size")
         if lengths is None and FLAGS.uniform_max is None:
             raise _Usage("give --lengths=T1,T2,... or --uniform_max=M (or both)")
         if FLAGS.reserve is not None:
@@ -272,7 +287,8 @@ def main(argv: list[str]) -> None:
                          f"{FLAGS.num_speculative_tokens}")
         result = kvb.analyse(arch, lengths=lengths, uniform_max=FLAGS.uniform_max,
                              page_sizes=page_sizes, reserve=FLAGS.reserve,
-                             lookahead=FLAGS.num_speculative_tokens)
+                             lookahead=FLAGS.num_speculative_tokens,
+                             tensor_parallel_size=FLAGS.tensor_parallel_size)
         if FLAGS.plot_dir:
             result["plots"] = _plot(result, arch, lengths, FLAGS.uniform_max, page_sizes,
                                     FLAGS.reserve)

@@ -83,7 +83,7 @@ def main(argv):
     del argv
 
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import LLMEngine
+    from jaxserve.engine import make_engine
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server import ServerConfig, build_app
     from jaxserve.server.app import read_api_keys
@@ -97,7 +97,7 @@ def main(argv):
             api_key=env_key if env_key and not keys else None, api_keys=tuple(keys),
             max_body_bytes=FLAGS.max_body_bytes, max_tokens_limit=FLAGS.max_tokens_limit,
             served_model_names=tuple(FLAGS.served_model_name) if FLAGS.served_model_name else None)
-        engine = LLMEngine(EngineConfig.from_options(**engine_flags.engine_options()))
+        engine = make_engine(EngineConfig.from_options(**engine_flags.engine_options()))
     except (ValueError, OSError) as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2

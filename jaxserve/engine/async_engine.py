@@ -241,7 +241,7 @@ class AsyncEngine:
     def _add(self, group: RequestGroup, prompts: list[dict], params: SamplingParams,
              cache_salt: str | None) -> None:
         if self.max_waiting is not None:
-            waiting = len(self.engine.scheduler.waiting)
+            waiting = self.engine.num_waiting
             if waiting + len(prompts) > self.max_waiting:
                 raise EngineOverloaded(
                     f"the server is overloaded: {waiting} requests are waiting and the limit is "

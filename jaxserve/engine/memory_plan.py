@@ -84,14 +84,18 @@ def largest_shape(buckets: Buckets, page_size: int) -> tuple[int, int, int]:
 
 
 def plan(runner, buckets: Buckets, budget_bytes: int, held_before: int,
-         compiled_shapes: int) -> MemoryPlan:
+         compiled_shapes: int, draft=None) -> MemoryPlan:
     """Size the KV pool for a runner built with a probe pool, and resize the pool to the plan.
-    held_before: memory.in_use() before the runner was built (the process's other holdings are
+    held_before: memory.in_use(device) before the runner was built (the process's other holdings are
     not the engine's); compiled_shapes: how many step shapes the engine will compile (warm-up's
-    count: each keeps its code in host memory, which on the CPU is the device's)."""
+    count: each keeps its code in host memory, which on the CPU is the device's); draft: the
+    draft model's runner (speculative method "draft"), on the same first device, whose pool
+    has as many pages: its weights and pages are paid from the same budget."""
     shape = largest_shape(buckets, runner.page_size)
-    weights = memory.bytes_on_device(runner.params)
-    probe_pool = memory.bytes_on_device(runner.pool)
+    runners = [runner] + ([draft] if draft is not None else [])
+    device = runner.mesh.devices.flat[0]
+    weights = sum(memory.bytes_on_device(r.params) for r in runners)
+    probe_pool = sum(memory.bytes_on_device(r.pool) for r in runners)
     page_bytes = probe_pool // runner.num_pages
     # The step's temporaries, from XLA's analysis of the largest step, plain and scoring.
     compiled = max(runner.step_temp_bytes(shape, buckets, prompt_logprobs=k)
@@ -104,19 +108,22 @@ def plan(runner, buckets: Buckets, budget_bytes: int, held_before: int,
     growth = []
     others = [s for s in buckets.step_shapes(runner.page_size) if s != shape]
     for probe in sorted(others, key=sum)[:PROBE_SHAPES]:
-        held = memory.in_use()
+        held = memory.in_use(device)
         runner.run_shape(probe, buckets)
-        growth.append(max(0, memory.in_use() - held))
+        growth.append(max(0, memory.in_use(device) - held))
     per_shape = int(np.median(growth)) if growth else 0
     log.debug("plan probes grew %s", growth)
-    runtime = max(0, memory.in_use() - held_before - weights - probe_pool)
+    runtime = max(0, memory.in_use(device) - held_before - weights - probe_pool)
     runtime += per_shape * compiled_shapes  # each compiles again for the planned pool
     # Confirm the activation peak with one real step of the largest shape (its temporaries do
     # not depend on the pool's size, so the probe pool shows them): the plan takes the larger.
-    memory.reset_peak()
-    start = memory.in_use()
+    # Where the peak cannot be reset (an accelerator's allocator keeps the lifetime peak) the
+    # run confirms only what it adds above that peak.
+    fresh = memory.reset_peak()
+    start = memory.in_use(device)
+    floor = start if fresh else max(start, memory.peak(device))
     runner.run_shape(shape, buckets)
-    ran = memory.peak() - start
+    ran = max(0, memory.peak(device) - floor)
     if ran > compiled:
         log.info("the largest step held %d bytes beyond its arguments, more than XLA's "
                  "analysis (%d): the plan counts the measured peak", ran, compiled)
@@ -131,7 +138,8 @@ def plan(runner, buckets: Buckets, budget_bytes: int, held_before: int,
             f"runtime ({runtime}) and 2 KV pages ({2 * page_bytes}) with a {MARGIN:.0%} margin:"
             f" the minimum is {math.ceil(need / (1 - MARGIN))} bytes (or lower "
             "max_num_batched_tokens / max_num_seqs)")
-    runner.reset_pool(int(num_pages))
+    for r in runners:
+        r.reset_pool(int(num_pages))
     runner.run_shape(shape, buckets)  # compiled for the planned pool: warm-up finds it ready
     return MemoryPlan(budget_bytes=budget_bytes, weight_bytes=weights,
                       activation_peak_bytes=activation, runtime_bytes=runtime,
@@ -144,6 +152,10 @@ def budget(config: EngineConfig, platform: str) -> int | None:
     kv_cache_bytes (which override a budget) or, on CPU, by EngineConfig.resolve_num_pages."""
     if config.num_pages is not None or config.kv_cache_bytes is not None:
         return None
+    if config.num_processes > 1 and (config.memory_budget_bytes or config.memory_utilization
+                                     or platform != "cpu"):
+        raise ValueError("a memory budget is planned by one process: with num_processes > 1 "
+                         "give num_pages or kv_cache_bytes")
     if config.memory_budget_bytes is not None:
         return config.memory_budget_bytes
     utilization = config.planned_utilization(platform)

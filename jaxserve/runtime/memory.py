@@ -87,15 +87,11 @@ def peak(device=None) -> int:
     return hwm if hwm is not None else in_use(device)
 
 
-def bytes_on_device(tree, device=None) -> int:
-    """Bytes of the arrays of `tree` held on one device (its shards of sharded arrays, the whole
-    of replicated ones): what a tree costs per device."""
-    device = device or jax.local_devices()[0]
+def bytes_on_device(tree) -> int:
+    """Bytes of the arrays of `tree` held on one device, the first holding each (its shards of
+    sharded arrays, the whole of replicated ones): what a tree costs per device of its mesh."""
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
         shards = getattr(leaf, "addressable_shards", None)
-        if shards is None:
-            total += leaf.nbytes
-        else:
-            total += sum(s.data.nbytes for s in shards if s.device == device)
+        total += shards[0].data.nbytes if shards else leaf.nbytes
     return total

@@ -1,8 +1,11 @@
-"""ModelRunner: owns every device array (params, KV pool) and the one jitted step.
+"""ModelRunner: owns every device array (params, KV pool), the jitted model step and the
+jitted sampling call chained after it.
 
 step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
 pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
-before they were read back (async scheduling). Shapes come from the batch buckets; each new
+before they were read back (async scheduling). Its sample rows' logits stay on the device for
+the sampling call (_sample_rows: sampling modes, logit controls), so those multiply only that
+small function's compiles. Shapes come from the batch buckets; each new
 shape signature is one compilation, counted in `compilations`. The jitted step is shared by
 every runner of the same model config and backend in the process, so a second engine (a
 benchmark's ablation variant, a test) reuses what the first compiled; `compilations` still
@@ -18,6 +21,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve import backends
 from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
@@ -27,8 +31,10 @@ from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import quantize
 from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
+from jaxserve.runtime import distributed, sharding
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.sampling import sample
+from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
+from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata, sample
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "int8": jnp.int8}  # int8: KV pages only
@@ -60,18 +66,27 @@ def _copy_pages(pool: KVPool, src, dst) -> KVPool:
     return jax.tree_util.tree_map(copy, pool)
 
 
-def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str):
+def _model(cfg: ModelConfig, backend: str, mesh: Mesh):
+    """(params, pool, token_ids, md) -> (pool, hidden) on the mesh's tp devices."""
+    tp = sharding.tp_size(mesh)
+    if tp == 1:
+        return functools.partial(llama.forward, cfg=cfg, backend=backend)
+    per_device = functools.partial(llama.forward, cfg=sharding.shard_config(cfg, tp),
+                                   backend=backend)
+    return sharding.tensor_parallel_forward(per_device, mesh)
+
+
+def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str,
+          mesh: Mesh):
     # Tokens sampled by the previous step (still in flight when this one was planned) come in
     # as `feed`, the previous step's padded sample ids, and go out the same way.
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
-    pool, hidden = llama.forward(params, pool, token_ids, batch.attn, cfg=cfg, backend=backend)
-    logits = llama.logits(params, hidden[batch.logits_indices])
-    out = {"sampled": sample(logits, batch.sampling, backend)}
-    ids = out["sampled"][0]
-    out["feed"] = jnp.zeros_like(feed).at[:ids.shape[0]].set(ids)
+    pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn)
+    # The sample rows' logits stay on the device for _sample_rows.
+    out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
-        logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
+        logprobs = jax.nn.log_softmax(llama.logits(params, hidden, cfg), axis=-1)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logprobs, max(batch.prompt_logprobs, 1))
         k = batch.prompt_logprobs
@@ -79,9 +94,23 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
     return pool, out
 
 
+@functools.partial(jax.jit, static_argnames=("backend", "feed_size"))
+def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
+                 backend: str, feed_size: int):
+    """A step's sampling, its own small jitted call chained after the step on the device: the
+    sampling modes and logit controls multiply only its compiles, not the model step's. Returns
+    (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
+    (the ids padded to feed_size)."""
+    if controls is not None:
+        logits = apply_controls(logits, controls)
+    sampled = sample(logits, sampling, backend)
+    return sampled, jnp.zeros(feed_size, jnp.int32).at[:sampled[0].shape[0]].set(sampled[0])
+
+
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, backend: str):
-    return jax.jit(functools.partial(_step, cfg=cfg, backend=backend), donate_argnames=("pool",))
+def _jitted_step(cfg: ModelConfig, backend: str, mesh: Mesh):
+    return jax.jit(functools.partial(_step, cfg=cfg, backend=backend, mesh=mesh),
+                   donate_argnames=("pool",))
 
 
 def release_compiled_steps() -> None:
@@ -107,7 +136,11 @@ def _use_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def _signature(batch: StepBatch) -> tuple:
+def _signature(batch) -> tuple:
+    """A jitted call's cache key: the model step's is its batch without the sampling metadata
+    (sampled in _sample_rows)."""
+    if isinstance(batch, StepBatch):
+        batch = dataclasses.replace(batch, sampling=None)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
 
@@ -124,17 +157,26 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
                  dtype: str = "float32", kv_cache_dtype: str | None = None,
                  backend: str = "xla", quantization: str = "none",
-                 max_sample_rows: int = 512, huge_pages: bool = False):
+                 max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None):
+        """mesh: this runner's ("dp", "tp") devices, one row (sharding.replica_mesh); default
+        the first device."""
         _use_compilation_cache()
         self.cfg = cfg
+        self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
-        self.params = jax.tree_util.tree_map(self._to_device,
-                                             prepare_params(params, quantization, backend))
+        self.params = sharding.shard_params(prepare_params(params, quantization, backend), cfg,
+                                            self.mesh, self._cast)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
+        self.channel = None
         self.reset_pool()
-        self._step = _jitted_step(cfg, backend)
-        self._no_feed = jnp.zeros(max_sample_rows, jnp.int32)  # the feed of a step planned alone
+        # Process 0 of several sends its device calls to the others (distributed.follow).
+        if jax.process_count() > 1 and jax.process_index() == 0:
+            self.channel = distributed.Channel()
+        self._step = _jitted_step(cfg, backend, self.mesh)
+        # The feed of a step planned alone.
+        self._no_feed = jax.device_put(np.zeros(max_sample_rows, np.int32),
+                                       NamedSharding(self.mesh, PartitionSpec()))
         self._signatures: set = set()
         # Only the weights: they are streamed whole every step. The pool's pages are read in
         # scattered small runs, which 2 MiB pages do not speed up, and collapsing a large pool
@@ -145,57 +187,116 @@ class ModelRunner:
     def reset_pool(self, num_pages: int | None = None) -> None:
         """A zeroed KV pool (at start, after a failed step consumed the donated one, and of the
         planned size after a memory plan probed with a small one)."""
+        if self.channel is not None:
+            if num_pages not in (None, self.num_pages):
+                raise ValueError("the pool's size is fixed when several processes serve")
+            self.channel.send(distributed.RESET)
         self.num_pages = num_pages or self.num_pages
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         cfg = self.cfg
-        self.pool = KVPool.zeros(cfg.num_layers, cfg.num_kv_heads, self.num_pages,
-                                 self.page_size, cfg.head_dim, self.kv_dtype)
+        heads = sharding.pool_kv_heads(cfg, sharding.tp_size(self.mesh))
+        zeros = functools.partial(KVPool.zeros, cfg.num_layers, heads, self.num_pages,
+                                  self.page_size, cfg.head_dim, self.kv_dtype)
+        # Made in place on each device (never whole on one): sharded on the head axis.
+        self.pool = jax.jit(zeros, out_shardings=sharding.pool_sharding(self.mesh))()
 
-    def _to_device(self, x):
+    def _cast(self, x) -> np.ndarray:
+        """A host weight in the serving dtype; the int8 weights' float16 group scales and
+        offsets (quantize.py) and integer arrays keep theirs."""
         x = np.asarray(x)
-        return jnp.asarray(x, self.dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype)
+        keep = x.dtype == np.float16 or not jnp.issubdtype(x.dtype, jnp.floating)
+        return x if keep else x.astype(self.dtype)
 
     @property
     def compilations(self) -> int:
         return len(self._signatures)
 
-    @property
-    def kv_pool_bytes(self) -> int:
-        """The pool's bytes on one device."""
-        return memory.bytes_on_device(self.pool)
+    def memory_stats(self) -> dict:
+        """Bytes of the weights and the KV pool, over all devices and on one (under tensor
+        parallelism each device holds every page, for its KV heads; repeated heads count)."""
+        pool_per_device = memory.bytes_on_device(self.pool)
+        return dict(kv_pool_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(self.pool)),
+                    weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params)),
+                    kv_pool_bytes_per_device=pool_per_device,
+                    kv_page_bytes_per_device=pool_per_device // self.num_pages,
+                    weight_bytes_per_device=memory.bytes_on_device(self.params),
+                    huge_page_bytes=self.huge_page_bytes)
 
-    @property
-    def weight_bytes(self) -> int:
-        """The weights' bytes on one device."""
-        return memory.bytes_on_device(self.params)
-
-    def dispatch(self, batch: StepBatch, copies=None, after=None):
+    def dispatch(self, batch: StepBatch, copies=None, after=None,
+                 controls: LogitControls | None = None, sample: bool = True):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
         if any; returns device arrays (JAX dispatch is async). `after` is the output of the
-        previous step when this one feeds on its samples (batch.feed_rows)."""
+        previous step when this one feeds on its samples (batch.feed_rows). The rows are
+        sampled in a second small call chained on the device, through `controls` when given
+        (runtime/logit_controls.py); with sample=False the caller launches it later
+        (`sample`), once the controls are known."""
+        if self.channel is not None:  # process 0 of several: the others run the same calls
+            self.channel.send(distributed.STEP, (batch, copies, after is not None,
+                                                 controls if sample else None, sample))
         if copies is not None:
-            self.copy_pages(*copies)
+            self._copy_local(*copies)
         self._signatures.add(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
-        self.pool, out = self._step(self.params, pool=self.pool, batch=batch, feed=feed)
+        self.pool, out = self._step(self.params, pool=self.pool,
+                                    batch=dataclasses.replace(batch, sampling=None), feed=feed)
+        if sample:
+            self._sample_local(out, batch.sampling, controls)
         return out
 
+    def sample(self, out: dict, sampling: SamplingMetadata, controls) -> None:
+        """Launch the sampling of a dispatched step's rows: out gains "sampled" and "feed".
+        It is always the latest step's (the next one feeds on it): other processes apply it
+        to theirs."""
+        if self.channel is not None:
+            self.channel.send(distributed.SAMPLE, (sampling, controls))
+        self._sample_local(out, sampling, controls)
+
+    def _sample_local(self, out: dict, sampling: SamplingMetadata, controls) -> None:
+        self._signatures.add(("sample", _signature((sampling, controls))))
+        out["sampled"], out["feed"] = _sample_rows(out["logits"], sampling, controls,
+                                                   backend=self.backend,
+                                                   feed_size=self._no_feed.shape[0])
+
     def copy_pages(self, src, dst) -> None:
+        if self.channel is not None:
+            self.channel.send(distributed.COPY, (src, dst))
+        self._copy_local(src, dst)
+
+    def _copy_local(self, src, dst) -> None:
         self._signatures.add(("copies", len(src)))
         self.pool = _copy_pages(self.pool, src, dst)
+
+    def follow(self) -> int:
+        """A process other than 0 of several: run process 0's device calls until it stops."""
+        return distributed.follow(self, distributed.Channel())
+
+    def stop_followers(self) -> None:
+        """Process 0 of several: the other processes' `follow` returns."""
+        if self.channel is not None:
+            self.channel.send(distributed.STOP)
 
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:
         """Block on a dispatched step and copy its first num_rows rows to the host."""
-        out = jax.device_get({k: v for k, v in out.items() if k != "feed"})
+        out = jax.device_get({k: v for k, v in out.items() if k not in ("feed", "logits")})
         ids, lp, top_ids, top_lp = out["sampled"]
         result = StepOutput(ids[:num_rows], lp[:num_rows], top_ids[:num_rows], top_lp[:num_rows])
         if "prompt" in out:
             result.prompt_logprobs, result.prompt_top_ids, result.prompt_top_logprobs = out["prompt"]
         return result
 
-    def execute(self, batch: StepBatch, num_rows: int, copies=None) -> StepOutput:
-        return self.fetch(self.dispatch(batch, copies), num_rows)
+    def execute(self, batch: StepBatch, num_rows: int, copies=None,
+                controls: LogitControls | None = None) -> StepOutput:
+        return self.fetch(self.dispatch(batch, copies, controls=controls), num_rows)
+
+    def _warm_sampling(self, out, batch: StepBatch) -> None:
+        """Compile the sampling call of a step's sample rows in each sampling mode, without
+        logit controls and with masks only (structured outputs); penalties and logit_bias
+        compile their entry bucket on first use (a small function: about a second)."""
+        for controls in (None, no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size)):
+            for mode in (GREEDY, RANDOM, FILTERED):
+                self.sample(out, dataclasses.replace(batch.sampling, mode=mode), controls)
+                jax.block_until_ready(out["sampled"])
 
     def _shape_batch(self, shape, buckets: Buckets, prompt_logprobs: int | None = None):
         plan = warmup_plan(shape, buckets, self.page_size, prompt_logprobs)
@@ -206,7 +307,8 @@ class ModelRunner:
         arguments (XLA's memory analysis): its temporaries and the outputs that do not alias
         the donated pool."""
         batch, _ = self._shape_batch(shape, buckets, prompt_logprobs)
-        m = self._step.lower(self.params, pool=self.pool, batch=batch,
+        m = self._step.lower(self.params, pool=self.pool,
+                             batch=dataclasses.replace(batch, sampling=None),
                              feed=self._no_feed).compile().memory_analysis()
         return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
@@ -223,8 +325,9 @@ class ModelRunner:
             sizes = set()
             for verifying in (False, True) if buckets.spec_tokens else (False,):
                 batch, rows, _ = build_batch(plan, buckets, self.page_size, verifying=verifying)
-                if batch.logits_indices.shape[0] not in sizes:
-                    sizes.add(batch.logits_indices.shape[0])
+                r = batch.logits_indices.shape[0]
+                if r not in sizes:
+                    sizes.add(r)
                     yield batch, rows
 
     def warmup_count(self, buckets: Buckets, full: bool = False) -> int:
@@ -232,11 +335,13 @@ class ModelRunner:
         return sum(1 for _ in self._warmup_batches(buckets, full)) + len(buckets.copies)
 
     def warmup(self, buckets: Buckets, full: bool = False) -> int:
-        """Compile the step shapes of Buckets.step_shapes and every copies bucket (no request
-        state changes). Returns how many shapes were run."""
+        """Compile the step shapes of Buckets.step_shapes, their sampling calls, and every
+        copies bucket (no request state changes). Returns how many shapes were run."""
         run = 0
         for batch, rows in self._warmup_batches(buckets, full):
-            self.execute(batch, rows)
+            out = self.dispatch(batch)
+            self.fetch(out, rows)
+            self._warm_sampling(out, batch)
             run += 1
         for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
             self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.engine import LLMEngine
+from jaxserve.engine import DataParallelEngine, LLMEngine
 from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
@@ -147,10 +147,10 @@ def _failure(e: Exception) -> APIError:
                     code="engine_error")
 
 
-def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
+def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: ServerConfig | None = None) -> FastAPI:
     """The app around one engine. Pass an AsyncEngine to share one engine loop between apps."""
     config = config or ServerConfig()
-    owned = isinstance(engine, LLMEngine)
+    owned = isinstance(engine, (LLMEngine, DataParallelEngine))
     aengine = AsyncEngine(engine) if owned else engine
     ctx = ProtocolContext.for_engine(aengine.engine, config.served_model_names,
                                      config.max_tokens_limit)
@@ -254,8 +254,20 @@ def build_app(engine: LLMEngine | AsyncEngine, config: ServerConfig | None = Non
                 final[index] = out
         return builder.response(final)
 
+    async def compile_grammar(parsed) -> None:
+        """Compile (validate) a structured output's grammar in a worker thread, off the engine's
+        step loop: add_request then finds it cached. An invalid one is a 400 naming it."""
+        spec = parsed.params.structured_outputs
+        if spec is not None:
+            try:
+                await asyncio.to_thread(aengine.engine.grammars.compile, spec)
+            except ValueError as e:
+                param = "tool_choice" if parsed.tool_call else "response_format"
+                raise APIError(str(e), param=param, code="invalid_value") from None
+
     async def serve(kind: str, request: Request):
         parsed = parse_request(kind, await read_json(request), ctx)
+        await compile_grammar(parsed)
         group = await submit(parsed, cache_salt(request))
         builder = ResponseBuilder(parsed, ctx)
         if parsed.stream:

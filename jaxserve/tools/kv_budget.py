@@ -25,6 +25,8 @@ import os
 from fractions import Fraction
 from typing import Any, Iterable, Sequence
 
+from jaxserve.config import kv_heads_per_device
+
 GIB = 1 << 30
 DEFAULT_PAGE_SIZES = (16, 32)
 DEFAULT_DTYPE_BYTES = 4  # the engine's default dtype is float32
@@ -296,7 +298,8 @@ def uniform_analysis(max_len: int, page_sizes: Sequence[int] = DEFAULT_PAGE_SIZE
 
 def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
             uniform_max: int | None = None, page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES,
-            reserve: int | None = None, lookahead: int = 0) -> dict[str, Any]:
+            reserve: int | None = None, lookahead: int = 0,
+            tensor_parallel_size: int = 1) -> dict[str, Any]:
     """Everything the CLI reports, as a JSON-able dict.
 
     ``lookahead`` (speculative decoding's drafts per step, k): a verification writes KV for
@@ -306,6 +309,10 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
 
     If ``reserve`` is None it defaults to the longest given length (for ``lengths``) and to M
     (for the uniform distribution); ``reserve_source`` says which.
+
+    ``tensor_parallel_size`` (tp): each device holds every page for its H_kv / tp KV heads, or
+    for one head when H_kv < tp (each head repeated on tp / H_kv devices, counted on each);
+    reported under "per_device".
     """
     page_sizes = tuple(_positive_int(b, "page_size") for b in page_sizes)
     if not page_sizes:
@@ -321,6 +328,16 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
         "bytes_per_page": {str(b): b * bpt for b in page_sizes},
         "page_sizes": list(page_sizes),
     }
+    tp = _positive_int(tensor_parallel_size, "tensor_parallel_size")
+    if tp > 1:
+        heads = kv_heads_per_device(arch.num_kv_heads, tp)
+        per_device = bpt * heads // arch.num_kv_heads
+        out["per_device"] = {
+            "tensor_parallel_size": tp, "kv_heads_per_device": heads,
+            "repeated_kv_heads": heads * tp - arch.num_kv_heads,
+            "bytes_per_token": per_device,
+            "bytes_per_page": {str(b): b * per_device for b in page_sizes},
+            "all_devices_bytes_per_token": per_device * tp}
     if lengths is not None:
         ls = _lengths(lengths)
         r = max(ls) if reserve is None else reserve
@@ -332,6 +349,8 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
             "kv_bytes": kv_bytes(ls, bpt),
             "kv_gib": to_gib(kv_bytes(ls, bpt)),
             "kv_bytes_per_request": [t * bpt for t in ls],
+            **({"kv_bytes_per_device": kv_bytes(ls, out["per_device"]["bytes_per_token"])}
+               if tp > 1 else {}),
             "reserve": r,
             "reserve_source": "flag" if reserve is not None else "default: longest length",
             "policies": [rep.to_dict(bpt) for rep in reports],

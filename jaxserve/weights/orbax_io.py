@@ -67,7 +67,12 @@ def load_orbax(path: str, dtype=np.float32):
     cfg = dict(meta["config"])
     cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids", ()))
     if cfg.get("rope_scaling"):
-        cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"])
+        scaling = dict(cfg["rope_scaling"])
+        if scaling.get("freq_factors") is not None:
+            scaling["freq_factors"] = tuple(scaling["freq_factors"])
+        cfg["rope_scaling"] = RopeScaling(**scaling)
+    if cfg.get("layer_types") is not None:  # JSON lists -> the config's (hashable) tuples
+        cfg["layer_types"] = tuple(cfg["layer_types"])
     config = ModelConfig(**cfg)
     params = _to_numpy(ocp.PyTreeCheckpointer().restore(os.path.join(path, "params")), dtype)
     tokenizer = Tokenizer.from_hf_dir(os.path.join(path, "tokenizer"))

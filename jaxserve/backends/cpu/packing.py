@@ -23,7 +23,7 @@ PROJECTIONS = ("w_qkv", "wo", "w_gate_up", "w_down")
 class PanelWeight:
     """A weight [in, out=n] packed for the CPU matmul: panels [ceil(n / 48), in, 48], f32, or
     int8 with a scale and an offset per 32 inputs of each column, packed the same way
-    f32[ceil(n / 48), in / 32, 48] (None otherwise); or the bits of bfloat16 tiles
+    f16[ceil(n / 48), in / 32, 48] (None otherwise); or the bits of bfloat16 tiles
     u16[ceil(n / 16), in / 2, 16, 2] (kernels.pack_bf16_tiles) for the AMX matmul."""
     panels: jax.Array
     scale: jax.Array | None
