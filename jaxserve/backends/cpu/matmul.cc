@@ -19,8 +19,8 @@
 // group's scale and offset once (s sum x q + o sum x): one FMA a weight, as f32 has. Up to a row
 // tile it dequantizes each weight in registers, past that into an f32 copy of the panel shared
 // by all row tiles, where XLA converts the whole weight first. 4-bit levels stream half the
-// bytes of int8 and widen in registers to the same float levels, in the same order: the
-// results equal int8's bit for bit.
+// bytes of int8 and widen in registers to the same float levels, in the same order: on the
+// vector paths the results equal int8's bit for bit.
 
 #include <algorithm>
 #include <cstdint>
