@@ -9,7 +9,9 @@
                       streams each weight from memory once however many rows there are (a
                       decode step's few rows are bound by that stream), and for int8
                       applying the float16 group scales and offsets per group of 32 k
-                      (one or two rows) or dequantizing the weights a panel at a time.
+                      (one or two rows) or dequantizing the weights a panel at a time;
+                      4-bit levels (GGUF Q4_1 blocks) two a byte (`pack_nibbles`), half
+                      int8's bytes, with results equal to int8's.
   matmul_bf16         (matmul_bf16.cc) x rounded to bfloat16 times bfloat16 weights on AMX
                       tiles, f32 accumulation, against weights packed in 16-column tiles
                       (`pack_bf16_tiles`); `amx_bf16_available()` says whether this CPU and
@@ -50,6 +52,7 @@ _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_paged_attention_int8": "JaxservePagedAttentionInt8",
             "jaxserve_matmul_f32": "JaxserveMatmulF32",
             "jaxserve_matmul_int8": "JaxserveMatmulInt8",
+            "jaxserve_matmul_int4": "JaxserveMatmulInt4",
             "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
             "jaxserve_argmax": "JaxserveArgmax"}
 PANEL = 48  # output columns per weight panel (matmul.cc's kPanel)
@@ -270,6 +273,21 @@ def matmul_int8(x, panels, scale, offset, n: int):
     and offset per 32 k of each column (f16[n, K / 32], quantize.py) packed the same way,
     dequantizing the weights inside the product -> f32[M, n]."""
     return _call("jaxserve_matmul_int8", _f32(x.shape[0], n), x, panels, scale, offset)
+
+
+def pack_nibbles(panels: np.ndarray) -> np.ndarray:
+    """Int8 panels [P, K, 48] of levels 0..15 (K even) -> u8[P, K / 2, 48], two k a byte:
+    byte [p, i, c] = levels [p, 2 i, c] | levels [p, 2 i + 1, c] << 4."""
+    q = np.asarray(panels)
+    if q.shape[1] % 2 or q.min(initial=0) < 0 or q.max(initial=0) > 15:
+        raise ValueError("pack_nibbles takes levels 0..15 over an even number of k")
+    q = q.astype(np.uint8)
+    return np.ascontiguousarray(q[:, 0::2] | q[:, 1::2] << 4)
+
+
+def matmul_int4(x, nibbles, scale, offset, n: int):
+    """matmul_int8 for levels 0..15 packed by `pack_nibbles` (half the bytes; equal results)."""
+    return _call("jaxserve_matmul_int4", _f32(x.shape[0], n), x, nibbles, scale, offset)
 
 
 def argmax(x):

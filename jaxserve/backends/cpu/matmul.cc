@@ -3,6 +3,8 @@
 //   MatmulF32    y f32[M, N] = x f32[M, K] @ W                     w f32[P, K, 48]
 //   MatmulInt8   y f32[M, N] = x f32[M, K] @ (Q * scale + offset)   q i8[P, K, 48],
 //                scale, offset f16[P, K / 32, 48]: one of each per 32 k of each column
+//   MatmulInt4   as MatmulInt8 for levels Q in 0..15 (GGUF Q4_1 blocks), two a byte:
+//                q u8[P, K / 2, 48], byte [p, i, c] = Q[2 i, c] | Q[2 i + 1, c] << 4
 //
 // Panel p holds output columns [48 p, 48 p + 48) of the [K, N] weight (zero past N), k-major,
 // so each k of a panel is three contiguous 16-lane vectors (AVX-512; six 8-lane ones on AVX2).
@@ -16,10 +18,13 @@
 // At one or two rows the int8 kernel sums each group's products x q apart and applies the
 // group's scale and offset once (s sum x q + o sum x): one FMA a weight, as f32 has. Up to a row
 // tile it dequantizes each weight in registers, past that into an f32 copy of the panel shared
-// by all row tiles, where XLA converts the whole weight first.
+// by all row tiles, where XLA converts the whole weight first. 4-bit levels stream half the
+// bytes of int8 and widen in registers to the same float levels, in the same order: on the
+// vector paths the results equal int8's bit for bit.
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -37,6 +42,7 @@ using jaxserve::vec::kLanes;
 using jaxserve::vec::Load;
 using jaxserve::vec::LoadFirst;
 using jaxserve::vec::LoadHalf;
+using jaxserve::vec::LoadNibbles;
 using jaxserve::vec::Prefetch;
 using jaxserve::vec::PrefetchL2;
 using jaxserve::vec::StoreFirst;
@@ -63,6 +69,21 @@ constexpr int64_t kBlockBytes = 128 << 10;
 constexpr int64_t kSplitRowsPerThread = 48;
 
 constexpr int kVecs = kPanel / kLanes;  // vectors per k of a panel
+// Panels of uint8_t hold 4-bit levels, two k a byte (MatmulInt4); of int8_t or float, one k.
+template <typename W>
+constexpr int64_t kPerByte = std::is_same_v<W, uint8_t> ? 2 : 1;
+// Elements of W in one panel of k_dim.
+template <typename W>
+constexpr int64_t PanelSize(int64_t k_dim) { return k_dim / kPerByte<W> * kPanel; }
+// Element i (k i / 48, column i % 48) of a panel, as float.
+template <typename W>
+float Level(const W* panel, int64_t i) {
+  if constexpr (kPerByte<W> == 2) {
+    return static_cast<float>(panel[i / (2 * kPanel) * kPanel + i % kPanel] >> (i / kPanel % 2 * 4) & 15);
+  } else {
+    return static_cast<float>(panel[i]);
+  }
+}
 // Register tiling. 16 lanes (32 registers): a row tile is 8 rows x one panel's 3 accumulators,
 // in one pass over k. 8 lanes (AVX2, 16 registers): a panel is six vectors and a pass holds at
 // most 12 accumulators: one row over two panels, two rows over one, up to four over half a
@@ -108,11 +129,12 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const uint16_t*
   constexpr int kG = PassVecs(kM, kAll);
   constexpr int kPanelVecs = std::min(kG, kVecs);  // a pass's vectors within one panel
   static_assert(kAll % kG == 0 && (kG % kVecs == 0 || kVecs % kG == 0));
-  constexpr bool kInt8 = sizeof(W) == 1;
+  constexpr bool kInt8 = sizeof(W) == 1;  // int8 or 4-bit levels, with group factors
+  constexpr int kStep = kPerByte<W>;  // k per row of stored weights
   constexpr bool kGroupSums = kInt8 && 2 * kM * kG + kG + 1 <= kRegisters;
   constexpr int kScales = kInt8 && !kGroupSums ? 2 * kG : 0;  // a group's scales and offsets
   constexpr int kSums = (kGroupSums ? 2 : 1) * kM * kG;  // accumulators (and group sums)
-  constexpr bool kWeightsFirst = kScales + kG + 1 + kSums <= kRegisters;
+  constexpr bool kWeightsFirst = kScales + kStep * kG + 1 + kSums <= kRegisters;
   const int64_t span = kInt8 ? kGroup : k_dim;  // k per group (f32: one span)
   const int64_t steps = kAll / kG * k_dim;
   int64_t issued = 0;
@@ -120,7 +142,7 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const uint16_t*
     // Vector g + j of the tile: columns kLanes (g + j) .., in panel (g + j) / kVecs.
     const auto weights = [&](int j, int64_t k) {
       const int v = g + j;
-      return panels + (v / kVecs) * k_dim * kPanel + k * kPanel + kLanes * (v % kVecs);
+      return panels + (v / kVecs) * PanelSize<W>(k_dim) + k / kStep * kPanel + kLanes * (v % kVecs);
     };
     // Int8: vector j's scales or offsets for the group of 32 k from k.
     const auto group = [&](const uint16_t* a, int j, int64_t k) {
@@ -128,11 +150,15 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const uint16_t*
       return LoadHalf(a + ((v / kVecs) * k_dim + k) / kGroup * kPanel + kLanes * (v % kVecs));
     };
     Vec sv[kG], ov[kG];  // dequantizing: the current group's
-    const auto weight = [&](int j, int64_t k) {
-      if constexpr (kInt8 && !kGroupSums) {
-        return Fma(Load(weights(j, k)), sv[j], ov[j]);
+    // Vector j's weights of k .. k + kStep - 1 into w[0 .. kStep).
+    const auto weight = [&](int j, int64_t k, Vec* w) {
+      if constexpr (kStep == 2) {
+        LoadNibbles(weights(j, k), w[0], w[1]);
       } else {
-        return Load(weights(j, k));
+        w[0] = Load(weights(j, k));
+      }
+      if constexpr (kInt8 && !kGroupSums) {
+        for (int h = 0; h < kStep; ++h) w[h] = Fma(w[h], sv[j], ov[j]);
       }
     };
     Vec acc[kM][kG], part[kM][kG];
@@ -155,32 +181,42 @@ inline void Tile(const float* x, int64_t k_dim, const W* panels, const uint16_t*
       } else if constexpr (kInt8) {
         for (int j = 0; j < kG; ++j) sv[j] = group(scale, j, k0), ov[j] = group(offset, j, k0);
       }
-      for (int64_t k = k0; k < k0 + span; ++k) {
-        const int64_t step = g / kG * k_dim + k;
+      for (int64_t k = k0; k < k0 + span; k += kStep) {
+        const int64_t step = g / kG * k_dim + k + kStep - 1;
         for (; issued * steps < (step + 1) * pf_lines; ++issued) PrefetchL2(pf + 64 * issued);
         if constexpr (kM > 1 || kInt8) {  // see kPrefetchK
           // The pass's weights of one k span up to three cache lines a panel (int8: the next
           // k's line is the same or the one after); prefetching past the end is harmless.
           for (int j = 0; j < kG; j += kPanelVecs) {
-            const char* ahead = reinterpret_cast<const char*>(weights(j, k + kPrefetchK));
+            const char* ahead = reinterpret_cast<const char*>(weights(j, k + kPrefetchK * kStep));
             const int64_t bytes = kInt8 ? 1 : kPanelVecs * kLanes * sizeof(W);
             for (int64_t b = 0; b < bytes; b += 64) Prefetch(ahead + b);
           }
         }
-        const auto xk = [&](int m) { return kPackedX ? x[k * kRowTile + m] : x[m * k_dim + k]; };
+        const auto xk = [&](int m, int64_t kk) {
+          return kPackedX ? x[kk * kRowTile + m] : x[m * k_dim + kk];
+        };
+        // Per k, in order (4-bit: the pair's first k, then its second, as int8 sums them).
         if constexpr (kWeightsFirst) {
-          Vec wv[kG];
-          for (int j = 0; j < kG; ++j) wv[j] = weight(j, k);
-          for (int m = 0; m < kM; ++m) {
-            const Vec xv = Broadcast(xk(m));
-            for (int j = 0; j < kG; ++j) sums[m][j] = Fma(xv, wv[j], sums[m][j]);
+          Vec wv[kG][kStep];
+          for (int j = 0; j < kG; ++j) weight(j, k, wv[j]);
+          for (int h = 0; h < kStep; ++h) {
+            for (int m = 0; m < kM; ++m) {
+              const Vec xv = Broadcast(xk(m, k + h));
+              for (int j = 0; j < kG; ++j) sums[m][j] = Fma(xv, wv[j][h], sums[m][j]);
+            }
           }
         } else {
-          Vec xv[kM];
-          for (int m = 0; m < kM; ++m) xv[m] = Broadcast(xk(m));
+          Vec xv[kStep][kM];
+          for (int h = 0; h < kStep; ++h) {
+            for (int m = 0; m < kM; ++m) xv[h][m] = Broadcast(xk(m, k + h));
+          }
           for (int j = 0; j < kG; ++j) {
-            const Vec wv = weight(j, k);
-            for (int m = 0; m < kM; ++m) sums[m][j] = Fma(xv[m], wv, sums[m][j]);
+            Vec wv[kStep];
+            weight(j, k, wv);
+            for (int h = 0; h < kStep; ++h) {
+              for (int m = 0; m < kM; ++m) sums[m][j] = Fma(xv[h][m], wv[h], sums[m][j]);
+            }
           }
         }
       }
@@ -238,7 +274,7 @@ template <typename W, bool kPackedX = false>
 void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
                const uint16_t* scale, const uint16_t* offset, const float* xsum, float* y,
                int64_t n_dim, int64_t cols) {
-  const int64_t panel_bytes = k_dim * kPanel * static_cast<int64_t>(sizeof(W));
+  const int64_t panel_bytes = PanelSize<W>(k_dim) * static_cast<int64_t>(sizeof(W));
   const int64_t pair = PanelsPerTile(m);
   const int64_t block = std::max<int64_t>(pair, kBlockBytes / panel_bytes / pair * pair);
   const int64_t row_tiles = (m + kRowTile - 1) / kRowTile;
@@ -248,7 +284,7 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
     // prefetcher keeps up with the stream, and extra prefetches only compete with it).
     const int64_t next_panels = std::min(num_panels, b1 + block) - b1;
     const int64_t next_lines = m > 2 ? next_panels * panel_bytes / 64 : 0;
-    const char* next = reinterpret_cast<const char*>(w + b1 * k_dim * kPanel);
+    const char* next = reinterpret_cast<const char*>(w + b1 * PanelSize<W>(k_dim));
     int64_t job = 0;
     const int64_t jobs = row_tiles * (b1 - b);
     for (int64_t r = 0; r < m; r += kRowTile) {
@@ -258,7 +294,7 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
           const int64_t col = p * kPanel;
           const int64_t first = job * next_lines / jobs, last = (job + kP) * next_lines / jobs;
           const int64_t at = p * k_dim / kGroup * kPanel;  // the panel's group scales
-          Tile<kM, kP, W, kPackedX>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
+          Tile<kM, kP, W, kPackedX>(x + r * k_dim, k_dim, w + p * PanelSize<W>(k_dim),
                                     scale != nullptr ? scale + at : nullptr,
                                     offset != nullptr ? offset + at : nullptr,
                                     xsum != nullptr ? xsum + r * k_dim / kGroup : nullptr,
@@ -283,7 +319,7 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const uint16_t
                const uint16_t* offset, float* y, int64_t m, int64_t k_dim, int64_t n_dim) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t work = m * k_dim * n_dim * static_cast<int64_t>(sizeof(W));
+  const int64_t work = m * k_dim * n_dim * static_cast<int64_t>(sizeof(W)) / kPerByte<W>;
   const int64_t num_chunks = work < (256 << 10) ? 1 : std::min(panels, threads);
   // Whole tiles per chunk: panels in pairs where a tile reads two.
   const int64_t pair = PanelsPerTile(m);
@@ -317,7 +353,7 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const uint16_t
     const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);
     if (p0 >= p1) return;
     if (sizeof(W) == 4 || m <= kRowTile) {
-      PanelRows<W>(x, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
+      PanelRows<W>(x, m, k_dim, w + p0 * PanelSize<W>(k_dim), p1 - p0,
                    scale != nullptr ? scale + p0 * groups * kPanel : nullptr,
                    offset != nullptr ? offset + p0 * groups * kPanel : nullptr,
                    xsum.empty() ? nullptr : xsum.data(), y + p0 * kPanel, n_dim,
@@ -330,7 +366,7 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const uint16_t
     converted.resize(k_dim * kPanel);
     factors.resize(2 * groups * kPanel);  // the panel's scales, then its offsets, as f32
     for (int64_t p = p0; p < p1; ++p) {
-      const W* panel = w + p * k_dim * kPanel;
+      const W* panel = w + p * PanelSize<W>(k_dim);
       for (int64_t i = 0; i < groups * kPanel; ++i) {
         factors[i] = HalfToFloat(scale[p * groups * kPanel + i]);
         factors[groups * kPanel + i] = HalfToFloat(offset[p * groups * kPanel + i]);
@@ -338,7 +374,7 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const uint16_t
       const float *s = factors.data(), *o = s + groups * kPanel;
       for (int64_t i = 0; i < k_dim * kPanel; ++i) {
         const int64_t at = i / (kGroup * kPanel) * kPanel + i % kPanel;
-        converted[i] = static_cast<float>(panel[i]) * s[at] + o[at];
+        converted[i] = Level(panel, i) * s[at] + o[at];
       }
       PanelRows<float>(x, m, k_dim, converted.data(), 1, nullptr, nullptr, nullptr,
                        y + p * kPanel, n_dim, n_dim - p * kPanel);
@@ -346,12 +382,13 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const uint16_t
   });
 }
 
-// Checks x [M, K], w [P, K, 48] and y [M, N] with 48 (P - 1) < N <= 48 P.
+// Checks x [M, K], w [P, K / per_byte, 48] and y [M, N] with 48 (P - 1) < N <= 48 P.
 ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
-                       ffi::Span<const int64_t> yd) {
+                       ffi::Span<const int64_t> yd, int64_t per_byte = 1) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
-      xd[1] != wd[1] || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel) {
-    return ffi::Error::InvalidArgument("matmul: x [M, K] @ w [P, K, 48] -> y [M, N], 48 (P - 1) < N <= 48 P");
+      xd[1] != wd[1] * per_byte || yd[0] != xd[0] || yd[1] > wd[0] * kPanel ||
+      yd[1] <= (wd[0] - 1) * kPanel) {
+    return ffi::Error::InvalidArgument("matmul: x [M, K] @ w [P, K, 48] (4-bit: [P, K / 2, 48]) -> y [M, N], 48 (P - 1) < N <= 48 P");
   }
   return ffi::Error::Success();
 }
@@ -365,19 +402,22 @@ ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                      ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = CheckShapes(x.dimensions(), q.dimensions(), y->dimensions()); e.failure()) return e;
+// Int8 (W = int8_t) or 4-bit levels (W = uint8_t) with their group scales and offsets.
+template <typename W, ffi::DataType kType>
+ffi::Error MatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kType> q,
+                         ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
+                         ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = q.dimensions();
+  if (auto e = CheckShapes(xd, qd, y->dimensions(), kPerByte<W>); e.failure()) return e;
   for (const auto& d : {scale.dimensions(), offset.dimensions()}) {
     if (xd[1] % kGroup != 0 || d.size() != 3 || d[0] != qd[0] || d[1] != xd[1] / kGroup ||
         d[2] != kPanel) {
-      return ffi::Error::InvalidArgument("matmul: scale, offset [P, K / 32, 48] for q [P, K, 48]");
+      return ffi::Error::InvalidArgument("matmul: scale, offset [P, K / 32, 48] for q of K k");
     }
   }
-  RunMatmul<int8_t>(pool, x.typed_data(), q.typed_data(), scale.typed_data(),
-                    offset.typed_data(), y->typed_data(), xd[0], xd[1], y->dimensions()[1]);
+  RunMatmul<W>(pool, x.typed_data(), reinterpret_cast<const W*>(q.typed_data()),
+               scale.typed_data(), offset.typed_data(), y->typed_data(), xd[0], xd[1],
+               y->dimensions()[1]);
   return ffi::Error::Success();
 }
 
@@ -390,11 +430,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, MatmulF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, MatmulInt8,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, (MatmulGrouped<int8_t, ffi::S8>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt4, (MatmulGrouped<uint8_t, ffi::U8>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

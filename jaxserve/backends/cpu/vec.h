@@ -1,6 +1,6 @@
 // The matmul's SIMD vocabulary per instruction set: a vector of float32 lanes (16 on AVX-512,
-// 8 on AVX2+FMA, a portable 16-lane struct elsewhere), its loads (float32; int8 and float16
-// widened), broadcasts, FMAs, partial loads and stores, and prefetches.
+// 8 on AVX2+FMA, a portable 16-lane struct elsewhere), its loads (float32; int8, 4-bit levels
+// and float16 widened), broadcasts, FMAs, partial loads and stores, and prefetches.
 
 #ifndef JAXSERVE_CPU_VEC_H_
 #define JAXSERVE_CPU_VEC_H_
@@ -35,6 +35,12 @@ inline Vec Load(const int8_t* p) {
 inline Vec LoadHalf(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// 16 bytes of 4-bit levels: their low nibbles (one k) into lo, their high nibbles (the next) into hi.
+inline void LoadNibbles(const uint8_t* p, Vec& lo, Vec& hi) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+  hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
 inline Vec Broadcast(float v) { return _mm512_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline __mmask16 Lanes(int64_t n) {
@@ -62,6 +68,12 @@ inline Vec LoadHalf(const uint16_t* p) {
   return _mm256_load_ps(v);
 #endif
 }
+// 8 bytes of 4-bit levels: their low nibbles (one k) into lo, their high nibbles (the next) into hi.
+inline void LoadNibbles(const uint8_t* p, Vec& lo, Vec& hi) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
 inline Vec Broadcast(float v) { return _mm256_set1_ps(v); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline __m256i Lanes(int64_t n) {
@@ -88,6 +100,9 @@ inline Vec LoadHalf(const uint16_t* p) {
   Vec r;
   for (int i = 0; i < 16; ++i) r.v[i] = HalfToFloat(p[i]);
   return r;
+}
+inline void LoadNibbles(const uint8_t* p, Vec& lo, Vec& hi) {
+  for (int i = 0; i < 16; ++i) lo.v[i] = p[i] & 15, hi.v[i] = p[i] >> 4;
 }
 inline Vec Broadcast(float x) {
   Vec r;
