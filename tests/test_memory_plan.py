@@ -63,6 +63,39 @@ def test_num_pages_overrides_the_budget():
     assert engine.stats()["activation_peak_bytes"] is None
 
 
+def test_a_draft_model_pays_its_weights_and_pages_from_the_budget():
+    """Speculative method "draft" with the target as its own draft: the plan counts both
+    models' weights and both pools' pages (as many pages each), and the engine serves greedy
+    tokens equal to plain decoding from the planned pools."""
+    loaded, budget = wide_loaded(), 512 * MIB
+    options = dict(memory_budget_bytes=budget, page_size=16, max_num_seqs=4,
+                   max_num_batched_tokens=128)
+    plain = LLMEngine(EngineConfig(**options), loaded)
+    spec = {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}
+    drafted = LLMEngine(EngineConfig(speculative_config=spec, **options), loaded,
+                        draft_loaded=loaded)
+    p, d = plain.memory_plan, drafted.memory_plan
+    assert d.weight_bytes == 2 * p.weight_bytes and d.page_bytes == 2 * p.page_bytes
+    assert d.planned_bytes + d.margin_bytes <= budget
+    stats = drafted.stats()
+    assert stats["draft_kv_pool_bytes"] == stats["kv_pool_bytes"] == d.kv_pool_bytes // 2
+    assert drafted.num_pages == drafted.scheduler.pool.num_pages == d.num_pages
+    prompts = [list(range(5, 40)), list(range(100, 117)) * 3]
+    for engine in (plain, drafted):
+        for i, ids in enumerate(prompts):
+            engine.add_request({"prompt_token_ids": ids}, SamplingParams(
+                temperature=0, max_tokens=24, ignore_eos=True), request_id=str(i))
+    tokens = []
+    for engine in (plain, drafted):
+        out = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out[o.request_id] = o.outputs[0].token_ids
+        tokens.append(out)
+    assert tokens[0] == tokens[1] and len(tokens[0]["1"]) == 24
+    assert drafted.stats()["spec_accepted_tokens"] > 0
+
+
 def test_the_activation_peak_does_not_depend_on_the_pool_size():
     """The plan reads the largest step's temporaries on a 2-page probe pool and then sizes the
     pool: valid only because a step's temporaries do not grow with the pool."""
