@@ -11,14 +11,18 @@ import math
 from typing import Any
 
 
-ROPE_SCALINGS = ("linear", "llama3", "yarn")
+ROPE_SCALINGS = ("linear", "llama3", "yarn", "freq_factors")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")  # SwiGLU (Llama); GeGLU with tanh-approximated gelu (Gemma)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Rotary scaling past the pretrained context, as Hugging Face's rope_type names it
-    (jaxserve/model/rope.py computes it). "dynamic" (NTK) is refused: its frequencies depend on
-    the sequence's length, so a cached page's keys would not match a later step's."""
+    (jaxserve/model/rope.py computes it), or "freq_factors": a divisor per rotated pair as
+    llama.cpp stores a scaling in GGUF (its rope_freqs tensor, e.g. llama3's). "dynamic" (NTK) is
+    refused: its frequencies depend on the sequence's length, so a cached page's keys would not
+    match a later step's."""
 
     rope_type: str
     factor: float
@@ -31,6 +35,7 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: correction range to whole dimensions
+    freq_factors: tuple[float, ...] | None = None  # freq_factors: one per rotated pair
 
     def __post_init__(self):
         if self.rope_type == "dynamic":
@@ -41,7 +46,9 @@ class RopeScaling:
                              f"{ROPE_SCALINGS})")
         if not self.factor or self.factor <= 0:
             raise ValueError(f"rope scaling factor must be > 0, got {self.factor!r}")
-        if self.rope_type != "linear" and not self.original_max_position_embeddings:
+        if (self.rope_type == "freq_factors") != (self.freq_factors is not None):
+            raise ValueError("freq_factors (and only it) takes a divisor per rotated pair")
+        if self.rope_type in ("llama3", "yarn") and not self.original_max_position_embeddings:
             raise ValueError(f"rope scaling {self.rope_type!r} needs "
                              "original_max_position_embeddings")
 
@@ -67,6 +74,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
     rope_scaling: RopeScaling | None = None
+    # Sliding-window attention: a windowed layer's query at position p attends keys at
+    # positions > p - sliding_window. layer_types names each layer's kind (LAYER_TYPES); None
+    # with a window: every layer is windowed (Mistral).
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # rope base of sliding layers (Gemma 3); None: rope_theta
+    mlp_activation: str = "silu"
+    embed_scale: bool = False  # embeddings times sqrt(hidden), rounded to the model dtype (Gemma)
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + weight) (Gemma: 1)
+    sandwich_norms: bool = False  # norms after attention and MLP too, before the residual (Gemma 2/3)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -76,6 +96,44 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"mlp activation {self.mlp_activation!r} is not supported "
+                             f"(supported: {MLP_ACTIVATIONS})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model "
+                                 f"has {self.num_layers}")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"layer type(s) {unknown} are not supported (supported: "
+                                 f"{LAYER_TYPES})")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("sliding_attention layers need a sliding_window")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends its whole context)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window when every layer is windowed: keys older than it are never read again, so
+        their pages can be released (core/kv_manager.py). None when any layer attends all."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return None if None in windows else self.sliding_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     def kv_bytes_per_token(self, dtype_bytes: int, scale_bytes: int = 0) -> int:
         """2 (K and V) * layers * KV heads * (head dim * bytes per scalar + bytes of the scale
@@ -104,7 +162,8 @@ def kv_heads_per_device(num_kv_heads: int, tensor_parallel_size: int) -> int:
     return max(hkv // tp, 1)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
+DRAFT_QUANTIZATIONS = ("none", "int8")
 MAX_SPECULATIVE_TOKENS = 16
 
 
@@ -115,12 +174,16 @@ class SpeculativeConfig:
     the target's own (greedy: token for token; sampled: the same distribution, and the same
     tokens for a seed). "ngram": prompt lookup, the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens (n from prompt_lookup_max down to
-    prompt_lookup_min)."""
+    prompt_lookup_min). "draft": a smaller model sharing the target's tokenizer (`model`; None
+    or the target's own name: the target's weights, as self-speculation with
+    quantization="int8") proposes greedily, one token after another."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    model: str | None = None  # "draft": name or path; None: the target's own weights
+    quantization: str = "none"  # "draft": the draft's weights, "none" or "int8"
     # Choose the drafts per step from measured costs (0 where speculation does not pay, as in
     # a large batch on hardware whose step time grows with its tokens); False: always k.
     adaptive: bool = True
@@ -135,6 +198,12 @@ class SpeculativeConfig:
                              f"{MAX_SPECULATIVE_TOKENS}, got {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative adaptive must be a bool, got {self.adaptive!r}")
+        if self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"speculative quantization must be one of {DRAFT_QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
+        if self.method != "draft" and (self.model is not None or self.quantization != "none"):
+            raise ValueError(f"a speculative model and quantization belong to method 'draft', "
+                             f"not {self.method!r}")
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
             raise ValueError(f"prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max, "
@@ -162,6 +231,9 @@ PALLAS_KERNELS = ("auto", "tpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 QUANTIZATIONS = ("none", "int8", "bf16")
+# An accelerator engine's share of its allocator's memory when no budget or pool size is given:
+# vLLM's default, leaving a tenth for what no plan sees (other processes' contexts, fragmentation).
+DEFAULT_MEMORY_UTILIZATION = 0.9
 # Bytes of a KV slot's scalar, and of the float32 scale an int8 slot keeps per KV head.
 KV_SCALAR_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 KV_SCALE_BYTES = {"int8": 4}
@@ -195,8 +267,15 @@ class EngineConfig:
     # and debugging) "tpu" unless "gpu" is asked for.
     pallas_kernels: str = "auto"
     page_size: int = 16
-    num_pages: int | None = None  # total pages including the reserved scratch page 0
-    kv_cache_bytes: int | None = None  # alternative to num_pages: a KV memory budget
+    # The engine's memory per device, planned once (engine/memory_plan.py): weights, the largest
+    # step's activations and the runtime measured, the KV pool gets the rest. Either bytes, or a
+    # fraction of the device's memory (an accelerator's allocator limit; on CPU, physical RAM).
+    # Neither: DEFAULT_MEMORY_UTILIZATION on accelerators; on CPU the pool sizes below.
+    memory_budget_bytes: int | None = None
+    memory_utilization: float | None = None
+    # Overrides of the plan: the pool's size, as pages (scratch page 0 included) or KV bytes.
+    num_pages: int | None = None
+    kv_cache_bytes: int | None = None
     max_model_len: int | None = None  # defaults to the model's context length
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -253,6 +332,12 @@ class EngineConfig:
               f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         check(self.num_pages is None or self.kv_cache_bytes is None,
               "give num_pages or kv_cache_bytes, not both")
+        check(self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
+              f"memory_budget_bytes must be > 0, got {self.memory_budget_bytes}")
+        check(self.memory_utilization is None or 0.0 < self.memory_utilization <= 1.0,
+              f"memory_utilization must be in (0, 1], got {self.memory_utilization}")
+        check(self.memory_budget_bytes is None or self.memory_utilization is None,
+              "give memory_budget_bytes or memory_utilization, not both")
         check(self.max_model_len is None or self.max_model_len >= 2,
               f"max_model_len must be >= 2, got {self.max_model_len}")
         check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -272,6 +357,10 @@ class EngineConfig:
               "num_processes > 1 needs coordinator_address (host:port of process 0)")
         check(isinstance(self.distributed_timeout_s, int) and self.distributed_timeout_s >= 1,
               f"distributed_timeout_s must be an integer >= 1, got {self.distributed_timeout_s!r}")
+        spec = self.speculative_config
+        check(self.num_processes == 1 or spec is None or spec.method != "draft",
+              "speculative method 'draft' runs its model on process 0 alone; with "
+              "num_processes > 1 use method 'ngram'")
         check(self.num_processes == 1 or self.data_parallel_size == 1,
               "several processes serve one tensor-parallel engine; data_parallel_size must be 1")
         check(self.max_waiting is None or self.max_waiting >= 0,
@@ -298,12 +387,24 @@ class EngineConfig:
         """One token's KV bytes over all layers, scales included."""
         return model.kv_bytes_per_token(*kv_slot_bytes(self.resolved_kv_cache_dtype))
 
-    def resolve_num_pages(self, model: ModelConfig, max_model_len: int) -> int:
+    def planned_utilization(self, platform: str) -> float | None:
+        """memory_utilization, or the accelerator default when nothing sizes the pool."""
+        sized = (self.memory_budget_bytes, self.num_pages, self.kv_cache_bytes)
+        if self.memory_utilization is None and platform != "cpu" and sized == (None,) * 3:
+            return DEFAULT_MEMORY_UTILIZATION
+        return self.memory_utilization
+
+    def resolve_num_pages(self, model: ModelConfig, max_model_len: int,
+                          draft: ModelConfig | None = None) -> int:
         """Total pages (scratch page 0 included) from num_pages, a byte budget, or a default
-        that holds max_num_seqs sequences of min(max_model_len, 512) tokens each."""
+        that holds max_num_seqs sequences of min(max_model_len, 512) tokens each. A draft
+        model's pool (speculative method "draft") has as many pages, of its own shape: a byte
+        budget pays for both."""
         if self.num_pages is not None:
             return self.num_pages
         page_bytes = self.kv_bytes_per_token(model) * self.page_size
+        if draft is not None:
+            page_bytes += self.kv_bytes_per_token(draft) * self.page_size
         if self.kv_cache_bytes is not None:
             pages = self.kv_cache_bytes // page_bytes
             if pages < 2:

@@ -46,6 +46,7 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         for p in params:
             p.validate()
+            self.engine.check_params(p)  # logit_bias ids, the grammar (compiled and cached)
         tokenized = [self.engine.tokenize(p) for p in prompts]  # raises before anything is queued
         added: list[str] = []
         try:

@@ -14,6 +14,11 @@ block. Entries past a sequence's length, and the scratch page 0, may hold garbag
 are masked with a select (not an add) and V rows outside the valid length are zeroed with a
 select, so nothing from them reaches the output (0 * NaN would be NaN).
 
+Sliding windows and soft-capping (keyword-only, None: off): with `window` W the query at position
+p attends only keys at positions > p - W (the pages before may be anything, e.g. the scratch page
+0 once the KV manager released them); with `soft_cap` C each scaled score s becomes
+C * tanh(s / C) before masking and the softmax (Gemma 2).
+
 Quantized pools: int8 pages i8[Hkv, N, B, D] come with a scale per token and KV head,
 k_scale/v_scale f32[Hkv, N, B], and mean k_pages * k_scale[..., None] (`dequantize_pages`);
 float pages have no scales. Scales of unused slots may be garbage or NaN too.
@@ -46,13 +51,15 @@ def _gather_kv(pages: jax.Array, page_tables: jax.Array, scale=None) -> jax.Arra
     return jnp.swapaxes(gathered, 0, 1).astype(jnp.float32)
 
 
-def _masked_attention(q, k, v, valid, sm_scale):
+def _masked_attention(q, k, v, valid, sm_scale, soft_cap=None):
     """Grouped softmax attention with a boolean mask.
 
     q: f32[R, Hkv, G, D]; k, v: f32[R, Hkv, L, D]; valid: bool[R, L] -> f32[R, Hkv, G, D].
     A row with no valid key gives zeros.
     """
     scores = jnp.einsum("rhgd,rhld->rhgl", q, k, precision=_HIGHEST) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     mask = valid[:, None, None, :]
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
@@ -74,8 +81,11 @@ def ref_paged_decode_attention(
     sm_scale: float,
     k_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
     v_scale: jax.Array | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # f[S, Hq, D] in q.dtype
-    """Query of row s (position seq_lens[s]-1) attends to KV positions 0..seq_lens[s]-1."""
+    """Query of row s (position seq_lens[s]-1) attends to KV positions 0..seq_lens[s]-1 (the
+    last `window` of them)."""
     num_seqs, num_q_heads, head_dim = q.shape
     num_kv_heads = k_pages.shape[0]
     group = num_q_heads // num_kv_heads
@@ -83,8 +93,10 @@ def ref_paged_decode_attention(
     v = _gather_kv(v_pages, page_tables, v_scale)
     positions = jnp.arange(k.shape[2], dtype=jnp.int32)
     valid = positions[None, :] < seq_lens[:, None]  # [S, P*B]
+    if window is not None:
+        valid &= positions[None, :] >= seq_lens[:, None] - window
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
-    out = _masked_attention(qg, k, v, valid, sm_scale)
+    out = _masked_attention(qg, k, v, valid, sm_scale, soft_cap)
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -99,11 +111,14 @@ def ref_ragged_paged_attention(
     sm_scale: float,
     k_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
     v_scale: jax.Array | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; padding rows are zeros
     """The semantics of every platform's `ragged_paged_attention`: rows in any order, each a
     decode row (one query token), a prefill chunk (many) or padding (none); row s's queries are
     its last query_start[s+1] - query_start[s] positions, and the one at position p attends to KV
-    positions 0..p (earlier pages included). Tokens past query_start[S] give zeros."""
+    positions 0..p (earlier pages included; with a window only p - window + 1..p), scores
+    soft-capped by soft_cap. Tokens past query_start[S] give zeros."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_seqs = page_tables.shape[0]
     num_kv_heads = k_pages.shape[0]
@@ -118,13 +133,17 @@ def ref_ragged_paged_attention(
     v = _gather_kv(v_pages, page_tables, v_scale)[owner]
     key_pos = jnp.arange(k.shape[2], dtype=jnp.int32)
     valid = is_query[:, None] & (key_pos[None, :] <= position[:, None])  # [T, P*B]
+    if window is not None:
+        valid &= key_pos[None, :] > position[:, None] - window
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    out = _masked_attention(qg, k, v, valid, sm_scale)
+    out = _masked_attention(qg, k, v, valid, sm_scale, soft_cap)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
 def ref_ragged_paged_attention_f64(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
-                                   sm_scale: float, k_scale=None, v_scale=None) -> np.ndarray:
+                                   sm_scale: float, k_scale=None, v_scale=None,
+                                   window: int | None = None,
+                                   soft_cap: float | None = None) -> np.ndarray:
     """The same semantics in float64 numpy, written independently (each row's pages concatenated
     into a contiguous KV, a plain causal softmax per query head): the oracle the kernels and the
     jnp reference are both measured against. Returns f64[T, Hq, D]."""
@@ -148,7 +167,16 @@ def ref_ragged_paged_attention_f64(q, k_pages, v_pages, page_tables, seq_lens, q
         positions = seq_len - (q_hi - q_lo) + np.arange(q_hi - q_lo)
         for hq in range(q.shape[1]):
             scores = q[q_lo:q_hi, hq] @ k[hq // group].T * sm_scale  # [q_len, L]
-            scores = np.where(np.arange(seq_len)[None] <= positions[:, None], scores, -np.inf)
+            if soft_cap is not None:
+                scores = soft_cap * np.tanh(scores / soft_cap)
+            keys = np.arange(seq_len)[None]
+            seen = keys <= positions[:, None]
+            if window is not None:
+                seen &= keys > positions[:, None] - window
+            scores = np.where(seen, scores, -np.inf)
             w = np.exp(scores - scores.max(axis=1, keepdims=True))
-            out[q_lo:q_hi, hq] = (w / w.sum(axis=1, keepdims=True)) @ v[hq // group]
+            w = w / w.sum(axis=1, keepdims=True)
+            # Keys before a window may be garbage (released pages): only weighted ones count.
+            out[q_lo:q_hi, hq] = np.where(seen[..., None], w[..., None] * v[hq // group][None],
+                                          0).sum(axis=1)
     return out

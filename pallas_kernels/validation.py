@@ -77,9 +77,14 @@ def check_page_values(page_tables, seq_lens, num_pages: int, page_size: int) -> 
 
 
 def validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale=None,
-                    v_scale=None) -> None:
+                    v_scale=None, *, window=None, soft_cap=None) -> None:
     """Every check of the ragged contract; call outside jit to check values too."""
     check_pool(q, k_pages, v_pages, page_tables, seq_lens, k_scale, v_scale)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
+        raise ValueError(f"soft_cap must be a positive number or None, got {soft_cap!r}")
     num_seqs = page_tables.shape[0]
     if query_start.shape != (num_seqs + 1,) or query_start.dtype != jnp.int32:
         raise ValueError(f"query_start must be i32[S+1] with S={num_seqs}, got "

@@ -2,6 +2,8 @@
 
   python scripts/bench_speculative.py                                # k = 4, both workloads
   python scripts/bench_speculative.py --num_speculative_tokens=8 --concurrency=1,64
+  python scripts/bench_speculative.py --speculative_method=draft --speculative_quantization=int8
+                                     # self-speculation: the target's own weights in int8
 
 Workloads (configs/speculative_prompts.json): "grounded" prompts copy, edit or summarise text
 they contain (prompt lookup's case), "open" chat questions. For each workload and concurrency
@@ -23,7 +25,13 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 FLAGS = flags.FLAGS
+flags.DEFINE_enum("speculative_method", "ngram", ["ngram", "draft"],
+                  "ngram: prompt lookup; draft: a draft model.")
 flags.DEFINE_integer("num_speculative_tokens", 8, "Drafts per sequence and step (k).")
+flags.DEFINE_string("speculative_model", None, "Draft model (draft); default: the target's own.")
+flags.DEFINE_enum("speculative_quantization", "none", ["none", "int8"],
+                  "The draft's weights (draft).")
+flags.DEFINE_bool("speculative_adaptive", True, "Drafts per step from measured costs.")
 flags.DEFINE_integer("prompt_lookup_min", 2, "Shortest n-gram matched.")
 flags.DEFINE_integer("prompt_lookup_max", 4, "Longest n-gram matched.")
 flags.DEFINE_list("concurrency", ["1", "64"], "Requests in flight at once.")
@@ -75,11 +83,17 @@ def main(argv):
     for concurrency in map(int, FLAGS.concurrency):
         options = dict(max_num_seqs=max(concurrency, 1), enable_prefix_caching=False,
                        num_pages=max(64, concurrency * 24))
+        spec_config = {"method": FLAGS.speculative_method,
+                       "num_speculative_tokens": FLAGS.num_speculative_tokens,
+                       "adaptive": FLAGS.speculative_adaptive}
+        if FLAGS.speculative_method == "ngram":
+            spec_config.update(prompt_lookup_min=FLAGS.prompt_lookup_min,
+                               prompt_lookup_max=FLAGS.prompt_lookup_max)
+        else:
+            spec_config.update(model=FLAGS.speculative_model,
+                               quantization=FLAGS.speculative_quantization)
         engines = {"plain": make(**options),
-                   "spec": make(**options, speculative_config={
-                       "method": "ngram", "num_speculative_tokens": FLAGS.num_speculative_tokens,
-                       "prompt_lookup_min": FLAGS.prompt_lookup_min,
-                       "prompt_lookup_max": FLAGS.prompt_lookup_max})}
+                   "spec": make(**options, speculative_config=spec_config)}
         for llm in engines.values():
             llm.engine.warmup()
         for name in FLAGS.workloads:
@@ -95,8 +109,7 @@ def main(argv):
                    "tokens_per_verification": ((counts["spec_accepted_tokens"]
                                                 + counts["spec_steps"]) / counts["spec_steps"]
                                                if counts["spec_steps"] else 0.0),
-                   "identical": plain_out == spec_out, **counts,
-                   "num_speculative_tokens": FLAGS.num_speculative_tokens}
+                   "identical": plain_out == spec_out, **counts, **spec_config}
             results.append(row)
             print(f"{name:<10}{concurrency:>6}{plain:>13.1f}{spec:>12.1f}{spec / plain:>9.2f}x"
                   f"{100 * row['acceptance_rate']:>9.0f}%{row['tokens_per_verification']:>11.2f}"

@@ -100,7 +100,7 @@ def dense_logprobs(cfg, params, token_ids, int8_kv: bool = False):
                                           lp["w_gate_up"]), 2, axis=-1)
         x = x + llama.matmul(jax.nn.silu(gate) * up, lp["w_down"])
     hidden = llama.rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    return jax.nn.log_softmax(llama.logits(params, hidden[:n]), axis=-1)
+    return jax.nn.log_softmax(llama.logits(params, hidden[:n], cfg), axis=-1)
 
 
 def mean_kl(loaded, sequences, fmt: str, reference) -> float:

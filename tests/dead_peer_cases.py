@@ -31,7 +31,7 @@ def main() -> None:
     engine = make_engine(config, random_model(SMOL_SHAPED, seed=3, weight_scale=0.3))
     print("joined", flush=True)
     if process_id == 0:
-        params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)  # 13 of the 15 pages
         LLM.from_engine(engine).generate([[1, 2, 3]], params, use_tqdm=False)
         engine.stop_followers()
         return

@@ -147,6 +147,7 @@ def run_to_completion(scheduler: Scheduler, requests, *, abort_at: dict[int, lis
         all_requests.append(req)
     abort_at = abort_at or {}
     plans, step = [], 0
+    reported = set()  # requests update() returned finished
     ahead_plan = None  # (plan, sampled) run ahead, applied in the next iteration
     last_event = max(list(arrivals) + list(abort_at) + [0])
     while step <= last_event or scheduler.has_unfinished() or ahead_plan is not None:
@@ -170,6 +171,7 @@ def run_to_completion(scheduler: Scheduler, requests, *, abort_at: dict[int, lis
                 scheduler.check_invariants()
         returned = scheduler.update(plan, sampled)
         assert len({id(r) for r in returned}) == len(returned), "a request returned twice"
+        reported.update(r.request_id for r in returned if r.is_finished)
         if check:
             scheduler.check_invariants()
         if keep_plans:
@@ -179,6 +181,10 @@ def run_to_completion(scheduler: Scheduler, requests, *, abort_at: dict[int, lis
     assert st["referenced_pages"] == 0 and st["running"] == 0 and st["waiting"] == 0
     assert st["free_pages"] + st["cached_pages"] == st["total_pages"]
     scheduler.check_invariants()
+    for r in all_requests:  # aborts are the caller's to report; every other finish is update()'s
+        assert r.request_id in reported or any(
+            s.status is SequenceStatus.FINISHED_ABORTED for s in r.sequences), \
+            f"{r.request_id} finished unreported"
     return RunResult(
         outputs={r.request_id: [s.output_token_ids for s in r.sequences] for r in all_requests},
         finish_reasons={r.request_id: [s.status.finish_reason for s in r.sequences] for r in all_requests},

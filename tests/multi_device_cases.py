@@ -59,7 +59,7 @@ def serve(loaded, max_tokens: int = 20, **options) -> dict:
     stats = llm.stats()
     drafted = sum(sum(r["spec_drafted_per_position"]) for r in stats.get("replicas", [stats]))
     keep = ("referenced_pages", "preemptions", "prefix_cache_hits", "kv_pool_bytes",
-            "kv_pool_bytes_per_device", "param_bytes", "param_bytes_per_device")
+            "kv_pool_bytes_per_device", "weight_bytes", "weight_bytes_per_device")
     return {"outputs": [o.outputs[0].token_ids for o in outs],
             "stats": {**{k: stats[k] for k in keep},
                       "spec_drafted": drafted},
@@ -148,6 +148,16 @@ def main() -> None:
     run = serve(tiny, max_tokens=PALLAS_TOKENS, tensor_parallel_size=2,
                 attention_backend="pallas", pallas_kernels="tpu")
     runs["tiny-tp2-pallas"] = {k: v for k, v in run.items() if k != "engine"}
+    # Windows under TP: every layer windowed (pages before the window released), TP 1 and 2;
+    # and the draft method at TP 2 (the draft model whole on the replica's first device).
+    windowed = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config,
+                                                                    sliding_window=6))
+    for tp in (1, 2):
+        run = serve(windowed, tensor_parallel_size=tp)
+        runs[f"window-tp{tp}"] = {k: v for k, v in run.items() if k != "engine"}
+    run = serve(tiny, tensor_parallel_size=2, speculative_config={
+        "method": "draft", "num_speculative_tokens": 3, "adaptive": False})
+    runs["tiny-tp2-draft"] = {k: v for k, v in run.items() if k != "engine"}
     run = serve(tiny, data_parallel_size=2)
     runs["tiny-dp2"] = {k: v for k, v in run.items() if k != "engine"}
     router = route(run["engine"])

@@ -102,8 +102,8 @@ def main() -> None:
             runs[f"{source}-tp{tp}"] = {"outputs": [o.outputs[0].token_ids for o in outs],
                                         "leaves": leaves(engine),
                                         "read_as": read_as(loaded.params),
-                                        "param_bytes_per_device":
-                                        engine.stats()["param_bytes_per_device"]}
+                                        "weight_bytes_per_device":
+                                        engine.stats()["weight_bytes_per_device"]}
     print(json.dumps({"runs": runs, "config": {
         "num_heads": reference.config.num_heads, "num_kv_heads": reference.config.num_kv_heads,
         "head_dim": reference.config.head_dim, "hidden_size": reference.config.hidden_size}}))

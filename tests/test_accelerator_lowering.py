@@ -6,6 +6,8 @@ device (scripts/device_check.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -20,6 +22,13 @@ from jaxserve.weights.random_init import random_model
 CONFIG = ModelConfig(vocab_size=512, hidden_size=192, intermediate_size=256, num_layers=2,
                      num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=256,
                      tie_word_embeddings=True, eos_token_ids=(2,))
+# Gemma 2's options on the same shapes: a sliding-window layer and a full one, soft-capped
+# scores and logits, GeGLU, scaled embeddings, sandwich norms.
+GEMMA2_LIKE = dataclasses.replace(
+    CONFIG, architecture="gemma2", sliding_window=32,
+    layer_types=("sliding_attention", "full_attention"), attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0, query_pre_attn_scalar=64, mlp_activation="gelu_tanh",
+    embed_scale=True, norm_weight_offset=1.0, sandwich_norms=True)
 KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
@@ -28,10 +37,18 @@ def loaded():
     return random_model(CONFIG, dtype="bfloat16")
 
 
+def _with_sandwich_norms(params):
+    layers = params["layers"]
+    norms = {name: layers["mlp_norm"].copy() for name in ("post_attn_norm", "post_mlp_norm")}
+    return {**params, "layers": {**layers, **norms}}
+
+
+@pytest.mark.parametrize("config", [CONFIG, GEMMA2_LIKE], ids=["llama", "gemma2"])
 @pytest.mark.parametrize("backend,platform", [("pallas-gpu", "cuda"), ("pallas-tpu", "tpu")])
-def test_engine_step_lowers_for_the_accelerator(loaded, backend, platform):
+def test_engine_step_lowers_for_the_accelerator(loaded, backend, platform, config):
     page_size = 16
-    runner = ModelRunner(CONFIG, loaded.params, num_pages=64, page_size=page_size,
+    params = loaded.params if config is CONFIG else _with_sandwich_norms(loaded.params)
+    runner = ModelRunner(config, params, num_pages=64, page_size=page_size,
                          dtype="bfloat16", backend=backend)
     buckets = Buckets.for_engine(8, 64, CONFIG.max_position_embeddings // page_size,
                                  query_block=1, packed=True)
@@ -40,7 +57,7 @@ def test_engine_step_lowers_for_the_accelerator(loaded, backend, platform):
     batch, _, _ = build_batch(warmup_plan(shape, buckets, page_size), buckets, page_size)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     feed = jnp.zeros(2 * buckets.seqs[-1], jnp.int32)
-    lowered = _jitted_step(CONFIG, backend).trace(
+    lowered = _jitted_step(config, backend).trace(
         runner.params, pool=runner.pool, batch=batch, feed=feed).lower(
             lowering_platforms=(platform,))
     text = lowered.as_text()

@@ -1,6 +1,6 @@
-"""The C++ CPU backend's matmuls (f32 panels, bf16 AMX tiles) and greedy argmax against numpy, the
-weight layouts they read, and the packed model computing the same products (int8 too; the int8
-matmul against the dequantized product is in test_quantize.py)."""
+"""The C++ CPU backend's matmuls (f32 panels, bf16 AMX tiles, 4-bit levels against int8) and greedy
+argmax against numpy, the weight layouts they read, and the packed model computing the same
+products (int8 too; the int8 matmul against the dequantized product is in test_quantize.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,49 @@ def test_pack_panels_layout():
     np.testing.assert_array_equal(panels[0, :, 5], w[5])  # column 5 of W = [in, out]
     np.testing.assert_array_equal(panels[1, :, 1], w[49])
     assert not panels[1, :, 2:].any()  # zero past N
+
+
+def test_pack_nibbles_layout():
+    q = np.arange(2 * 4 * 48).reshape(2, 4, 48) % 16
+    nibbles = cpu_kernels.pack_nibbles(q.astype(np.int8))
+    assert nibbles.dtype == np.uint8 and nibbles.shape == (2, 2, 48)
+    np.testing.assert_array_equal(nibbles[1, 1] & 15, q[1, 2])  # k even: the low nibble
+    np.testing.assert_array_equal(nibbles[1, 1] >> 4, q[1, 3])
+    with pytest.raises(ValueError, match="0..15"):
+        cpu_kernels.pack_nibbles(np.full((1, 2, 48), 16, np.int8))
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 8, 11, 40])
+@pytest.mark.parametrize("k,n", [(576, 960), (32, 7), (1536, 100), (64, 49)])
+def test_q4_1_weights_pack_two_levels_a_byte_with_int8_results_bit_for_bit(m, k, n):
+    """A weight of GGUF Q4_1 blocks (levels 0..15) is packed two levels a byte, and its matmul
+    gives the int8 kernel's results, exactly on the vector paths (the same float levels summed in
+    the same order; checked on AVX-512 and, built with -march=haswell, AVX2), at
+    the group-sum tiles (1-2 rows), the dequantizing tiles (to 8) and the f32 panel copy (past
+    8); a weight with any other level stays int8."""
+    from jaxserve.backends.cpu.packing import pack
+    from jaxserve.model.quantize import GROUP, quantize_weight
+
+    rng = np.random.default_rng(m * 1000 + k + n)
+    d = rng.uniform(1e-3, 0.1, (k // GROUP, 1, n)).astype(np.float16).astype(np.float32)
+    lo = -rng.uniform(0, 1, (k // GROUP, 1, n)).astype(np.float16).astype(np.float32)
+    q = rng.integers(0, 16, (k // GROUP, GROUP, n))
+    q[:, 0], q[:, 1] = 0, 15
+    w = quantize_weight((d * q + lo).reshape(k, n))
+    packed = pack(w)
+    assert packed.panels.dtype == np.uint8 and packed.panels.shape[1] == k // 2
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    as_int8 = [cpu_kernels.pack_panels(np.asarray(a)) for a in (w.q_t, w.scale, w.offset)]
+    want, got = cpu_kernels.matmul_int8(x, *as_int8, n), packed.matmul(x)
+    if cpu_kernels.has_vector_path():  # the portable fallback's FMAs may contract differently
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                               atol=1e-5 * np.abs(np.asarray(want)).max())
+    np.testing.assert_allclose(np.asarray(want), np.asarray(x) @ w.dequantize().T, rtol=1e-4,
+                               atol=1e-4 * np.abs(np.asarray(want)).max())
+    w.q_t[0, 0] = -1
+    assert pack(w).panels.dtype == np.int8
 
 
 @needs_kernels

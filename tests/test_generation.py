@@ -256,18 +256,20 @@ def test_async_scheduling_changes_no_output(default_loaded, prompts):
     assert {r[2] for r in runs[True]} >= {"stop", "length"}
 
 
-@pytest.mark.parametrize("k", [2, 5])
-def test_speculative_decoding_changes_no_output(default_loaded, prompts, llm, k):
-    """Prompt lookup verified in the step (every step: not adaptive) gives the plain greedy
-    tokens, with a prompt the model copies from, a small pool and a stop string."""
+@pytest.mark.parametrize("method, k", [("ngram", 2), ("ngram", 5), ("draft", 3)])
+def test_speculative_decoding_changes_no_output(default_loaded, prompts, llm, method, k):
+    """Prompt lookup, or the model's own weights in int8 as its draft, verified in the step
+    (every step: not adaptive) gives the plain greedy tokens, with a prompt the model copies
+    from, a small pool and a stop string."""
     copy = {"prompt_token_ids": default_loaded.tokenizer.encode(
         "Repeat exactly: the red fox ran over the green hill and the red fox ran home.")}
     batch = [copy] + prompts[:3]
     params = [SamplingParams(temperature=0, max_tokens=32, stop=stop)
               for stop in (None, None, ["."], None)]
     want = [o.outputs[0] for o in llm.generate(batch, params, use_tqdm=False)]
+    draft = {"quantization": "int8"} if method == "draft" else {}
     spec = make_llm(default_loaded, num_pages=12, max_num_seqs=4, speculative_config={
-        "num_speculative_tokens": k, "adaptive": False})
+        "method": method, "num_speculative_tokens": k, "adaptive": False, **draft})
     got = [o.outputs[0] for o in spec.generate(batch, params, use_tqdm=False)]
     assert [(o.token_ids, o.text, o.finish_reason) for o in got] == \
         [(o.token_ids, o.text, o.finish_reason) for o in want]

@@ -11,14 +11,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from hf_families import StepLogits  # noqa: E402
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.core.sequence import Request, Sequence  # noqa: E402
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
-from jaxserve.model import llama  # noqa: E402
-from jaxserve.runtime.batch import Buckets, build_batch  # noqa: E402
-from jaxserve.runtime.runner import ModelRunner  # noqa: E402
 from jaxserve.weights import config_from_hf, params_from_hf_state_dict  # noqa: E402
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
@@ -59,27 +57,6 @@ def _tiny(kind: str):
     return model, cfg, params_from_hf_state_dict(cfg, tensors)
 
 
-class _Logits:
-    """Runs steps through the runner and returns the full logits rows of sampled positions."""
-
-    def __init__(self, cfg, params, page_size, backend):
-        self.runner = ModelRunner(cfg, params, num_pages=64, page_size=page_size)
-        self.page_size, self.backend = page_size, backend
-        self.buckets = Buckets.for_engine(8, 128, 32)
-
-    def step(self, plan: StepPlan) -> np.ndarray:
-        import jax
-
-        batch, rows, _ = build_batch(plan, self.buckets, self.page_size)
-        runner = self.runner
-        # Same forward as the jitted step, but returning logits for comparison.
-        pool, hidden = llama.forward(runner.params, runner.pool, jax.numpy.asarray(batch.token_ids),
-                                     jax.tree_util.tree_map(jax.numpy.asarray, batch.attn),
-                                     cfg=runner.cfg, backend=self.backend)
-        runner.pool = pool
-        return np.asarray(llama.logits(runner.params, hidden[batch.logits_indices]))[:rows]
-
-
 @pytest.mark.parametrize("backend", ["xla", "cpu"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("page_size,chunks", [(8, [24]), (5, [24]), (8, [11, 13]), (16, [7, 10, 7])])
@@ -118,7 +95,7 @@ def _check_logits(kind, page_size, chunks, backend):
     request = Request("r", prompt, SamplingParams(temperature=0))
     seq = Sequence(0, request, list(prompt), len(prompt))
     seq.page_ids = [int(p) for p in rng.permutation(np.arange(1, 64))[:20]]  # non-contiguous
-    runner = _Logits(cfg, params, page_size, backend)
+    runner = StepLogits(cfg, params, page_size, backend)
     start = 0
     for n in chunks:  # chunked prefill: later chunks attend to earlier pages
         last = start + n == len(prompt)

@@ -52,7 +52,19 @@ def test_tensor_parallel_greedy_equals_single_device(cases, model, case):
     tp = int(case.split("-")[0][2:]) if case.startswith("tp") else 1
     share = max(hkv // tp, 1) / hkv
     assert many["stats"]["kv_pool_bytes_per_device"] == one["stats"]["kv_pool_bytes"] * share
-    assert many["stats"]["param_bytes_per_device"] < one["stats"]["param_bytes"] or tp == 1
+    assert many["stats"]["weight_bytes_per_device"] < one["stats"]["weight_bytes"] or tp == 1
+
+
+def test_windows_and_draft_model_under_tensor_parallelism(cases):
+    """A model windowed at every layer (its pages before the window released) gives at TP 2
+    its TP 1 greedy outputs; the draft method (the target as its own draft model, whole on
+    the replica's first device) at TP 2 gives the plain TP 1 outputs."""
+    one, two = cases["runs"]["window-tp1"], cases["runs"]["window-tp2"]
+    assert two["outputs"] == one["outputs"]
+    assert one["outputs"] != cases["runs"]["tiny-tp1"]["outputs"]  # the window matters
+    draft = cases["runs"]["tiny-tp2-draft"]
+    assert draft["outputs"] == cases["runs"]["tiny-tp1"]["outputs"]
+    assert draft["stats"]["spec_drafted"] > 0 and draft["stats"]["referenced_pages"] == 0
 
 
 def test_pallas_kernel_inside_shard_map(cases):
@@ -143,6 +155,9 @@ def test_sizes_that_do_not_fit_are_clear_errors():
     with pytest.raises(ValueError, match="attention_backend='xla'"):
         backends.resolve("cpu", tensor_parallel_size=2)
     assert backends.resolve("auto", tensor_parallel_size=2) != "cpu"
+    with pytest.raises(ValueError, match="'draft' runs its model on process 0 alone"):
+        EngineConfig(num_processes=2, coordinator_address="localhost:1234",
+                     speculative_config={"method": "draft"})
 
 
 @pytest.mark.slow

@@ -191,3 +191,33 @@ def test_random_kv_manager_ops_keep_invariants(seed):
         kv.free(s)
     kv.check([])
     assert pool.num_referenced == 0 and pool.num_free + pool.num_evictable == pool.num_usable
+
+
+def test_sliding_window_releases_pages_before_the_window():
+    """Every layer windowed (W = 6, pages of 4): as a sequence decodes, each page whose slots all
+    lie before the next token's window leaves its table (entry 0) and its reference is dropped,
+    so it holds at most pages_to_hold pages; released pages stay findable for a new request
+    with the same tokens; forks, frees and the invariants skip the released entries."""
+    pool = PagePool(12)
+    cache = PrefixCache(pool, B, "m1")
+    kv = KVManager(pool, B, cache, window=6)
+    seq = seq_of(range(10))
+    kv.admit(seq, None)
+    compute(kv, seq, 10)
+    peak = 0
+    for t in range(10, 30):
+        seq.token_ids.append(100 + t)
+        compute(kv, seq, 1)
+        peak = max(peak, pool.num_referenced)
+        kv.check([seq])
+    # the next token (position 30) reads keys 25..29: pages 0-5 (slots 0..23) are released
+    assert seq.page_ids[:6] == [0] * 6 and all(seq.page_ids[6:])
+    assert peak == kv.pages_to_hold(30, chunk=1) == 3 < kv.pages_for(30)
+    child = seq_of(seq.token_ids, seq_id=1)
+    kv.fork(seq, child)
+    kv.check([seq, child])
+    kv.free(seq)
+    kv.free(child)
+    kv.check([])
+    again = seq_of(seq.token_ids[:20], seq_id=2)  # its first 4 pages were released, not lost
+    assert len(kv.find_prefix(again, None)[0]) == 4

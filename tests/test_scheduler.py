@@ -136,6 +136,26 @@ def test_forks_never_see_each_others_writes(num_pages):
         assert [s.fork_index for s in r.sequences] == list(range(r.sampling_params.n))
 
 
+@pytest.mark.parametrize("ahead", [False, True])
+@pytest.mark.parametrize("num_pages,page_size,n,prompt_len,max_tokens",
+                         [(24, 8, 2, 69, 110), (8, 4, 4, 11, 17)])
+def test_forks_that_fit_the_pool_one_at_a_time_complete(num_pages, page_size, n, prompt_len,
+                                                        max_tokens, ahead):
+    """One sequence's prompt + max_tokens - 1 tokens fill the pool; its n forks take turns."""
+    rng = random.Random(7)
+    reqs = [make_request("forks", [rng.randrange(V) for _ in range(prompt_len)],
+                         max_tokens=max_tokens, n=n),
+            make_request("other", [1, 2, 3], max_tokens=5)]
+    # One fork fits the pool; the forks' private tails alone do not.
+    fork_pages = -(-(prompt_len + max_tokens - 1) // page_size)
+    assert fork_pages <= num_pages - 1 < n * (max_tokens // page_size)
+    sched = make_sched(num_pages=num_pages, page_size=page_size, max_num_seqs=4,
+                       max_num_batched_tokens=64, max_model_len=1024)
+    res = run_to_completion(sched, reqs, ahead=ahead)
+    assert res.outputs == expected(reqs) and res.preemptions > 0
+    assert res.finish_reasons == {"forks": ["length"] * n, "other": ["length"]}
+
+
 def test_cancellation_storm_leaves_nothing_referenced():
     rng = random.Random(6)
     reqs, aborts = [], {}
@@ -292,27 +312,34 @@ def test_rejections_raise_at_once_with_reasons():
         sched.add_request(make_request("empty", []))
     with pytest.raises(RequestRejected, match="n=5"):
         sched.add_request(make_request("many", [1], n=5))
-    sched.add_request(make_request("ok", [1] * 39))  # 39 + 1 fits exactly
+    # One sequence's prompt + max_tokens - 1 tokens of KV must fit; n does not multiply it.
+    with pytest.raises(RequestRejected, match="max_tokens 12 needs 11 pages of 4 tokens per "
+                                              "sequence but the KV pool has 10"):
+        sched.add_request(make_request("output", [1] * 30, max_tokens=12, n=2))
+    sched.add_request(make_request("ok", [1] * 39, max_tokens=2, n=4))  # 39 + 1 fits exactly
     with pytest.raises(RequestRejected, match="already live"):
         sched.add_request(make_request("ok", [1]))
     nochunk = make_sched(enable_chunked_prefill=False, max_num_batched_tokens=16)
     with pytest.raises(RequestRejected, match="chunked prefill is disabled"):
         nochunk.add_request(make_request("x", [1] * 17))
-    assert sched.stats()["num_rejected_total"] == 5 and sched.stats()["waiting"] == 1
+    assert sched.stats()["num_rejected_total"] == 6 and sched.stats()["waiting"] == 1
 
 
-def test_lone_sequence_that_outgrows_the_pool_finishes_with_length():
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_sequence_that_outgrows_the_pool_finishes_with_length(n):
+    """max_tokens=None (up to the context length): the pool is its context, forks included."""
     sched = make_sched(num_pages=4, page_size=2)  # 3 pages = 6 slots
-    r = make_request("r", [1, 2, 3, 4], max_tokens=10)
+    r = make_request("r", [1, 2, 3, 4], max_tokens=None, n=n)
     res = run_to_completion(sched, [r])
-    assert res.finish_reasons["r"] == ["length"]
-    assert res.outputs["r"] == [expected([r])["r"][0][:3]]  # tokens 4, 5, 6 computed in 3 pages
+    assert res.finish_reasons["r"] == ["length"] * n
+    # 6 slots hold the KV of 4 prompt and 2 output tokens: 3 tokens out, as in a context of 7
+    assert res.outputs["r"] == expected([r], max_model_len=7)["r"]
 
 
 def test_abort_everywhere_frees_everything():
     sched = make_sched(num_pages=9, max_num_batched_tokens=8, max_num_seqs=3)
     runner = FakeRunner(sched)
-    reqs = {rid: make_request(rid, list(range(n)), max_tokens=30)
+    reqs = {rid: make_request(rid, list(range(n)), max_tokens=12)
             for rid, n in (("run", 3), ("pre", 20), ("wait", 5), ("fork", 2))}
     for r in reqs.values():
         sched.add_request(r)
@@ -349,7 +376,7 @@ def test_stop_strings_given_to_update_finish_and_free_pages():
 def test_watermark_holds_back_admission_but_not_when_idle():
     sched = make_sched(num_pages=11, page_size=4, watermark=0.2)  # 10 usable, watermark 2 pages
     runner = FakeRunner(sched)
-    sched.add_request(make_request("a", list(range(30)), max_tokens=20))  # 8 pages: admitted alone
+    sched.add_request(make_request("a", list(range(30)), max_tokens=11))  # 8 pages: admitted alone
     assert chunk_shape(step(sched, runner)) == [("a", 0, 0, 30)]
     sched.add_request(make_request("b", list(range(100, 104)), max_tokens=2))  # 1 page, 2 free
     plan = step(sched, runner)

@@ -248,8 +248,8 @@ def _post(url, path, body, raw=None, headers=None):
     ({"model": MODEL, "prompt": [10 ** 9]}, 400, "prompt", "token ids outside"),
     ({"model": MODEL, "prompt": ""}, 400, "prompt", "empty"),
     ({"model": MODEL}, 400, "prompt", "required"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty",
-     "not supported"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 3.0}, 400, "presence_penalty",
+     "[-2, 2]"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options", "stream"),
 ])

@@ -57,5 +57,5 @@ def test_each_device_holds_only_its_shard(cases, source, tp):
             assert leaf["per_device"] == [one[path]["nbytes"] // tp] * tp, path
         else:  # embedding, head, norms: whole on every device
             assert leaf["per_device"] == [one[path]["nbytes"]] * tp, path
-    assert run["param_bytes_per_device"] == sum(
+    assert run["weight_bytes_per_device"] == sum(
         leaf["per_device"][0] for leaf in run["leaves"].values())

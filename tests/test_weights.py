@@ -191,7 +191,9 @@ def test_config_from_hf_variants():
     mistral = config_from_hf({**base, "architectures": ["MistralForCausalLM"],
                               "num_key_value_heads": 2, "sliding_window": 4096,
                               "eos_token_id": [2, 3]})
-    assert mistral.architecture == "mistral" and mistral.max_position_embeddings == 4096
+    # The window limits what a layer attends, not the context (it was once read as one).
+    assert mistral.architecture == "mistral" and mistral.max_position_embeddings == 32768
+    assert mistral.sliding_window == mistral.kv_window == 4096 and mistral.layer_types is None
     assert mistral.num_kv_heads == 2 and mistral.head_dim == 16 and mistral.eos_token_ids == (2, 3)
     llama = config_from_hf({**base, "architectures": ["LlamaForCausalLM"],
                             "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}})

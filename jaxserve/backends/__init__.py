@@ -33,8 +33,8 @@ log = logging.getLogger("jaxserve.backends")
 class Backend:
     name: str
     # (q f[T, Hq, D], cache: KVCache (pages f[Hkv, N, B, D], or int8 with scales),
-    #  md: AttentionMetadata, *, sm_scale) -> f[T, Hq, D]: each token attends its row's pages
-    #  causally.
+    #  md: AttentionMetadata, *, sm_scale, window, soft_cap) -> f[T, Hq, D]: each token attends
+    #  its row's pages causally (within the last `window` positions; scores soft-capped).
     attention: Callable
     # Prefill chunks start at multiples of this many tokens (see AttentionMetadata).
     query_block: int = 1

@@ -19,10 +19,12 @@ def backend(family: str, *, interpret: bool) -> Backend:
     else:
         raise ValueError(f"no Pallas kernel family {family!r} (gpu or tpu)")
 
-    def attention(q, cache, md, *, sm_scale: float):
+    def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
+                  soft_cap: float | None = None):
         return ragged_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                       md.query_start, sm_scale=sm_scale, interpret=interpret,
-                                      k_scale=cache.k_scale, v_scale=cache.v_scale)
+                                      k_scale=cache.k_scale, v_scale=cache.v_scale,
+                                      window=window, soft_cap=soft_cap)
 
     name = f"pallas-{family}" + ("-interpret" if interpret else "")
     return Backend(name=name, attention=attention, packed=True)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.backends import Backend
+from jaxserve.model.quantize import widen_factors
 
 _MASKED = -1e30  # finite, so fully masked padding rows give finite (discarded) outputs
 # The batch builder aligns each prefill chunk to blocks of this many tokens (AttentionMetadata's
@@ -26,7 +27,7 @@ PREFILL_PAGES_PER_BLOCK = 8
 PREFILL_ROWS_PER_CHUNK = 16
 
 
-def _online_update(carry, s, v):
+def _online_update(carry, s, v, valid=None):
     """One online-softmax step over a key block, s f32[Hkv, R, Q, C] and v f32[Hkv, R, C, D]:
     m' = max(m, max_j s_j); l' = exp(m - m') l + sum_j exp(s_j - m'); the value accumulator is
     rescaled by exp(m - m'). Products are written as multiply-and-sum, not einsum: XLA's CPU
@@ -36,15 +37,18 @@ def _online_update(carry, s, v):
     m_new = jnp.maximum(m, s.max(-1))
     scale = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[..., None])
+    if valid is not None:  # bool[Hkv, R, Q, C]: masked scores weigh 0 even in a masked row
+        p = jnp.where(valid, p, 0.0)
     pv = jnp.sum(p[..., None] * v[:, :, None], axis=3)
     return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
 
 
-def _over_page_blocks(page_tables, seq_lens, pages_per_block: int, page_size: int,
+def _over_page_blocks(page_tables, seq_lens, first_key, pages_per_block: int, page_size: int,
                       stats_shape: tuple, head_dim: int, block_fn):
     """Runs block_fn(first_slot, pages i32[R, ppb], carry) -> carry over blocks of page-table
-    columns, only as far as the longest row (a dynamic trip count: the table's width costs
-    nothing, and each visited page is read once). Returns the normalised accumulator."""
+    columns, from the block holding key position first_key (i32: where sliding windows start)
+    only as far as the longest row (dynamic trip counts: the table's width costs nothing, and
+    each visited page is read once). Returns the normalised accumulator."""
     width = page_tables.shape[1]
     ppb = min(pages_per_block, width)
     tables = jnp.pad(page_tables, ((0, 0), (0, -width % ppb)))  # page 0, masked by position
@@ -57,7 +61,7 @@ def _over_page_blocks(page_tables, seq_lens, pages_per_block: int, page_size: in
 
     init = (jnp.full(stats_shape, _MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros(stats_shape + (head_dim,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    _, l, acc = jax.lax.fori_loop(first_key // block_slots, num_blocks, body, init)
     return acc / jnp.maximum(l, 1e-30)[..., None]
 
 
@@ -81,19 +85,22 @@ def _gather_block(cache, pages):
 
 
 def _rows_attention(q, cache, page_tables, seq_lens, q_pos, *,
-                    pages_per_block: int, rows_per_chunk: int, sm_scale: float):
+                    pages_per_block: int, rows_per_chunk: int, sm_scale: float,
+                    window: int | None, soft_cap: float | None):
     """Each row's queries attend that row's pages causally. q f[R, Qb, Hq, D]: Qb query tokens
     per row (1 for decode; a block of one prefill chunk otherwise); page_tables i32[R, P];
     seq_lens i32[R] (0: padding row); q_pos i32[R, Qb]. Work is rows x own keys only: a query
-    never meets another row's keys. Returns f[R * Qb, Hq, D].
+    never meets another row's keys. window, soft_cap: see attention(). Returns
+    f[R * Qb, Hq, D].
 
     Rows go in chunks of rows_per_chunk: XLA materialises each gathered key/value block, and a
     chunk's blocks stay in cache where all rows' blocks at once would round-trip through
     memory."""
     r, qb, hq, d = q.shape
+    opts = dict(pages_per_block=pages_per_block, sm_scale=sm_scale, window=window,
+                soft_cap=soft_cap)
     if r <= rows_per_chunk:
-        return _rows_attention_block(q, cache, page_tables, seq_lens, q_pos,
-                                     pages_per_block=pages_per_block, sm_scale=sm_scale)
+        return _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, **opts)
     c = rows_per_chunk
     n = -(-r // c)
     pad = n * c - r  # padding rows: seq_len 0, so their chunk's page loop runs no blocks
@@ -103,7 +110,7 @@ def _rows_attention(q, cache, page_tables, seq_lens, q_pos, *,
     def chunk(i, out):
         rows = lambda x: jax.lax.dynamic_slice_in_dim(x, i * c, c, axis=0)  # noqa: E731
         o = _rows_attention_block(rows(q), cache, rows(page_tables), rows(seq_lens),
-                                  rows(q_pos), pages_per_block=pages_per_block, sm_scale=sm_scale)
+                                  rows(q_pos), **opts)
         return jax.lax.dynamic_update_slice_in_dim(out, o, i * c * qb, axis=0)
 
     out = jax.lax.fori_loop(0, n, chunk, jnp.zeros((n * c * qb, hq, d), q.dtype))
@@ -111,7 +118,8 @@ def _rows_attention(q, cache, page_tables, seq_lens, q_pos, *,
 
 
 def _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, *,
-                          pages_per_block: int, sm_scale: float):
+                          pages_per_block: int, sm_scale: float, window: int | None,
+                          soft_cap: float | None):
     """_rows_attention for one chunk of rows, all at once."""
     r, qb, hq, d = q.shape
     hkv, _, page_size, _ = cache.k.shape
@@ -123,26 +131,44 @@ def _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, *,
     def block(first, pages, carry):
         k, v = _gather_block(cache, pages)  # [Hkv, R, ppb*B, D]
         s = jnp.sum(qg[:, :, :, None, :] * k[:, :, None, :, :], axis=-1)  # [Hkv, R, Q, C]
-        key_pos = first + jnp.arange(k.shape[2])
-        s = jnp.where(key_pos[None, None, None, :] <= pos, s, _MASKED)
-        return _online_update(carry, s, v)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = first + jnp.arange(k.shape[2])[None, None, None, :]
+        if window is None:
+            return _online_update(carry, jnp.where(key_pos <= pos, s, _MASKED), v)
+        # A block may lie wholly before a query's window (a masked row's p would be 1) and
+        # hold released pages (the scratch page 0: any values): both are selected away, as
+        # are the slots past a row's length.
+        valid = (key_pos <= pos) & (key_pos > pos - window)
+        key = key_pos[0, :, 0, :]  # [1, C]
+        in_row = (key >= lowest[:, None]) & (key < seq_lens[:, None])  # [R, C]
+        v = jnp.where(in_row[None, :, :, None], v, 0.0)
+        return _online_update(carry, jnp.where(valid, s, _MASKED), v, valid)
 
-    out = _over_page_blocks(page_tables, seq_lens, pages_per_block, page_size,
+    first_key = 0
+    if window is not None:  # no query of these rows reads a key before this one
+        lowest = q_pos[:, 0] - window + 1  # [R]: the first key of each row's earliest window
+        first_key = jnp.maximum(0, jnp.min(jnp.where(seq_lens > 0, lowest, 0)))
+    out = _over_page_blocks(page_tables, seq_lens, first_key, pages_per_block, page_size,
                             (hkv, r, qb * g), d, block)  # [Hkv, R, Qb*G, D]
     out = out.reshape(hkv, r, qb, g, d).transpose(1, 2, 0, 3, 4)
     return out.reshape(r * qb, hq, d).astype(q.dtype)
 
 
-def attention(q, cache, md, *, sm_scale: float):
+def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
+              soft_cap: float | None = None):
     """Decode rows attend as rows of one query; prefill tokens as blocks of md.query_block
-    tokens, each block inside one row (the batch builder aligns every chunk to the block)."""
+    tokens, each block inside one row (the batch builder aligns every chunk to the block).
+    window: keys at positions > position - window only (blocks wholly before every row's window
+    are not visited); soft_cap: scores -> soft_cap * tanh(score / soft_cap) before the mask."""
     sd, t = md.num_decode, q.shape[0]
     parts = []
     if sd:
         parts.append(_rows_attention(q[:sd, None], cache, md.page_tables[:sd],
                                      md.seq_lens[:sd], md.positions[:sd, None],
                                      pages_per_block=DECODE_PAGES_PER_BLOCK,
-                                     rows_per_chunk=DECODE_ROWS_PER_CHUNK, sm_scale=sm_scale))
+                                     rows_per_chunk=DECODE_ROWS_PER_CHUNK, sm_scale=sm_scale,
+                                     window=window, soft_cap=soft_cap))
     if t > sd:
         qb, sp = md.query_block, md.page_tables.shape[0] - sd
         first_rows = md.token_row[sd::qb] - sd  # row of each query block; sp for padding
@@ -152,8 +178,16 @@ def attention(q, cache, md, *, sm_scale: float):
             q[sd:].reshape(-1, qb, *q.shape[1:]), cache, md.page_tables[rows],
             jnp.where(real, md.seq_lens[rows], 0), md.positions[sd:].reshape(-1, qb),
             pages_per_block=PREFILL_PAGES_PER_BLOCK, rows_per_chunk=PREFILL_ROWS_PER_CHUNK,
-            sm_scale=sm_scale))
+            sm_scale=sm_scale, window=window, soft_cap=soft_cap))
     return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 
 
-BACKEND = Backend(name="xla", attention=attention, query_block=QUERY_BLOCK)
+def pack_params(params: dict) -> dict:
+    """On CPU, int8 weights with their float16 group scales and offsets widened to float32
+    (exactly): XLA's CPU loop fusion ran the decode step's matmuls 10-12% faster reading f32
+    factors than converting f16 ones (docs/performance-history.md). Elsewhere unchanged."""
+    return widen_factors(params) if jax.default_backend() == "cpu" else params
+
+
+BACKEND = Backend(name="xla", attention=attention, query_block=QUERY_BLOCK,
+                  pack_params=pack_params)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from absl import flags
 
-from jaxserve.config import (ATTENTION_BACKENDS, DTYPES, KV_CACHE_DTYPES, PALLAS_KERNELS,
-                             PRIORITY_POLICIES, QUANTIZATIONS, SCHEDULING_POLICIES,
+from jaxserve.config import (ATTENTION_BACKENDS, DRAFT_QUANTIZATIONS, DTYPES, KV_CACHE_DTYPES,
+                             PALLAS_KERNELS, PRIORITY_POLICIES, QUANTIZATIONS, SCHEDULING_POLICIES,
                              SPECULATIVE_METHODS, EngineConfig, SpeculativeConfig)
 
 _D = EngineConfig()
@@ -23,8 +23,18 @@ flags.DEFINE_enum("attention_backend", _D.attention_backend, ATTENTION_BACKENDS,
 flags.DEFINE_enum("pallas_kernels", _D.pallas_kernels, PALLAS_KERNELS,
                   "Pallas kernel family; auto: the device's own (tpu when interpreted on CPU).")
 flags.DEFINE_integer("page_size", _D.page_size, "KV slots per page.")
-flags.DEFINE_integer("num_pages", None, "KV pages in the pool, scratch page 0 included.")
-flags.DEFINE_integer("kv_cache_bytes", None, "KV memory budget in bytes (instead of num_pages).")
+flags.DEFINE_integer("memory_budget_bytes", None,
+                     "The engine's memory per device (under tensor or data parallelism, each "
+                     "device's): weights, the largest step's activations and the runtime are "
+                     "measured at start, the KV pool gets the rest (logged).")
+flags.DEFINE_float("memory_utilization", None,
+                   "The same as a fraction of each device's memory (its allocator's limit; on "
+                   "CPU, of RAM). Default: 0.9 on GPU/TPU; on CPU the pool is sized by "
+                   "--num_pages or its default.")
+flags.DEFINE_integer("num_pages", None, "KV pages in the pool, scratch page 0 included "
+                     "(overrides a memory budget).")
+flags.DEFINE_integer("kv_cache_bytes", None, "KV pool bytes (instead of num_pages; overrides a "
+                     "memory budget).")
 flags.DEFINE_integer("max_model_len", None, "Longest prompt + output; default: the model's context.")
 flags.DEFINE_integer("max_num_seqs", _D.max_num_seqs, "Most sequences per step.")
 flags.DEFINE_integer("max_num_batched_tokens", _D.max_num_batched_tokens, "Most tokens per step.")
@@ -57,17 +67,22 @@ flags.DEFINE_integer("distributed_timeout_s", _D.distributed_timeout_s,
 _S = SpeculativeConfig()
 flags.DEFINE_enum("speculative_method", None, SPECULATIVE_METHODS,
                   "Speculative decoding (off unless this or --num_speculative_tokens is given); "
-                  "ngram: prompt lookup.")
+                  "ngram: prompt lookup; draft: a draft model (--speculative_model).")
 flags.DEFINE_integer("num_speculative_tokens", None,
                      f"Drafts per sequence and step, 1..16 (default {_S.num_speculative_tokens}).")
 flags.DEFINE_integer("prompt_lookup_min", _S.prompt_lookup_min, "Shortest n-gram matched (ngram).")
 flags.DEFINE_integer("prompt_lookup_max", _S.prompt_lookup_max, "Longest n-gram matched (ngram).")
+flags.DEFINE_string("speculative_model", None,
+                    "Draft model (method draft) sharing the target's tokenizer; default: the "
+                    "target's own weights (self-speculation, with --speculative_quantization=int8).")
+flags.DEFINE_enum("speculative_quantization", _S.quantization, DRAFT_QUANTIZATIONS,
+                  "The draft model's weights (method draft).")
 flags.DEFINE_bool("speculative_adaptive", _S.adaptive,
                   "Choose drafts per step from measured step costs (off: always k).")
 
 FLAGS = flags.FLAGS
 _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels",
-          "page_size", "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+          "page_size", "memory_budget_bytes", "memory_utilization", "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
           "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting",
           "tensor_parallel_size", "data_parallel_size", "coordinator_address", "num_processes",
@@ -83,5 +98,9 @@ def engine_options() -> dict:
                 "adaptive": FLAGS.speculative_adaptive}
         if FLAGS.num_speculative_tokens is not None:
             spec["num_speculative_tokens"] = FLAGS.num_speculative_tokens
+        if FLAGS.speculative_model is not None:  # set with another method: a clear error
+            spec["model"] = FLAGS.speculative_model
+        if FLAGS.speculative_quantization != _S.quantization:
+            spec["quantization"] = FLAGS.speculative_quantization
         options["speculative_config"] = spec
     return options

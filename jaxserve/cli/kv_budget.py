@@ -42,6 +42,13 @@ flags.DEFINE_integer("reserve", None, "Fixed reservation (slots per request) to 
                      "defaults to the longest length / to M for --uniform_max.")
 flags.DEFINE_integer("num_speculative_tokens", 0, "Speculative decoding's drafts per step (k): "
                      "the lookahead pages a verification holds before rolling back.")
+flags.DEFINE_integer("memory_budget_bytes", None, "Print the engine's memory plan for --model "
+                     "under this budget per device (weights, measured activation peak and "
+                     "runtime, KV pool) instead of the analysis: loads and compiles, serves "
+                     "nothing.")
+flags.DEFINE_integer("max_num_seqs", None, "The plan's engine option (default: the engine's).")
+flags.DEFINE_integer("max_num_batched_tokens", None, "The plan's engine option (default: the "
+                     "engine's): it fixes the activation peak.")
 flags.DEFINE_integer("tensor_parallel_size", 1, "Devices the KV heads are sharded over: also "
                      "report per-device KV bytes (heads repeated when fewer than devices).")
 flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
@@ -222,9 +229,37 @@ def _plot(result: dict, arch: kvb.KVArchitecture, lengths, uniform_max, page_siz
     return paths
 
 
+def _memory_plan() -> dict:
+    """The engine's plan under --memory_budget_bytes, as LLMEngine makes it at start-up."""
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+
+    if not FLAGS.model:
+        raise _Usage("--memory_budget_bytes plans for a model: give --model")
+    page_sizes = _int_list(FLAGS.page_sizes, "page_sizes")
+    if FLAGS["page_sizes"].present and len(page_sizes) != 1:
+        raise _Usage("the memory plan takes one page size: give --page_sizes=B")
+    options = {"page_size": page_sizes[0] if FLAGS["page_sizes"].present else None,
+               "kv_cache_dtype": FLAGS.kv_cache_dtype, "max_num_seqs": FLAGS.max_num_seqs,
+               "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
+               "tensor_parallel_size": FLAGS.tensor_parallel_size}
+    config = EngineConfig(model=FLAGS.model, memory_budget_bytes=FLAGS.memory_budget_bytes,
+                          **{k: v for k, v in options.items() if v is not None})
+    engine = LLMEngine(config)
+    return {"memory_plan": engine.memory_plan.as_dict(), "max_model_len": engine.max_model_len,
+            "summary": engine.memory_plan.describe(engine.max_model_len)}
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         _fail(f"unexpected positional argument(s) {argv[1:]}")
+    if FLAGS.memory_budget_bytes is not None:
+        try:
+            plan = _memory_plan()
+        except (_Usage, ValueError) as e:
+            _fail(str(e))
+        print(json.dumps(plan, indent=2) if FLAGS.json else plan["summary"])
+        return
     try:
         arch = _architecture()
         lengths = _int_list(FLAGS.lengths, "lengths")

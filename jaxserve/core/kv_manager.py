@@ -9,6 +9,14 @@ Full-prompt hits: a prefix hit never covers the whole token list; the last token
 have logits to sample. The hit is truncated to the page boundary at or below num_tokens - 1, so a
 fully cached prompt whose length is a multiple of page_size recomputes its last page into a fresh
 page (at most page_size tokens) instead of writing into a shared cached page; no copy is needed.
+
+Sliding windows: for a model whose every layer attends only the last `window` positions, a page
+whose slots all lie before the window of the sequence's next token is never read again. It is
+released as the sequence grows: its page-table entry becomes the scratch page 0 (the attention
+skips or masks it), its reference is dropped (a prefix-cache page stays findable for other
+requests), and it is gone for this sequence: released entries are only ever a leading run of
+the table. Preemption recomputes from token 0 as before. So a sequence holds about
+window + chunk tokens of pages, however long it grows.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ from jaxserve.core.sequence import Sequence
 
 
 class KVManager:
-    def __init__(self, pool: PagePool, page_size: int, cache: PrefixCache | None = None):
+    def __init__(self, pool: PagePool, page_size: int, cache: PrefixCache | None = None,
+                 window: int | None = None):
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
+        self.window = window  # ModelConfig.kv_window: None unless every layer is windowed
         self._keys: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full computed pages
         self.peak_referenced_pages = 0
         self._salt: dict[int, str | None] = {}
@@ -32,6 +42,26 @@ class KVManager:
     # ---- sizing ---------------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
         return math.ceil(num_tokens / self.page_size)
+
+    def pages_to_hold(self, num_tokens: int, chunk: int) -> int:
+        """The most pages a sequence of num_tokens holds at once, computed in chunks of at most
+        `chunk` tokens: all of them, or with a window the pages of window - 1 keys and a chunk
+        (one more where they straddle a page boundary)."""
+        if self.window is None:
+            return self.pages_for(num_tokens)
+        return min(self.pages_for(num_tokens), self.pages_for(self.window - 1 + chunk) + 1)
+
+    def release_outside_window(self, seq: Sequence, position: int) -> None:
+        """Release seq's pages whose slots all lie before the window of a query at `position`
+        (and so of every later one): see the module docstring. A step still in flight that may
+        read them holds them (the pool defers their reuse)."""
+        if self.window is None:
+            return
+        num_outside = min(len(seq.page_ids), max(0, position - self.window + 1) // self.page_size)
+        for i in range(num_outside):
+            if seq.page_ids[i]:
+                self.pool.decref(seq.page_ids[i])
+                seq.page_ids[i] = 0
 
     def _shared_pages_in(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Indices of existing pages of seq overlapping slots [start, end) with refcount > 1."""
@@ -85,6 +115,7 @@ class KVManager:
             seq.page_ids[i] = dst
             self.pool.decref(src)
         seq.page_ids.extend(fresh[len(shared):])
+        self.release_outside_window(seq, start)
 
     def prepare_slots(self, slots: list[tuple[Sequence, int]]) -> bool:
         """Make slot `position` of each (seq, position) writable, where seq's pages already cover
@@ -97,6 +128,8 @@ class KVManager:
             return False
         for seq, page in zip(grow, self.pool.allocate(len(grow))):
             seq.page_ids.append(page)
+        for seq, position in slots:
+            self.release_outside_window(seq, position)
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -104,7 +137,8 @@ class KVManager:
         if child.page_ids:
             raise ValueError(f"fork target {child.seq_id} already holds pages")
         for page in parent.page_ids:
-            self.pool.incref(page)
+            if page:  # 0: released (outside the window)
+                self.pool.incref(page)
         child.page_ids = list(parent.page_ids)
         child.num_computed_tokens = parent.num_computed_tokens
         self._keys[child.seq_id] = list(self._keys.get(parent.seq_id, []))
@@ -124,7 +158,8 @@ class KVManager:
         new_keys = self.cache.chain_keys(seq.token_ids, salt, num_full, parent, first_page=len(keys))
         inserted = 0
         for i, key in enumerate(new_keys, start=len(keys)):
-            inserted += self.cache.insert(key, seq.page_ids[i])
+            if seq.page_ids[i]:  # a page released before it was offered stays unoffered
+                inserted += self.cache.insert(key, seq.page_ids[i])
         keys.extend(new_keys)
         return inserted
 
@@ -133,7 +168,8 @@ class KVManager:
         """Drop all of seq's references (tail first, so its tail pages are evicted first). The caller
         resets num_computed_tokens when the sequence will be recomputed (preemption)."""
         for page in reversed(seq.page_ids):
-            self.pool.decref(page)
+            if page:
+                self.pool.decref(page)
         seq.page_ids = []
         self._keys.pop(seq.seq_id, None)
         self._salt.pop(seq.seq_id, None)
@@ -185,8 +221,10 @@ class KVManager:
         table_entries = 0
         b = self.page_size
         for seq in live_seqs:
-            table_entries += len(seq.page_ids)
+            table_entries += len(seq.page_ids)  # released entries too: the table keeps them
             for j, page in enumerate(seq.page_ids):
+                if not page:
+                    continue
                 filled[page] = max(filled.get(page, 0),
                                    min(b, max(0, seq.num_computed_tokens - j * b)))
         useful = sum(filled.values())
@@ -208,8 +246,15 @@ class KVManager:
         for seq in live_seqs:
             assert len(seq.page_ids) >= self.pages_for(seq.num_computed_tokens), \
                 f"seq {seq.seq_id} computed {seq.num_computed_tokens} tokens in {len(seq.page_ids)} pages"
-            assert len(set(seq.page_ids)) == len(seq.page_ids), f"seq {seq.seq_id} repeats a page"
-            for page in seq.page_ids:
+            pages = seq.page_ids
+            released = len(pages) - len([p for p in pages if p])
+            assert not any(pages[:released]), \
+                f"seq {seq.seq_id}: released pages are not a leading run"
+            assert released == 0 or self.window is not None, \
+                f"seq {seq.seq_id} has page 0 in its table without a window"
+            live = pages[released:]
+            assert len(set(live)) == len(live), f"seq {seq.seq_id} repeats a page"
+            for page in live:
                 counts[page] = counts.get(page, 0) + 1
         assert 0 not in counts, "page 0 is in a page table"
         for page in range(1, self.pool.num_pages):

@@ -28,6 +28,16 @@ def check_request(request: Request, config: EngineConfig, *, max_model_len: int,
     if need > num_usable_pages:
         raise RequestRejected(f"prompt of {len(prompt)} tokens + 1 needs {need} pages but the KV "
                               f"pool has {num_usable_pages}")
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None:
+        # KV for every token but the last; the n forks share the prompt and, when the pool is
+        # short, run one at a time (preempted and recomputed), so one sequence must fit.
+        kv_tokens = min(len(prompt) + max_tokens, max_model_len) - 1
+        need = pages_for(kv_tokens)
+        if need > num_usable_pages:
+            raise RequestRejected(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} needs "
+                                  f"{need} pages of {config.page_size} tokens per sequence but the "
+                                  f"KV pool has {num_usable_pages}")
     if not config.enable_chunked_prefill and len(prompt) > config.max_num_batched_tokens:
         raise RequestRejected(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens "
                               f"{config.max_num_batched_tokens} and chunked prefill is disabled")

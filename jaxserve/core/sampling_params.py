@@ -6,12 +6,14 @@ import dataclasses
 import math
 import numbers
 
+from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.tokenizer import check_unicode
 
 INT32_MAX = 2**31 - 1
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 1e4  # beyond it every distribution is uniform to float32
-
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclasses.dataclass
@@ -29,8 +31,25 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen)
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens (echo scoring)
     priority: int = 0  # lower runs first under scheduling_policy="priority"
+    # Logit controls (OpenAI's and vLLM's rules), applied on device before temperature: a
+    # token's logit gets + logit_bias[token]; - presence_penalty if the token is in the output
+    # so far, - frequency_penalty times its count there; and, if it is in the prompt or the
+    # output, is divided by repetition_penalty when positive (multiplied when negative).
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias:  # JSON object keys arrive as strings
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError, AttributeError):
+                raise ValueError("logit_bias maps token ids to biases") from None
+        self.logit_bias = self.logit_bias or None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -68,6 +87,19 @@ class SamplingParams:
         integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
         integer("seed", -2**63, 2**64 - 1, optional=True)  # any 64-bit seed; hashed to 32 bits
         integer("priority", -INT32_MAX, INT32_MAX)
+        real("presence_penalty", -2.0, 2.0)
+        real("frequency_penalty", -2.0, 2.0)
+        real("repetition_penalty", 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+        for token, bias in (self.logit_bias or {}).items():
+            if not 0 <= token <= INT32_MAX or isinstance(bias, bool) \
+                    or not isinstance(bias, numbers.Real) or not math.isfinite(bias) \
+                    or abs(bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias maps token ids >= 0 to finite biases in "
+                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
+                                 f"{token!r}: {bias!r}")
+        if self.structured_outputs is not None and \
+                not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be StructuredOutputsParams")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
         for s in self.stop:
@@ -79,3 +111,19 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 \
+            or self.repetition_penalty != 1
+
+    @property
+    def has_logit_controls(self) -> bool:
+        """Whether the step must change this request's logits before sampling."""
+        return self.has_penalties or bool(self.logit_bias) or self.structured_outputs is not None
+
+    @property
+    def needs_previous_token(self) -> bool:
+        """Whether a step's logit controls depend on the token sampled by the step before
+        (penalties count it, a grammar advances over it): such rows are not planned ahead."""
+        return self.has_penalties or self.structured_outputs is not None

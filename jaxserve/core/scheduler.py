@@ -22,10 +22,13 @@ Policies:
   "priority" the lowest priority), possibly the sequence itself. Its pages are dropped and it goes
   to the front of the waiting queue; re-admitted, it recomputes prompt + generated tokens through
   prefill chunks (the prefix cache may supply pages) and continues with identical outputs. A
-  sequence alone in the pool whose next token cannot fit in the whole pool is finished with
-  FINISHED_LENGTH (reported by the next update()).
+  request whose prompt + max_tokens can never fit the pool is rejected by add_request; one with
+  max_tokens=None (up to the context length) has the pool as its context: a sequence alone in
+  the pool whose next token cannot fit in it is finished with FINISHED_LENGTH (reported by the
+  next update(), which every plan gets, empty ones included).
 - n > 1: at the chunk completing sequence 0's prompt the n-1 forks are created sharing its pages;
-  max_num_seqs counts all n at admission. Forks are preempted individually.
+  max_num_seqs counts all n at admission. Forks are preempted individually; in a short pool
+  they run one at a time, so one sequence fitting the pool is enough.
 - Pages freed while a plan is outstanding (returned by schedule(), not yet passed to update()) are
   not reallocated until update() of that plan, which every plan gets (empty ones included).
 - Planning ahead (async scheduling): schedule_next(plan), called while `plan` is on the device,
@@ -57,7 +60,8 @@ from jaxserve.core.step_results import StepResults
 
 class Scheduler(StepResults):
     def __init__(self, config: EngineConfig, *, num_pages: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], model_fingerprint: str):
+                 eos_token_ids: tuple[int, ...], model_fingerprint: str,
+                 kv_window: int | None = None):
         self.config = config
         self.page_size = config.page_size
         self.max_model_len = max_model_len
@@ -65,7 +69,8 @@ class Scheduler(StepResults):
         self.pool = PagePool(num_pages)
         self.cache = (PrefixCache(self.pool, self.page_size, model_fingerprint)
                       if config.enable_prefix_caching else None)
-        self.kv = KVManager(self.pool, self.page_size, self.cache)
+        # kv_window (ModelConfig.kv_window): pages before every layer's window are released.
+        self.kv = KVManager(self.pool, self.page_size, self.cache, window=kv_window)
         self.watermark_pages = int(config.watermark * self.pool.num_usable)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -83,7 +88,7 @@ class Scheduler(StepResults):
                              num_scheduled_ahead=0, spec_steps=0, spec_draft_tokens=0,
                              spec_accepted_tokens=0)
         spec = config.speculative_config
-        self.proposer = Proposer(spec, max_model_len) if spec else None
+        self.proposer = Proposer(spec, max_model_len, config.page_size) if spec else None
         k = spec.num_speculative_tokens if spec else 0
         self.spec_k = k  # drafts per sequence at most: the engine's choice per step
         # Per draft position (1st, 2nd, ...): drafts verified there and accepted there, and the
@@ -98,7 +103,7 @@ class Scheduler(StepResults):
             if request.request_id in self._requests:
                 raise RequestRejected(f"request_id {request.request_id!r} is already live")
             check_request(request, self.config, max_model_len=self.max_model_len,
-                          pages_for=self.kv.pages_for, num_usable_pages=self.pool.num_usable)
+                          pages_for=self._pages_to_hold, num_usable_pages=self.pool.num_usable)
         except RequestRejected:
             self.counters["num_rejected_total"] += 1
             raise
@@ -155,7 +160,9 @@ class Scheduler(StepResults):
             drafts = []
             if decode:
                 decodes_left -= 1
-                if self.spec_k:
+                # Rows whose logits depend on the previous token (penalties, a grammar) are
+                # not speculated: their drafts' rows would need each earlier draft applied.
+                if self.spec_k and not seq.sampling_params.needs_previous_token:
                     drafts = self.proposer.drafts(
                         seq, min(self.spec_k, budget - plan.num_tokens - decodes_left - 1))
                     self.spec_opportunities += 1
@@ -272,7 +279,7 @@ class Scheduler(StepResults):
         alone = not self.running
         if need > available - (0 if alone else self.watermark_pages):
             if alone and self.pool.num_pending == 0 \
-                    and self.kv.pages_for(seq.num_tokens) > self.pool.num_usable:
+                    and self._pages_to_hold(seq.num_tokens) > self.pool.num_usable:
                 self.waiting.remove(seq)  # a recomputation that can never fit again
                 self._finish(seq, SequenceStatus.FINISHED_LENGTH)
                 self._finished_unreported.append(seq.request)
@@ -344,8 +351,13 @@ class Scheduler(StepResults):
         self.waiting.insert(0, seq)
         plan.preempted.append(seq)
         self.counters["num_preempted_total"] += 1
+        if self.proposer is not None and self.proposer.draft_kv is not None:
+            self.proposer.draft_kv.forget(seq)
 
     # ---- helpers ---------------------------------------------------------------------------------
+    def _pages_to_hold(self, num_tokens: int) -> int:
+        return self.kv.pages_to_hold(num_tokens, self.config.max_num_batched_tokens)
+
     def _new_seq_id(self) -> int:
         self._next_seq_id += 1
         return self._next_seq_id - 1

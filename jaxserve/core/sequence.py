@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
+from typing import Any
 
 from jaxserve.core.sampling_params import SamplingParams
 
@@ -45,6 +46,8 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     stop_reason: int | str | None = None
     output_logprobs: list = dataclasses.field(default_factory=list)
+    # Structured output: the grammar's state after the output tokens (structured_output.matcher_of)
+    matcher: Any = None
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,7 @@ class Request:
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
     prompt_logprobs: list | None = None
     error: str | None = None  # why the request failed (its sequences are FINISHED_ERROR)
+    grammar: Any = None  # structured output: the compiled grammar (GrammarCompiler.compile)
     # Timestamps (time.monotonic) for metrics.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

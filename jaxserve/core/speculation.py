@@ -2,7 +2,9 @@
 
 `ngram_proposal` is prompt lookup: a sequence that copies, edits or summarises its prompt tends
 to repeat runs of it, so the tokens that followed the latest earlier occurrence of its last n
-tokens are a good guess at what comes next. Acceptance (Scheduler.update) compares each proposed
+tokens are a good guess at what comes next. A draft model's proposals come from the device: the
+scheduler reserves their slots with PENDING tokens, which the engine replaces by the draft
+model's (jaxserve/runtime/draft.py) before the step is built. Acceptance (Scheduler.update) compares each proposed
 token with the target model's own sample at that position, so a proposal can only cost time,
 never change an output.
 """
@@ -12,8 +14,11 @@ from __future__ import annotations
 import numpy as np
 
 from jaxserve.config import SpeculativeConfig
+from jaxserve.core.draft_kv import DraftKV
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.step_plan import ScheduledChunk
+
+PENDING = -1  # a draft model's token, filled in by the engine before the step runs
 
 
 def ngram_proposal(token_ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -40,9 +45,11 @@ def ngram_proposal(token_ids: list[int], k: int, min_n: int, max_n: int) -> list
 class Proposer:
     """Drafts for a decoding sequence's next step (`rows_to_apply` judges them)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, page_size: int = 16):
         self.config = config
         self.max_model_len = max_model_len
+        # The draft method: what the draft model's KV holds of each sequence.
+        self.draft_kv = DraftKV(page_size) if config.method == "draft" else None
 
     def drafts(self, seq: Sequence, tokens_left: int) -> list[int]:
         """Up to num_speculative_tokens drafts after seq's last token, within the step's
@@ -56,8 +63,10 @@ class Proposer:
         return self.propose(seq, k) if k >= 1 else []
 
     def propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k >= 1 tokens to follow seq's last token."""
+        """Up to k >= 1 tokens to follow seq's last token (a draft model's: k PENDING)."""
         c = self.config
+        if c.method == "draft":
+            return [PENDING] * k if self.draft_kv.can_draft(seq) else []
         return ngram_proposal(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
 
 

@@ -11,6 +11,7 @@ from collections import Counter
 
 from jaxserve.core.sequence import Request, Sequence, SequenceStatus
 from jaxserve.core.speculation import rows_to_apply
+from jaxserve.core.structured_output import advance
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan
 
 
@@ -79,6 +80,8 @@ class StepResults:
                 request.first_token_time = now
             touched[request.request_id] = request
             self._check_stop(seq, token)
+            if seq.request.grammar is not None and not seq.is_finished:
+                self._advance_grammar(seq, token)
             if row in stop_strings and not seq.is_finished:
                 self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop_strings[row])
         self._settle_verifications(plan, accepted)
@@ -104,6 +107,17 @@ class StepResults:
                 self.spec_accepted_at[i] += 1
             if chunk.seq.status is SequenceStatus.RUNNING:
                 self.kv.trim(chunk.seq, chunk.seq.num_tokens)
+
+    def _advance_grammar(self, seq: Sequence, token: int) -> None:
+        """The token moves the sequence's matcher; a complete grammar finishes it ("stop")."""
+        try:
+            complete = advance(seq, token)
+        except ValueError as e:
+            seq.request.error = str(e)
+            self._finish(seq, SequenceStatus.FINISHED_ERROR)
+            return
+        if complete:
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         params = seq.sampling_params

@@ -24,7 +24,7 @@ from jaxserve.weights import LoadedModel, load_model
 _RECENT_FIRST_PAGES = 4096  # first pages whose replica the router remembers
 # Stats that describe one device of a replica (the same on every replica): not summed.
 _PER_DEVICE = ("tensor_parallel_size", "kv_pool_bytes_per_device", "kv_page_bytes_per_device",
-               "param_bytes_per_device")
+               "weight_bytes_per_device")
 
 
 class Router:
@@ -73,9 +73,21 @@ class DataParallelEngine:
                                                           first.model_config)
         self.max_model_len, self.backend, self.num_pages = (first.max_model_len, first.backend,
                                                             first.num_pages)
+        for replica in self.replicas[1:]:  # one grammar cache (the same tokenizer and vocab)
+            replica._grammars = first.grammars
         self.router = Router(self.replicas, config.page_size, config.max_num_seqs)
         self._owner: dict[str, int] = {}  # unfinished request id -> replica
         self._ids = 0
+
+    @property
+    def grammars(self):
+        """Structured outputs' grammar compiler, shared by the replicas: a server compiles a
+        request's grammar before it is routed, and the replica finds it cached."""
+        return self.replicas[0].grammars
+
+    def check_params(self, params: SamplingParams):
+        """LLMEngine.check_params (the replicas share the model and the grammar cache)."""
+        return self.replicas[0].check_params(params)
 
     def tokenize(self, prompt: Prompt):
         return self.replicas[0].tokenize(prompt)

@@ -5,11 +5,14 @@ applies them."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import math
+import threading
 import time
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -19,42 +22,35 @@ from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestMetrics, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_output import GrammarCompiler
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
-from jaxserve.engine.speculation_control import SpeculationControl
-from jaxserve.runtime import sharding
+from jaxserve.engine import memory_plan
+from jaxserve.engine.in_flight import Launched, StepFailed
+from jaxserve.engine.speculator import Speculator, load_draft
+from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.distributed import PeerLostError
+from jaxserve.runtime.logit_controls import build_controls
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
 log = logging.getLogger("jaxserve.engine")
-
-
-class StepFailed(RuntimeError):
-    """A step could not run: the jitted step or its read-back raised (the KV pool donated to it
-    is gone), or its batch could not be built through no single request's fault."""
-
-
-@dataclasses.dataclass
-class _Launched:
-    """A step on the device: its plan, output arrays, real sample rows and chunk offsets."""
-
-    plan: StepPlan
-    out: dict
-    num_rows: int
-    offsets: list[int]
+PROBE_PAGES = 2
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, *,
-                 mesh: Mesh | None = None):
-        """mesh: the replica's devices (sharding.replica_mesh), for a data-parallel front;
-        default the first tensor_parallel_size devices."""
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 draft_loaded: LoadedModel | None = None, *, mesh: Mesh | None = None):
+        """`loaded`: the target model (default: config.model, loaded); `draft_loaded`: the
+        draft model of speculative method "draft" (default: its config's model, loaded; the
+        target's own weights when that is None or the target's name); mesh: the replica's
+        devices (sharding.replica_mesh), for a data-parallel front; default the first
+        tensor_parallel_size devices."""
         config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
         config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
         self.config = config
@@ -69,13 +65,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
-        self.num_pages = config.resolve_num_pages(loaded.config, self.max_model_len)
-        eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        self.scheduler = Scheduler(
-            config, num_pages=self.num_pages, max_model_len=self.max_model_len, eos_token_ids=eos,
-            # A cached page is reused only under the weights and KV format that wrote it.
-            model_fingerprint=(f"{loaded.fingerprint}:{config.dtype}:{config.quantization}:"
-                               f"kv-{config.kv_cache_dtype}"))
+        draft = load_draft(config, loaded, draft_loaded)
         self.backend = backends.resolve(
             config.attention_backend, config.dtype, config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
@@ -88,20 +78,47 @@ class LLMEngine:
             query_block=backend.query_block, packed=backend.packed,
             spec_tokens=(config.speculative_config.num_speculative_tokens
                          if config.speculative_config else 0))
-        self.runner = ModelRunner(loaded.config, loaded.params, num_pages=self.num_pages,
+        budget = memory_plan.budget(config, jax.default_backend())
+        held_before = memory.in_use(mesh.devices.flat[0]) if budget is not None else 0
+        # With a budget, a probe pool of PROBE_PAGES until the plan has measured the rest.
+        num_pages = PROBE_PAGES if budget is not None else config.resolve_num_pages(
+            loaded.config, self.max_model_len, draft=draft.config if draft else None)
+        self.runner = ModelRunner(loaded.config, loaded.params, num_pages=num_pages,
                                   page_size=config.page_size, dtype=config.dtype,
                                   kv_cache_dtype=config.kv_cache_dtype,
                                   backend=self.backend, quantization=config.quantization,
                                   max_sample_rows=self.buckets.max_sample_rows,
                                   huge_pages=config.huge_pages, mesh=mesh)
-        spec = config.speculative_config
-        self.spec_control = (SpeculationControl(spec.num_speculative_tokens, self.buckets.tokens)
-                             if spec and spec.adaptive else None)
-        self._last_step_end: float | None = None
-        self._in_flight: _Launched | None = None  # the step on the device, not yet fetched
+        eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        scheduler = functools.partial(
+            Scheduler, config, max_model_len=self.max_model_len, eos_token_ids=eos,
+            # A cached page is reused only under the weights and KV format that wrote it.
+            model_fingerprint=(f"{loaded.fingerprint}:{config.dtype}:{config.quantization}:"
+                               f"kv-{config.kv_cache_dtype}"),
+            kv_window=loaded.config.kv_window)
+        self.scheduler = scheduler(num_pages=num_pages)
+        self.speculator = Speculator(config, self.scheduler, self.buckets, draft,
+                                     num_pages=num_pages, backend=self.backend, mesh=mesh)
+        self.memory_plan = None
+        if budget is not None:
+            drafter = self.speculator.drafter
+            self.memory_plan = memory_plan.plan(
+                self.runner, self.buckets, budget, held_before,
+                compiled_shapes=self.runner.warmup_count(self.buckets)
+                + self.speculator.warmup_count(),
+                draft=drafter.model if drafter else None)
+            log.info("%s", self.memory_plan.describe(self.max_model_len))
+            self.scheduler = scheduler(num_pages=self.runner.num_pages)  # the planned pool
+            self.speculator.attach(self.scheduler)
+        self.num_pages = self.runner.num_pages
+        self._in_flight: Launched | None = None  # the step on the device, not yet fetched
         self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
         self._failed: list[Request] = []  # failed on their own since the last step() returned
         self.outputs = OutputProcessor(self.tokenizer)
+        # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
+        self._eos_token_ids = eos
         self._requests: dict[str, tuple[Request, str | None]] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
@@ -113,6 +130,28 @@ class LLMEngine:
         self.device_seconds = 0.0
 
     # ----------------------------------------------------------------- requests
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Thread-safe: a server compiles (validates) a request's grammar in a worker thread
+        before add_request, which then finds it cached."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(),
+                                                 self.model_config.vocab_size,
+                                                 self._eos_token_ids)
+        return self._grammars
+
+    def check_params(self, params: SamplingParams):
+        """ValueError unless the model can honour params: logit_bias ids within the vocabulary,
+        a valid structured output spec. Returns the compiled grammar (or None)."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}, "
+                             f"got {bad[:5]}")
+        spec = params.structured_outputs
+        return None if spec is None else self.grammars.compile(spec)
+
     def tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt, self.model_config.vocab_size)
 
@@ -123,11 +162,13 @@ class LLMEngine:
         cache_salt (default: the engine's) isolates prefix-cache sharing per tenant."""
         text, ids = self.tokenize(prompt)
         params = dataclasses.replace(params or SamplingParams())
+        grammar = self.check_params(params)
         if params.seed is None:  # unseeded: a fresh seed per request, fixed for its lifetime
             params.seed = int(self._rng.integers(0, 2**31 - 1))
         request = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=ids,
                           sampling_params=params, priority=params.priority,
                           cache_salt=cache_salt if cache_salt is not None else self.config.cache_salt)
+        request.grammar = grammar
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
@@ -196,16 +237,15 @@ class LLMEngine:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self._in_flight is None:
-            self._choose_drafts()
+            self.speculator.choose()
             plan = self.scheduler.schedule()
-            if plan.is_empty:
-                self.scheduler.update(plan, [])
-                return []
+            if plan.is_empty:  # still reported: requests schedule() finished (outgrew the pool)
+                return self._snapshots(self.scheduler.update(plan, []), time.monotonic())
             self._in_flight = self._launch(plan)
         t_launched = time.perf_counter()
         current = self._in_flight
         self._in_flight = None
-        if self.config.async_scheduling and not self._choose_drafts():
+        if self.config.async_scheduling and not self.speculator.choose():
             plan = self.scheduler.schedule_next(current.plan)
             if plan is not None:
                 self._in_flight = self._launch(plan, after=current.out)
@@ -213,18 +253,13 @@ class LLMEngine:
         out = self._fetch(current)
         t2 = time.perf_counter()
         results = self._apply(current, out)
+        if self._in_flight is not None and self._in_flight.unsampled is not None:
+            self._sample(self._in_flight)  # its controls follow from the tokens just applied
         ahead = self._in_flight is not None
         if ahead and not self.scheduler.has_unfinished():
             self._settle()  # everything it computes was finished meanwhile: drop it now
         t3 = time.perf_counter()
-        if self.spec_control is not None:
-            # A step's cost is the interval between steps that follow each other (with async
-            # scheduling the device ran this one while the host finished the last).
-            back_to_back = self._last_step_end is not None and t0 - self._last_step_end < 1e-3
-            self.spec_control.observe(current.plan.num_tokens,
-                                      t3 - (self._last_step_end if back_to_back else t0),
-                                      any(c.draft_token_ids for c in current.plan.chunks))
-            self._last_step_end = t3
+        self.speculator.observe(current.plan, t0, t3, current.catch_up_seconds)
         # Host work while a step ran on the device overlapped it: planning the next step while
         # `current` ran, and applying `current` while the next one runs.
         self.host_seconds += (t1 - t0) + (t3 - t2)
@@ -232,39 +267,67 @@ class LLMEngine:
         self.device_seconds += t2 - t1
         return results
 
-    def _choose_drafts(self) -> int:
-        """Speculative decoding: the drafts per sequence for the next step planned, from the
-        measured cost model (SpeculationControl), in steps that only decode (prompt work, of
-        waiting or still prefilling sequences, takes the budget first); 0 (and nothing without
-        speculation) lets async scheduling plan that step ahead."""
-        s = self.scheduler
-        if self.spec_control is None:
-            return s.spec_k  # off, or fixed (not adaptive)
-        decoding = sum(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in s.running)
-        if s.waiting or decoding < len(s.running):
-            s.spec_k = 0
-        else:
-            s.spec_k = self.spec_control.choose(decoding, s.spec_opportunities,
-                                                s.spec_drafted_at, s.spec_accepted_at)
-        return s.spec_k
+    def _controls(self, plan: StepPlan, num_rows: int):
+        seqs = [None if chunk.seq.is_finished else seq for chunk, seq in plan.sample_rows]
+        return build_controls(seqs, num_rows, self.model_config.vocab_size)
 
-    def _launch(self, plan: StepPlan, after=None) -> "_Launched":
+    def _build(self, plan: StepPlan, ahead: bool = False):
+        """The plan's padded batch, real sample rows, chunk offsets and logit controls. A plan
+        made `ahead` of the previous step's tokens with a row whose controls depend on them
+        (a grammar, penalties) has its controls built later (controls "later")."""
+        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        if ahead and any(seq.sampling_params.needs_previous_token for _, seq in plan.sample_rows):
+            return batch, num_rows, offsets, "later"
+        return batch, num_rows, offsets, self._controls(plan, batch.logits_indices.shape[0])
+
+    def _launch(self, plan: StepPlan, after=None) -> Launched:
+        """Build and dispatch a plan. Planned ahead of the previous step's read-back with rows
+        whose controls need that step's tokens, only its forward pass goes out now: its
+        sampling follows once those tokens are applied (`_sample`), so the device computes the
+        forward pass while the host reads the previous step and fills the masks."""
         self._unapplied.append(plan)
+        ahead = after is not None
         try:
-            batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+            catch_up = self.speculator.propose(plan)
+        except Exception as e:  # noqa: BLE001 - the draft pool was donated to the failed call
+            raise StepFailed(f"the draft model's step failed: {e!r}") from e
+        try:
+            batch, num_rows, offsets, controls = self._build(plan, ahead)
         except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
             self._fail_unbuildable(plan, e)
-            batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+            batch, num_rows, offsets, controls = self._build(plan, ahead)
+        later = isinstance(controls, str)
         copies = page_copies(plan.copies, self.buckets) if plan.copies else None
         try:
-            out = self.runner.dispatch(batch, copies, after)
+            out = self.runner.dispatch(batch, copies, after, None if later else controls,
+                                       sample=not later)
         except PeerLostError:  # another process is gone: nothing to recover here
             raise
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
-        return _Launched(plan, out, num_rows, offsets)
+        return Launched(plan, out, num_rows, offsets, catch_up,
+                         unsampled=batch if later else None)
 
-    def _fetch(self, launched: "_Launched"):
+    def _sample(self, launched: Launched) -> None:
+        """Launch the deferred sampling of a step with its controls, now that the tokens before
+        it are applied; a request whose controls cannot be built fails alone."""
+        batch, launched.unsampled = launched.unsampled, None
+        r = batch.logits_indices.shape[0]
+        try:
+            controls = self._controls(launched.plan, r)
+        except Exception as e:  # noqa: BLE001
+            self._fail_unbuildable(launched.plan, e)
+            controls = self._controls(launched.plan, r)
+        try:
+            self.runner.sample(launched.out, batch.sampling, controls)
+        except PeerLostError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise StepFailed(f"the device step failed: {e!r}") from e
+
+    def _fetch(self, launched: Launched):
+        if launched.unsampled is not None:
+            self._sample(launched)
         try:
             return self.runner.fetch(launched.out, launched.num_rows)
         except Exception as e:  # noqa: BLE001
@@ -282,7 +345,7 @@ class LLMEngine:
         culprits = []
         for chunk in plan.chunks:
             try:
-                build_batch(StepPlan(chunks=[chunk]), self.buckets, self.config.page_size)
+                self._build(StepPlan(chunks=[chunk]))
             except Exception as e:  # noqa: BLE001
                 culprits.append((chunk.seq.request.request_id, e))
         if not culprits:
@@ -303,8 +366,9 @@ class LLMEngine:
             self.scheduler.update(plan, [0] * len(plan.sample_rows))
         self._unapplied, self._in_flight = [], None
         self.runner.reset_pool()
+        self.speculator.reset()
 
-    def _apply(self, launched: "_Launched", out) -> list[RequestOutput]:
+    def _apply(self, launched: Launched, out) -> list[RequestOutput]:
         """The output processor reads the step's rows first (logprobs, text, stop strings), then
         the scheduler applies them with the stop strings found."""
         plan = launched.plan
@@ -353,12 +417,18 @@ class LLMEngine:
         packed backend; otherwise every decode-only and prefill-only bucket, and with full=True
         every combination the scheduler can produce) and the copy-on-write copies. No request
         state changes. Returns counts and seconds."""
-        t0, before = time.perf_counter(), self.runner.compilations
+        t0, before = time.perf_counter(), self.compilations
         shapes = self.runner.warmup(self.buckets, full)
-        return {"shapes": shapes, "compilations": self.runner.compilations - before,
+        shapes += self.speculator.warmup()
+        return {"shapes": shapes, "compilations": self.compilations - before,
                 "seconds": time.perf_counter() - t0}
 
     # ----------------------------------------------------------------- introspection
+    @property
+    def compilations(self) -> int:
+        """Shapes compiled: the step's, and the draft model's calls."""
+        return self.runner.compilations + self.speculator.compilations
+
     def kv_usage(self) -> dict:
         """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
         return {**self.scheduler.kv_usage(),
@@ -366,21 +436,14 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
-        stats.update(compilations=self.runner.compilations, steps=self.num_steps,
+        stats.update(compilations=self.compilations, steps=self.num_steps,
                      host_seconds=self.host_seconds, device_seconds=self.device_seconds,
                      host_overlapped_seconds=self.host_overlapped_seconds,
-                     kv_pool_bytes=self.runner.kv_pool_bytes, param_bytes=self.runner.param_bytes,
-                     # Under tensor parallelism each device holds every page, for its KV heads.
+                     activation_peak_bytes=(self.memory_plan.activation_peak_bytes
+                                            if self.memory_plan else None),
                      tensor_parallel_size=self.config.tensor_parallel_size,
-                     kv_pool_bytes_per_device=self.runner.kv_pool_bytes_per_device,
-                     kv_page_bytes_per_device=self.runner.kv_pool_bytes_per_device
-                     // self.num_pages,
-                     param_bytes_per_device=self.runner.param_bytes_per_device,
-                     huge_page_bytes=self.runner.huge_page_bytes)
-        if self.spec_control is not None:  # the cost model: seconds per token bucket timed
-            stats["spec_step_seconds"] = {
-                kind: dict(sorted(self.spec_control.seconds[speculative].items()))
-                for kind, speculative in (("plain", False), ("verifying", True))}
+                     **self.runner.memory_stats())
+        stats.update(self.speculator.stats())
         return stats
 
 

@@ -32,7 +32,10 @@ class AttentionMetadata:
     query_block: int = static_field(default=1)
 
 
-def attend(backend: str, q, cache: KVCache, md: AttentionMetadata, sm_scale: float):
+def attend(backend: str, q, cache: KVCache, md: AttentionMetadata, sm_scale: float, *,
+           window: int | None = None, soft_cap: float | None = None):
     """q f[T, Hq, D] -> f[T, Hq, D] over one layer's cache; this step's KV must already be
-    written to it."""
-    return backends.get(backend).attention(q, cache, md, sm_scale=sm_scale)
+    written to it. window: a query at position p attends keys at positions > p - window only;
+    soft_cap: scores (scaled by sm_scale) become soft_cap * tanh(score / soft_cap)."""
+    return backends.get(backend).attention(q, cache, md, sm_scale=sm_scale, window=window,
+                                           soft_cap=soft_cap)

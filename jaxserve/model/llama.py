@@ -1,4 +1,7 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) as pure functions of a params pytree.
+"""Llama-family decoder as pure functions of a params pytree: Llama, Mistral, Qwen2/3, SmolLM and
+Gemma 1/2/3 (text) are options of ModelConfig on this one model (sliding windows per layer,
+q/k norm, GeGLU, scaled embeddings, RMSNorm with 1 + weight, norms around attention and MLP,
+soft-capped scores and logits, separate rope bases for local layers).
 
 Loaders stack layers on a leading axis (weights/__init__.py); the runner hands `forward` one
 dict per layer (`per_layer_params`) and the layers run as an unrolled Python loop: a `lax.scan`
@@ -9,6 +12,8 @@ Params in the execution layout (weights stored [out, in], y = x @ W.T; F = (Hq +
   embed f[V, H]; final_norm f[H]; lm_head f[V, H] (absent when tied: the head is embed)
   layers: a list of L dicts: attn_norm f[H]; w_qkv f[F, H]; b_qkv f[F] (attention_bias only);
           wo f[H, Hq*D]; mlp_norm f[H]; w_gate_up f[2I, H]; w_down f[H, I]
+          q_norm, k_norm f[D] (qk_norm only); post_attn_norm, post_mlp_norm f[H] (sandwich_norms
+          only: Gemma 2/3's norms of the attention and MLP outputs before each residual add)
 A weight may instead be an int8 weight with group scales (quantize.Int8Weight), or a backend's
 packed weight (jaxserve/backends/cpu/packing.py), either of which multiplies itself; a tied
 embedding packed with the head looks up its own rows. Q, K, V and gate, up are fused into one
@@ -29,10 +34,11 @@ from jaxserve.model.quantize import Int8Weight
 from jaxserve.model.rope import apply_rope, rope_tables
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, offset: float = 0.0):
+    """Normalised in float32, scaled by (offset + weight) (Gemma stores weight - 1: offset 1)."""
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (xf * weight.astype(jnp.float32)).astype(x.dtype)
+    return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def matmul(x, w):
@@ -84,8 +90,9 @@ def fuse_layer(lp: dict) -> dict:
              "w_down": _out_in([lp["w_down"]])}
     if "bq" in lp:
         fused["b_qkv"] = np.concatenate([lp["bq"], lp["bk"], lp["bv"]], axis=-1)
-    if "q_norm" in lp:  # per-head RMSNorm weights [D] (Qwen3)
-        fused["q_norm"], fused["k_norm"] = lp["q_norm"], lp["k_norm"]
+    for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):  # where present
+        if name in lp:
+            fused[name] = lp[name]
     return fused
 
 
@@ -97,29 +104,37 @@ def head_params(params: dict) -> dict:
     return out
 
 
-def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, cos, sin, x,
+def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, rope, window, x,
            cache: KVCache, lp, sum_shards):
     t = x.shape[0]
     d = cfg.head_dim
     hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
+    h = rms_norm(x, lp["attn_norm"], eps, offset)
     qkv = matmul(h, lp["w_qkv"])
     if cfg.attention_bias:
         qkv = qkv + lp["b_qkv"]
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
     q, k = q.reshape(t, cfg.num_heads, d), k.reshape(t, cfg.num_kv_heads, d)
     if cfg.qk_norm:
-        eps = cfg.rms_norm_eps
-        q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
+        q, k = rms_norm(q, lp["q_norm"], eps, offset), rms_norm(k, lp["k_norm"], eps, offset)
+    cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = v.reshape(t, cfg.num_kv_heads, d)
     cache = write_kv(cache, k, v, md.slot_mapping)
-    o = attention.attend(backend, q, cache, md, sm_scale=d ** -0.5)
-    x = x + sum_shards(matmul(o.reshape(t, hq), lp["wo"]))
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    o = attention.attend(backend, q, cache, md, sm_scale=cfg.attention_scale, window=window,
+                         soft_cap=cfg.attn_logit_softcapping)
+    o = sum_shards(matmul(o.reshape(t, hq), lp["wo"]))
+    if cfg.sandwich_norms:
+        o = rms_norm(o, lp["post_attn_norm"], eps, offset)
+    x = x + o
+    h = rms_norm(x, lp["mlp_norm"], eps, offset)
     gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
-    x = x + sum_shards(matmul(jax.nn.silu(gate) * up, lp["w_down"]))
-    return x, cache
+    act = jax.nn.silu(gate) if cfg.mlp_activation == "silu" else jax.nn.gelu(gate, approximate=True)
+    o = sum_shards(matmul(act * up, lp["w_down"]))
+    if cfg.sandwich_norms:
+        o = rms_norm(o, lp["post_mlp_norm"], eps, offset)
+    return x + o, cache
 
 
 def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=None, *,
@@ -131,17 +146,27 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=N
     of the row-parallel projections (wo, w_down) across devices; None: one device."""
     sum_shards = sum_shards or (lambda x: x)
     x = embed(params, token_ids)
-    cos, sin = rope_tables(md.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    if cfg.embed_scale:  # sqrt(hidden) rounded to the model dtype first, as Gemma's reference
+        x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
+    rope = rope_tables(md.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    local_rope = rope
+    if cfg.rope_local_theta is not None:  # sliding layers' own base, unscaled (Gemma 3)
+        local_rope = rope_tables(md.positions, cfg.head_dim, cfg.rope_local_theta)
 
     caches = []
-    for lp, cache in zip(params["layers"], pool.layers, strict=True):
-        x, cache = _layer(cfg, backend, md, cos, sin, x, cache, lp, sum_shards)
+    for i, (lp, cache) in enumerate(zip(params["layers"], pool.layers, strict=True)):
+        window = cfg.layer_window(i)  # static per layer: the loop is unrolled
+        x, cache = _layer(cfg, backend, md, rope if window is None else local_rope, window, x,
+                          cache, lp, sum_shards)
         caches.append(cache)
-    return KVPool(tuple(caches)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    return KVPool(tuple(caches)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps,
+                                           cfg.norm_weight_offset)
 
 
-def logits(params, hidden):
-    """hidden f[R, H] -> f32 logits [R, V]. A tied model's head is the embedding table unless a
-    separate (e.g. quantized) lm_head was added."""
+def logits(params, hidden, cfg: ModelConfig):
+    """hidden f[R, H] -> f32 logits [R, V], soft-capped where the model is (Gemma 2). A tied
+    model's head is the embedding table unless a separate (e.g. quantized) lm_head was added."""
     head = params["lm_head"] if "lm_head" in params else params["embed"]
-    return matmul(hidden, head).astype(jnp.float32)
+    out = matmul(hidden, head).astype(jnp.float32)
+    cap = cfg.final_logit_softcapping
+    return out if cap is None else cap * jnp.tanh(out / cap)

@@ -2,7 +2,8 @@
 stretch a model past its pretrained context (RopeScaling): "linear" (positions divided by the
 factor), "llama3" (low frequencies divided by the factor, high ones kept, a smooth blend
 between) and "yarn" (a ramp between interpolated and extrapolated frequencies over the head
-dimensions, and cos/sin scaled by an attention factor). Scaled frequencies are computed once, on
+dimensions, and cos/sin scaled by an attention factor), and GGUF's per-pair divisors
+("freq_factors"). Scaled frequencies are computed once, on
 the host in float64, as the model's constants."""
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ def scaled_inv_frequencies(head_dim: int, theta: float,
     under a scaling (plain rope: rope_tables computes it on the device)."""
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     factor = scaling.factor
+    if scaling.rope_type == "freq_factors":
+        if len(scaling.freq_factors) != len(inv):
+            raise ValueError(f"{len(scaling.freq_factors)} rope frequency factors for "
+                             f"{len(inv)} rotated pairs")
+        return tuple(inv / np.asarray(scaling.freq_factors, np.float64)), 1.0
     if scaling.rope_type == "linear":
         return tuple(inv / factor), 1.0
     if scaling.rope_type == "llama3":

@@ -164,14 +164,16 @@ def page_copies(copies: list[tuple[int, int]], buckets: Buckets) -> tuple[np.nda
     return src, dst
 
 
-def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int) -> StepPlan:
+def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int,
+                prompt_logprobs: int | None = None) -> StepPlan:
     """A plan of the step shape (Sd, prefill tokens, prefill rows) from Buckets.step_shapes, of
-    greedy dummy sequences that read and write only the scratch page 0."""
+    greedy dummy sequences that read and write only the scratch page 0 (scoring their prompts
+    with prompt_logprobs, if given)."""
     sd, tp, sp = shape
     qb = buckets.query_block
     max_chunk = buckets.pages * page_size
     max_units = -(-max_chunk // qb)
-    dummy = Request("warmup", [0], SamplingParams(temperature=0))
+    dummy = Request("warmup", [0], SamplingParams(temperature=0, prompt_logprobs=prompt_logprobs))
 
     def seq(num_tokens: int) -> Sequence:
         return Sequence(-1, dummy, [0] * num_tokens, 1, page_ids=[0] * buckets.pages)

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 TIMEOUT_S = 60
-STEP, COPY, RESET, STOP = 1, 2, 3, 4  # message kinds
+STEP, COPY, RESET, STOP, SAMPLE = 1, 2, 3, 4, 5  # message kinds
 
 
 class PeerLostError(RuntimeError):
@@ -96,9 +96,11 @@ def follow(runner, channel: Channel) -> int:
     while True:
         kind, payload = channel.receive()
         if kind == STEP:
-            batch, copies, feeds = payload
-            out = runner.dispatch(batch, copies, out if feeds else None)
+            batch, copies, feeds, controls, sample = payload
+            out = runner.dispatch(batch, copies, out if feeds else None, controls, sample)
             steps += 1
+        elif kind == SAMPLE:  # the deferred sampling of the latest step (logit controls)
+            runner.sample(out, *payload)
         elif kind == COPY:
             runner.copy_pages(*payload)
         elif kind == RESET:

@@ -1,8 +1,11 @@
-"""ModelRunner: owns every device array (params, KV pool) and the one jitted step.
+"""ModelRunner: owns every device array (params, KV pool), the jitted model step and the
+jitted sampling call chained after it.
 
 step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
 pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
-before they were read back (async scheduling). Shapes come from the batch buckets; each new
+before they were read back (async scheduling). Its sample rows' logits stay on the device for
+the sampling call (_sample_rows: sampling modes, logit controls), so those multiply only that
+small function's compiles. Shapes come from the batch buckets; each new
 shape signature is one compilation, counted in `compilations`. The jitted step is shared by
 every runner of the same model config and backend in the process, so a second engine (a
 benchmark's ablation variant, a test) reuses what the first compiled; `compilations` still
@@ -25,11 +28,13 @@ from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVPool
-from jaxserve.model.quantize import quantize, quantize_head, quantize_layer
+from jaxserve.model.quantize import quantize_head, quantize_layer
+from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime import distributed, sharding
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.sampling import sample
+from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
+from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata, sample
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "int8": jnp.int8}  # int8: KV pages only
@@ -78,17 +83,28 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
     pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn)
-    logits = llama.logits(params, hidden[batch.logits_indices])
-    out = {"sampled": sample(logits, batch.sampling, backend)}
-    ids = out["sampled"][0]
-    out["feed"] = jnp.zeros_like(feed).at[:ids.shape[0]].set(ids)
+    # The sample rows' logits stay on the device for _sample_rows.
+    out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
-        logprobs = jax.nn.log_softmax(llama.logits(params, hidden), axis=-1)
+        logprobs = jax.nn.log_softmax(llama.logits(params, hidden, cfg), axis=-1)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logprobs, max(batch.prompt_logprobs, 1))
         k = batch.prompt_logprobs
         out["prompt"] = (target, top_ids[:, :k], top_lp[:, :k])
     return pool, out
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "feed_size"))
+def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
+                 backend: str, feed_size: int):
+    """A step's sampling, its own small jitted call chained after the step on the device: the
+    sampling modes and logit controls multiply only its compiles, not the model step's. Returns
+    (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
+    (the ids padded to feed_size)."""
+    if controls is not None:
+        logits = apply_controls(logits, controls)
+    sampled = sample(logits, sampling, backend)
+    return sampled, jnp.zeros(feed_size, jnp.int32).at[:sampled[0].shape[0]].set(sampled[0])
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,11 +136,11 @@ def _use_compilation_cache() -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
-def _bytes_on_one_device(tree) -> int:
-    return sum(x.addressable_shards[0].data.nbytes for x in jax.tree_util.tree_leaves(tree))
-
-
-def _signature(batch: StepBatch) -> tuple:
+def _signature(batch) -> tuple:
+    """A jitted call's cache key: the model step's is its batch without the sampling metadata
+    (sampled in _sample_rows)."""
+    if isinstance(batch, StepBatch):
+        batch = dataclasses.replace(batch, sampling=None)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
 
@@ -133,16 +149,14 @@ def prepare_params(params: dict, quantization: str, backend: str):
     """The loaders' params -> what the step runs, as host numpy: (the leaves outside the
     layers, an iterator of the layers), quantized, in the execution layout and packed for the
     backend's matmul. The layers are made one at a time as they are placed, so the host holds
-    one beyond the loaders' copy; a backend that packs its weights (cpu, one device) packs the
-    whole tree at once."""
-    pack = backends.get(backend).pack_params
-    if pack is not None:
-        whole = pack(llama.per_layer_params(quantize(params, quantization)))
-        return {k: v for k, v in whole.items() if k != "layers"}, iter(whole["layers"])
+    one beyond the loaders' copy (a lazy load's: none)."""
+    pack = backends.get(backend).pack_params or (lambda tree: tree)
     stacked = params["layers"]
-    layers = (llama.fuse_layer(quantize_layer(llama.layer_of(stacked, i), quantization))
+    layers = (pack({"layers": [llama.fuse_layer(quantize_layer(llama.layer_of(stacked, i),
+                                                                quantization))]})["layers"][0]
               for i in range(len(stacked["attn_norm"])))
-    return llama.head_params(quantize_head(params, quantization)), layers
+    top = pack({**llama.head_params(quantize_head(params, quantization)), "layers": []})
+    return {k: v for k, v in top.items() if k != "layers"}, layers
 
 
 class ModelRunner:
@@ -180,16 +194,21 @@ class ModelRunner:
         (weights.orbax_io.OrbaxParams) is restored straight into the shardings, unless its
         weights must first be quantized or packed on the host."""
         if hasattr(params, "restore"):
-            if quantization == "none" and backends.get(backend).pack_params is None:
+            # float weights are packed on the host only by the cpu backend (its panels)
+            if quantization == "none" and backend != "cpu":
                 return sharding.restore_params(params, self.cfg, self.mesh, self.dtype)
             params = params.numpy()
         return sharding.place_params(*prepare_params(params, quantization, backend), self.cfg,
                                      self.mesh, self._cast)
 
-    def reset_pool(self) -> None:
-        """A zeroed KV pool (at start, and after a failed step consumed the donated one)."""
+    def reset_pool(self, num_pages: int | None = None) -> None:
+        """A zeroed KV pool (at start, after a failed step consumed the donated one, and of the
+        planned size after a memory plan probed with a small one)."""
         if self.channel is not None:
+            if num_pages not in (None, self.num_pages):
+                raise ValueError("the pool's size is fixed when several processes serve")
             self.channel.send(distributed.RESET)
+        self.num_pages = num_pages or self.num_pages
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         cfg = self.cfg
         heads = sharding.pool_kv_heads(cfg, sharding.tp_size(self.mesh))
@@ -199,44 +218,61 @@ class ModelRunner:
         self.pool = jax.jit(zeros, out_shardings=sharding.pool_sharding(self.mesh))()
 
     def _cast(self, x) -> np.ndarray:
-        """A host weight in the serving dtype (integer arrays, e.g. int8 weights, kept)."""
+        """A host weight in the serving dtype; the int8 weights' float16 group scales and
+        offsets (quantize.py) and integer arrays keep theirs."""
         x = np.asarray(x)
-        return x.astype(self.dtype, copy=False) if jnp.issubdtype(x.dtype, jnp.floating) else x
+        keep = x.dtype == np.float16 or not jnp.issubdtype(x.dtype, jnp.floating)
+        return x if keep else x.astype(self.dtype, copy=False)
 
     @property
     def compilations(self) -> int:
         return len(self._signatures)
 
-    @property
-    def kv_pool_bytes(self) -> int:
-        return self.pool.nbytes
+    def memory_stats(self) -> dict:
+        """Bytes of the weights and the KV pool, over all devices and on one (under tensor
+        parallelism each device holds every page, for its KV heads; repeated heads count)."""
+        pool_per_device = memory.bytes_on_device(self.pool)
+        return dict(kv_pool_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(self.pool)),
+                    weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params)),
+                    kv_pool_bytes_per_device=pool_per_device,
+                    kv_page_bytes_per_device=pool_per_device // self.num_pages,
+                    weight_bytes_per_device=memory.bytes_on_device(self.params),
+                    huge_page_bytes=self.huge_page_bytes)
 
-    @property
-    def param_bytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params))
-
-    @property
-    def kv_pool_bytes_per_device(self) -> int:
-        """One device's part of the pool (its KV heads of every page; repeated heads count)."""
-        return _bytes_on_one_device(self.pool)
-
-    @property
-    def param_bytes_per_device(self) -> int:
-        return _bytes_on_one_device(self.params)
-
-    def dispatch(self, batch: StepBatch, copies=None, after=None):
+    def dispatch(self, batch: StepBatch, copies=None, after=None,
+                 controls: LogitControls | None = None, sample: bool = True):
         """Launch one step asynchronously, after the copy-on-write page copies (src, dst arrays)
         if any; returns device arrays (JAX dispatch is async). `after` is the output of the
-        previous step when this one feeds on its samples (batch.feed_rows). On process 0 of
-        several, the other processes are sent the same call first."""
-        if self.channel is not None:
-            self.channel.send(distributed.STEP, (batch, copies, after is not None))
+        previous step when this one feeds on its samples (batch.feed_rows). The rows are
+        sampled in a second small call chained on the device, through `controls` when given
+        (runtime/logit_controls.py); with sample=False the caller launches it later
+        (`sample`), once the controls are known."""
+        if self.channel is not None:  # process 0 of several: the others run the same calls
+            self.channel.send(distributed.STEP, (batch, copies, after is not None,
+                                                 controls if sample else None, sample))
         if copies is not None:
             self._copy_local(*copies)
         self._signatures.add(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
-        self.pool, out = self._step(self.params, pool=self.pool, batch=batch, feed=feed)
+        self.pool, out = self._step(self.params, pool=self.pool,
+                                    batch=dataclasses.replace(batch, sampling=None), feed=feed)
+        if sample:
+            self._sample_local(out, batch.sampling, controls)
         return out
+
+    def sample(self, out: dict, sampling: SamplingMetadata, controls) -> None:
+        """Launch the sampling of a dispatched step's rows: out gains "sampled" and "feed".
+        It is always the latest step's (the next one feeds on it): other processes apply it
+        to theirs."""
+        if self.channel is not None:
+            self.channel.send(distributed.SAMPLE, (sampling, controls))
+        self._sample_local(out, sampling, controls)
+
+    def _sample_local(self, out: dict, sampling: SamplingMetadata, controls) -> None:
+        self._signatures.add(("sample", _signature((sampling, controls))))
+        out["sampled"], out["feed"] = _sample_rows(out["logits"], sampling, controls,
+                                                   backend=self.backend,
+                                                   feed_size=self._no_feed.shape[0])
 
     def copy_pages(self, src, dst) -> None:
         if self.channel is not None:
@@ -259,33 +295,71 @@ class ModelRunner:
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:
         """Block on a dispatched step and copy its first num_rows rows to the host."""
-        out = jax.device_get({k: v for k, v in out.items() if k != "feed"})
+        out = jax.device_get({k: v for k, v in out.items() if k not in ("feed", "logits")})
         ids, lp, top_ids, top_lp = out["sampled"]
         result = StepOutput(ids[:num_rows], lp[:num_rows], top_ids[:num_rows], top_lp[:num_rows])
         if "prompt" in out:
             result.prompt_logprobs, result.prompt_top_ids, result.prompt_top_logprobs = out["prompt"]
         return result
 
-    def execute(self, batch: StepBatch, num_rows: int, copies=None) -> StepOutput:
-        return self.fetch(self.dispatch(batch, copies), num_rows)
+    def execute(self, batch: StepBatch, num_rows: int, copies=None,
+                controls: LogitControls | None = None) -> StepOutput:
+        return self.fetch(self.dispatch(batch, copies, controls=controls), num_rows)
 
-    def warmup(self, buckets: Buckets, full: bool = False) -> int:
-        """Compile the step shapes of Buckets.step_shapes and every copies bucket, on dummy
-        plans that use only the scratch page 0 (no request state changes). Returns how many
-        shapes were run."""
-        shapes = buckets.step_shapes(self.page_size, full)
-        run = 0
-        for shape in shapes:
+    def _warm_sampling(self, out, batch: StepBatch) -> None:
+        """Compile the sampling call of a step's sample rows in each sampling mode, without
+        logit controls and with masks only (structured outputs); penalties and logit_bias
+        compile their entry bucket on first use (a small function: about a second)."""
+        for controls in (None, no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size)):
+            for mode in (GREEDY, RANDOM, FILTERED):
+                self.sample(out, dataclasses.replace(batch.sampling, mode=mode), controls)
+                jax.block_until_ready(out["sampled"])
+
+    def _shape_batch(self, shape, buckets: Buckets, prompt_logprobs: int | None = None):
+        plan = warmup_plan(shape, buckets, self.page_size, prompt_logprobs)
+        return build_batch(plan, buckets, self.page_size)[:2]
+
+    def step_temp_bytes(self, shape, buckets: Buckets, prompt_logprobs: int | None = None) -> int:
+        """Bytes the compiled step of `shape` (Buckets.step_shapes) allocates beside its
+        arguments (XLA's memory analysis): its temporaries and the outputs that do not alias
+        the donated pool."""
+        batch, _ = self._shape_batch(shape, buckets, prompt_logprobs)
+        m = self._step.lower(self.params, pool=self.pool,
+                             batch=dataclasses.replace(batch, sampling=None),
+                             feed=self._no_feed).compile().memory_analysis()
+        return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+    def run_shape(self, shape, buckets: Buckets) -> None:
+        """Run one step of `shape` on dummy sequences of the scratch page 0."""
+        self.execute(*self._shape_batch(shape, buckets))
+
+    def _warmup_batches(self, buckets: Buckets, full: bool):
+        """(batch, rows) of each step shape of Buckets.step_shapes, on dummy plans that use
+        only the scratch page 0. With speculative decoding, a step that verifies drafts
+        samples more rows: a variant of the shape wherever that changes its sample rows."""
+        for shape in buckets.step_shapes(self.page_size, full):
             plan = warmup_plan(shape, buckets, self.page_size)
-            # With speculative decoding, a step that verifies drafts samples more rows: a
-            # variant of the shape wherever that changes its sample rows.
             sizes = set()
             for verifying in (False, True) if buckets.spec_tokens else (False,):
                 batch, rows, _ = build_batch(plan, buckets, self.page_size, verifying=verifying)
-                if batch.logits_indices.shape[0] not in sizes:
-                    sizes.add(batch.logits_indices.shape[0])
-                    self.execute(batch, rows)
-                    run += 1
+                r = batch.logits_indices.shape[0]
+                if r not in sizes:
+                    sizes.add(r)
+                    yield batch, rows
+
+    def warmup_count(self, buckets: Buckets, full: bool = False) -> int:
+        """How many shapes `warmup` compiles (steps and copies), without compiling them."""
+        return sum(1 for _ in self._warmup_batches(buckets, full)) + len(buckets.copies)
+
+    def warmup(self, buckets: Buckets, full: bool = False) -> int:
+        """Compile the step shapes of Buckets.step_shapes, their sampling calls, and every
+        copies bucket (no request state changes). Returns how many shapes were run."""
+        run = 0
+        for batch, rows in self._warmup_batches(buckets, full):
+            out = self.dispatch(batch)
+            self.fetch(out, rows)
+            self._warm_sampling(out, batch)
+            run += 1
         for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
             self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))
         return run + len(buckets.copies)

@@ -204,13 +204,16 @@ def _loader_shapes(cfg: ModelConfig) -> dict:
         layers |= {"bq": (L, q), "bk": (L, kv), "bv": (L, kv)}
     if cfg.qk_norm:
         layers |= {"q_norm": (L, D), "k_norm": (L, D)}
+    if cfg.sandwich_norms:
+        layers |= {"post_attn_norm": (L, H), "post_mlp_norm": (L, H)}
     return shapes | {("layers", k): v for k, v in layers.items()}
 
 
 # Execution-layout leaves of a layer, each from the loaders' stacked weights it is made of.
 _GROUPS = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up"),
            "wo": ("wo",), "w_down": ("w_down",), "attn_norm": ("attn_norm",),
-           "mlp_norm": ("mlp_norm",), "q_norm": ("q_norm",), "k_norm": ("k_norm",)}
+           "mlp_norm": ("mlp_norm",), "q_norm": ("q_norm",), "k_norm": ("k_norm",),
+           "post_attn_norm": ("post_attn_norm",), "post_mlp_norm": ("post_mlp_norm",)}
 
 
 def restore_params(source, cfg: ModelConfig, mesh: Mesh, dtype) -> dict:

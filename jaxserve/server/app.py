@@ -254,8 +254,20 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                 final[index] = out
         return builder.response(final)
 
+    async def compile_grammar(parsed) -> None:
+        """Compile (validate) a structured output's grammar in a worker thread, off the engine's
+        step loop: add_request then finds it cached. An invalid one is a 400 naming it."""
+        spec = parsed.params.structured_outputs
+        if spec is not None:
+            try:
+                await asyncio.to_thread(aengine.engine.grammars.compile, spec)
+            except ValueError as e:
+                param = "tool_choice" if parsed.tool_call else "response_format"
+                raise APIError(str(e), param=param, code="invalid_value") from None
+
     async def serve(kind: str, request: Request):
         parsed = parse_request(kind, await read_json(request), ctx)
+        await compile_grammar(parsed)
         group = await submit(parsed, cache_salt(request))
         builder = ResponseBuilder(parsed, ctx)
         if parsed.stream:

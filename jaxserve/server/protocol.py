@@ -3,7 +3,7 @@
 `parse_request(kind, body, ctx)` validates a JSON body of /v1/completions ("completion") or
 /v1/chat/completions ("chat") and turns it into engine prompts plus one SamplingParams; every
 problem raises `APIError` carrying OpenAI's error shape. Unknown fields are ignored, as OpenAI
-does. Responses are built in responses.py. Host-only, no engine calls.
+does, except those of other servers that would change the output (structured_requests.py). Responses are built in responses.py. Host-only, no engine calls.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import math
 from typing import Any
 
 from jaxserve.core.sampling_params import INT32_MAX, SamplingParams
+from jaxserve.server.structured_requests import (StructuredRequestError, logit_controls,
+                                                 refuse_unsupported, structured_spec)
 
 MAX_LOGPROBS = 20
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -61,6 +63,7 @@ class ParsedRequest:
     echo: bool = False  # completions: return the prompt (and its logprobs) before the completion
     hide_generated: bool = False  # echo with max_tokens=0: one token is generated, not returned
     num_logprobs: int | None = None  # top logprobs per token to return; None: no logprobs
+    tool_call: bool = False  # chat: the output is constrained to a call of the offered tools
 
 
 # ------------------------------------------------------------------------------- field readers
@@ -125,13 +128,7 @@ def _token_list(value, name: str, vocab_size: int) -> list[int]:
 
 
 def _unsupported(body: dict) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
-            raise APIError(f"'{name}' is not supported by this server (only 0)", param=name,
-                           code="unsupported_parameter")
-    if body.get("logit_bias"):
-        raise APIError("'logit_bias' is not supported by this server", param="logit_bias",
-                       code="unsupported_parameter")
+    refuse_unsupported(body)
     if body.get("suffix"):
         raise APIError("'suffix' is not supported by this server", param="suffix",
                        code="unsupported_parameter")
@@ -189,7 +186,7 @@ def _message_text(message: dict, i: int) -> str:
                    param=f"messages[{i}].content", code="invalid_type")
 
 
-def _chat_prompt(body: dict, ctx: ProtocolContext) -> dict:
+def _chat_prompt(body: dict, ctx: ProtocolContext, tools: list[dict] | None) -> dict:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError("'messages' must be a non-empty list", param="messages",
@@ -200,11 +197,16 @@ def _chat_prompt(body: dict, ctx: ProtocolContext) -> dict:
             raise APIError(f"messages[{i}] must be an object with a role in {list(CHAT_ROLES)}",
                            param=f"messages[{i}].role", code="invalid_value")
         role = "system" if m["role"] == "developer" else m["role"]
-        conversation.append({"role": role, "content": _message_text(m, i)})
+        message = {"role": role, "content": _message_text(m, i)}
+        # Tool calls and results pass through to templates that render them.
+        message.update((k, m[k]) for k in ("tool_calls", "tool_call_id", "name") if k in m)
+        conversation.append(message)
     add_generation_prompt = _bool(body, "add_generation_prompt", True)
+    extra = {"tools": [{"type": "function", "function": fn} for fn in tools]} if tools else {}
     try:
         text = ctx.tokenizer.apply_chat_template(conversation,
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **extra)
     except ValueError as e:  # ChatTemplateError
         raise APIError(str(e), param="messages", code="invalid_value") from None
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
@@ -217,6 +219,8 @@ def parse_request(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
     problem is an APIError (400 unless it says otherwise), never another exception."""
     try:
         return _parse(kind, body, ctx)
+    except StructuredRequestError as e:
+        raise APIError(str(e), param=e.param, code=e.code) from None
     except (ValueError, TypeError) as e:  # text that is not Unicode, a value SamplingParams refuses
         raise APIError(str(e), code="invalid_value") from None
 
@@ -231,7 +235,9 @@ def _parse(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
         raise APIError(f"The model `{model}` does not exist. Served: {list(ctx.model_names)}",
                        status=404, param="model", code="model_not_found")
     _unsupported(body)
-    prompts = _completion_prompts(body, ctx) if kind == "completion" else [_chat_prompt(body, ctx)]
+    spec, tool_call, tools = structured_spec(body, kind)
+    prompts = (_completion_prompts(body, ctx) if kind == "completion"
+               else [_chat_prompt(body, ctx, tools)])
 
     echo = kind == "completion" and _bool(body, "echo", False)
     if kind == "completion":
@@ -262,6 +268,8 @@ def _parse(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
     hide_generated = max_tokens == 0
     longest = max(len(p["prompt_token_ids"]) for p in prompts)
     left = ctx.max_model_len - longest
+    to_context = max_tokens is None and (ctx.max_tokens_limit is None
+                                         or left <= ctx.max_tokens_limit)
     if max_tokens is None:
         max_tokens = left if ctx.max_tokens_limit is None else min(left, ctx.max_tokens_limit)
     engine_max = max(max_tokens, 1)
@@ -288,10 +296,17 @@ def _parse(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
         n=n, temperature=float(_number(body, "temperature", 1.0, lo=0, hi=2)),
         top_p=float(_number(body, "top_p", 1.0, lo=0, hi=1, lo_open=True)),
         top_k=top_k, min_p=float(_number(body, "min_p", 0.0, lo=0, hi=1)), seed=seed,
-        max_tokens=engine_max, stop=_stops(body), stop_token_ids=stop_token_ids,
-        ignore_eos=_bool(body, "ignore_eos", False),
+        # Up to the context: None, which the engine bounds itself (a KV pool shorter than the
+        # context ends it with "length"); an explicit max_tokens the pool cannot hold is refused.
+        max_tokens=None if to_context else engine_max, stop=_stops(body),
+        stop_token_ids=stop_token_ids, ignore_eos=_bool(body, "ignore_eos", False),
         logprobs=num_logprobs if (num_logprobs is not None and not hide_generated) else None,
-        prompt_logprobs=num_logprobs if (echo and num_logprobs is not None) else None)
+        prompt_logprobs=num_logprobs if (echo and num_logprobs is not None) else None,
+        structured_outputs=spec, **logit_controls(body))
+    bad = [t for t in params.logit_bias or () if t >= ctx.vocab_size]
+    if bad:
+        raise APIError(f"'logit_bias' holds token ids outside [0, {ctx.vocab_size}): {bad[:5]}",
+                       param="logit_bias", code="invalid_value")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -303,4 +318,4 @@ def _parse(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
                        param="stream_options", code="invalid_value")
     return ParsedRequest(kind=kind, model=model, prompts=prompts, params=params, stream=stream,
                          include_usage=include_usage, echo=echo, hide_generated=hide_generated,
-                         num_logprobs=num_logprobs)
+                         num_logprobs=num_logprobs, tool_call=tool_call)

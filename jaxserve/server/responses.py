@@ -9,6 +9,7 @@ import uuid
 
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.protocol import ParsedRequest, ProtocolContext
+from jaxserve.server.structured_requests import tool_call
 
 
 def new_id(kind: str) -> str:
@@ -107,6 +108,11 @@ class ResponseBuilder:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.p.model}
 
+    def _tool_call(self, text: str, finish: str | None) -> dict | None:
+        """The tool call of a tool-constrained output that completed (finish "stop"); an
+        output cut short (length) stays text."""
+        return tool_call(text) if self.p.tool_call and finish == "stop" else None
+
     # ---- whole responses
     def response(self, outputs: list[RequestOutput]) -> dict:
         """The non-streamed body from the final RequestOutput of each prompt (in prompt order)."""
@@ -141,9 +147,13 @@ class ResponseBuilder:
                 else:
                     logprobs = (chat_logprobs(self.tok, ids, lps, self.p.num_logprobs)
                                 if self.p.num_logprobs is not None else None)
-                    choices.append({"index": index,
-                                    "message": {"role": "assistant", "content": text},
-                                    "logprobs": logprobs, "finish_reason": _finish_reason(c),
+                    message, finish = {"role": "assistant", "content": text}, _finish_reason(c)
+                    call = self._tool_call(text, finish)
+                    if call is not None:
+                        message, finish = {"role": "assistant", "content": None,
+                                           "tool_calls": [call]}, "tool_calls"
+                    choices.append({"index": index, "message": message,
+                                    "logprobs": logprobs, "finish_reason": finish,
                                     "stop_reason": c.stop_reason})
         choices.sort(key=lambda ch: ch["index"])
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
@@ -189,8 +199,18 @@ class ResponseBuilder:
                 obj = "text_completion"
             else:
                 delta = {"content": delta_text}
+                if self.p.tool_call:  # the call goes out whole once its JSON is complete
+                    delta = {}
+                    call = self._tool_call(text, finish)
+                    if call is not None:
+                        delta, finish = {"tool_calls": [{"index": 0, **call}]}, "tool_calls"
+                    elif finish is not None:
+                        delta = {"content": text}
+                    elif not first:
+                        continue
                 if first:
-                    delta = {"role": "assistant", "content": delta_text}
+                    delta = {"role": "assistant", **delta}
+                    delta.setdefault("content", None if self.p.tool_call else delta_text)
                 logprobs = (chat_logprobs(self.tok, new_ids, new_lps, self.p.num_logprobs)
                             if self.p.num_logprobs is not None else None)
                 choice = {"index": i, "delta": delta, "logprobs": logprobs,

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxserve.config import ModelConfig
+from jaxserve.config import ModelConfig, RopeScaling
 
 GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -38,7 +38,10 @@ _STRING, _ARRAY = 8, 9
 # Architectures whose converter permutes Q/K rows (LlamaModel and its subclasses in
 # llama.cpp's convert_hf_to_gguf.py). Qwen2 is not permuted.
 _PERMUTED_ARCHS = ("llama", "mistral")
-_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
+_GEMMAS = ("gemma", "gemma2", "gemma3")
+_QK_NORM_ARCHS = ("gemma3",)
+_SANDWICH_ARCHS = ("gemma2", "gemma3")  # post-attention, pre- and post-FFN norms
 
 
 @dataclasses.dataclass
@@ -202,9 +205,8 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise ValueError(f"partial rotary (rope.dimension_count={rope_dim} != head_dim "
                          f"{head_dim}) is not supported")
-    scaling = get("rope.scaling.type")
-    if scaling not in (None, "none") and float(get("rope.scaling.factor", 1.0)) != 1.0:
-        raise ValueError(f"rope scaling {scaling!r} is not supported")
+    rope_scaling = _gguf_rope_scaling(get("rope.scaling.type"), get("rope.scaling.factor", 1.0),
+                                      get("rope.scaling.original_context_length"))
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else get("vocab_size", n_vocab_tensor)
     if n_vocab_tensor is not None:
@@ -216,11 +218,21 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
         v = meta.get(key)
         if v is not None and int(v) not in eos_ids:
             eos_ids.append(int(v))
+    gemma = arch in _GEMMAS
+    num_layers = int(get("block_count"))
+    window, layer_types = _gguf_windows(arch, get("attention.sliding_window"),
+                                        get("attention.sliding_window_pattern"), num_layers)
+    scale = get("attention.scale")  # the score scale, where it is not head_dim ** -0.5
+
+    def optional(key):
+        value = get(key)
+        return None if value is None else _f32(value)
+
     return ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=num_layers,
         num_heads=n_head,
         num_kv_heads=int(n_kv),
         head_dim=head_dim,
@@ -229,10 +241,51 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings=not has_output,
         attention_bias=arch == "qwen2",
+        qk_norm=arch in _QK_NORM_ARCHS,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
         architecture=arch,
+        rope_scaling=rope_scaling,
+        sliding_window=window,
+        layer_types=layer_types,
+        # llama.cpp's Gemma 3 local layers: rope.freq_base_swa, else its fixed 10000.
+        rope_local_theta=_f32(get("rope.freq_base_swa", 1e4)) if arch == "gemma3" else None,
+        mlp_activation="gelu_tanh" if gemma else "silu",
+        embed_scale=gemma,
+        # The converter stores Gemma's norm weights with the 1 already added: offset 0 here.
+        sandwich_norms=arch in _SANDWICH_ARCHS,
+        query_pre_attn_scalar=None if scale is None else 1.0 / _f32(scale) ** 2,
+        attn_logit_softcapping=optional("attn_logit_softcapping"),
+        final_logit_softcapping=optional("final_logit_softcapping"),
     )
+
+
+def _gguf_rope_scaling(kind, factor, original_context) -> RopeScaling | None:
+    """llama.cpp's rope.scaling.* keys -> RopeScaling: linear and yarn (llama3's scaling comes
+    as a rope_freqs tensor instead: refused where it is met)."""
+    if kind in (None, "none") or float(factor) == 1.0:
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", factor=_f32(factor))
+    if kind == "yarn" and original_context:
+        return RopeScaling("yarn", factor=_f32(factor),
+                           original_max_position_embeddings=int(original_context))
+    raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, and yarn "
+                     "with rope.scaling.original_context_length)")
+
+
+def _gguf_windows(arch: str, window, pattern, num_layers: int):
+    """(sliding window, layer types) as llama.cpp lays them out: Gemma 2 alternates (layer 0
+    sliding), Gemma 3 has one full layer in `pattern` (6 unless the file says; a list of
+    booleans, true = sliding, where it names each layer). Other architectures: none."""
+    if arch not in _SANDWICH_ARCHS or not window:
+        return None, None
+    if isinstance(pattern, (list, tuple)):
+        sliding = [bool(x) for x in pattern]
+    else:
+        period = 2 if arch == "gemma2" else int(pattern or 6)
+        sliding = [(i + 1) % period != 0 for i in range(num_layers)]
+    return int(window), tuple("sliding_attention" if x else "full_attention" for x in sliding)
 
 
 _GGUF_TO_HF = {
@@ -254,13 +307,24 @@ _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
                 "output.weight": "lm_head.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+_GGUF_TO_HF_EXTRA = {  # q/k norms (Gemma 3); Gemma 2/3's four norms
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     if gguf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        if rest in _GGUF_TO_HF:
-            return f"model.layers.{idx}.{_GGUF_TO_HF[rest]}"
+        if rest == "ffn_norm.weight" and arch in _SANDWICH_ARCHS:  # the norm before the FFN
+            return f"model.layers.{idx}.pre_feedforward_layernorm.weight"
+        name = _GGUF_TO_HF.get(rest) or _GGUF_TO_HF_EXTRA.get(rest)
+        if name:
+            return f"model.layers.{idx}.{name}"
     return None
 
 
@@ -279,13 +343,27 @@ def gguf_hf_state_dict(g: GGUFFile, config: ModelConfig, dtype=np.float32,
 
     out = {}
     for name, info in g.tensors.items():
-        hf = hf_name(name)
+        hf = hf_name(name, config.architecture)
+        if name == "rope_freqs.weight":  # read by load_gguf (rope_freq_factors)
+            continue
         if hf is None:
-            if name == "rope_freqs.weight":
-                raise ValueError("GGUF carries rope_freqs (llama3-style rope scaling), not supported")
             raise ValueError(f"unexpected tensor {name!r} in GGUF {g.path}")
         out[hf] = functools.partial(read, info, hf) if lazy else read(info, hf)
     return out
+
+
+def with_rope_freq_factors(g: GGUFFile, config: ModelConfig) -> ModelConfig:
+    """A rope_freqs tensor (llama.cpp's form of a scaling such as llama3's: one divisor per
+    rotated pair) -> config.rope_scaling of type freq_factors."""
+    info = g.tensors.get("rope_freqs.weight")
+    if info is None:
+        return config
+    if config.rope_scaling is not None:
+        raise ValueError("GGUF has both rope_freqs and rope.scaling.type: not supported")
+    raw = np.memmap(g.path, dtype=np.uint8, mode="r")
+    factors = _dequantize(raw[info.offset:info.offset + info.nbytes], info).reshape(-1)
+    return dataclasses.replace(config, rope_scaling=RopeScaling(
+        "freq_factors", factor=1.0, freq_factors=tuple(float(x) for x in factors)))
 
 
 def gguf_fingerprint(g: GGUFFile, config: ModelConfig) -> str:
@@ -313,6 +391,7 @@ def load_gguf(path: str, dtype=np.float32, lazy: bool = False):
         raise ValueError(f"{path}: GGUF has no token_embd.weight")
     config = config_from_gguf(g.metadata, n_vocab_tensor=emb.shape[0],
                               has_output="output.weight" in g.tensors)
+    config = with_rope_freq_factors(g, config)
     params = params_from_hf_state_dict(config, gguf_hf_state_dict(g, config, dtype, lazy), dtype,
                                        lazy)
     tokenizer = Tokenizer.from_gguf_metadata(g.metadata)

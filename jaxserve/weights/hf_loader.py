@@ -26,62 +26,125 @@ _ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+_MODEL_TYPES = {"gemma3_text": "gemma3"}  # model_type names that differ from ours
+_GEMMAS = ("gemma", "gemma2", "gemma3")
+# Hugging Face activation names -> ModelConfig.mlp_activation ("gelu" in a Gemma config is a
+# legacy name of the tanh approximation, as transformers reads it).
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Every layer windowed unless layer_types says otherwise (Mistral); Gemma 2 alternates
+# sliding and full layers; Gemma 3 has one full layer in sliding_window_pattern.
+_DEFAULT_USE_WINDOW = ("mistral", "gemma2", "gemma3")
+
+
+def _architecture(c: dict) -> str:
+    archs = c.get("architectures") or []
+    arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
+    if arch is not None:
+        return arch
+    model_type = _MODEL_TYPES.get(c.get("model_type"), c.get("model_type"))
+    if model_type in _ARCHITECTURES.values():
+        return model_type
+    raise ValueError(f"unsupported architecture {archs or c.get('model_type')!r}; supported: "
+                     f"{sorted(_ARCHITECTURES)}")
+
+
+def _layer_types(c: dict, arch: str, num_layers: int) -> tuple[int | None, tuple | None]:
+    """(sliding window, per-layer types or None) from config.json."""
+    window = c.get("sliding_window")
+    if not window or not c.get("use_sliding_window", arch in _DEFAULT_USE_WINDOW):
+        return None, None
+    types = c.get("layer_types")
+    if types is None and arch == "gemma2":
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                 for i in range(num_layers)]
+    elif types is None and arch == "gemma3":
+        pattern = int(c.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                 for i in range(num_layers)]
+    elif types is None and arch != "mistral":  # Qwen2's: windowed from max_window_layers on
+        first = int(c.get("max_window_layers", 0))
+        types = ["sliding_attention" if i >= first else "full_attention"
+                 for i in range(num_layers)]
+    return int(window), None if types is None else tuple(types)
 
 
 def config_from_hf(config_json: dict) -> ModelConfig:
-    """A Hugging Face config.json (as a dict) for Llama, Qwen2 or Mistral -> ModelConfig."""
+    """A Hugging Face config.json (as a dict) of a supported architecture -> ModelConfig."""
     c = config_json
-    archs = c.get("architectures") or []
-    arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
-    if arch is None:
-        model_type = c.get("model_type")
-        if model_type in _ARCHITECTURES.values():
-            arch = model_type
-        else:
-            raise ValueError(f"unsupported architecture {archs or model_type!r}; supported: "
-                             f"{sorted(_ARCHITECTURES)}")
+    arch = _architecture(c)
     hidden = int(c["hidden_size"])
     n_head = int(c["num_attention_heads"])
     n_kv = int(c.get("num_key_value_heads") or n_head)
     head_dim = int(c.get("head_dim") or hidden // n_head)
+    num_layers = int(c["num_hidden_layers"])
+    max_pos = int(c.get("max_position_embeddings", 2048))
     rope_params = c.get("rope_parameters") or {}
+    local_rope = None
+    if "full_attention" in rope_params:  # per layer type (transformers 5: Gemma 3)
+        local_rope = rope_params.get("sliding_attention") or {}
+        rope_params = rope_params["full_attention"] or {}
     rope_theta = c.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-    rope_scaling = _rope_scaling(c.get("rope_scaling") or rope_params,
-                                 int(c.get("max_position_embeddings", 2048)))
+    rope_scaling = _rope_scaling(c.get("rope_scaling") or rope_params, max_pos)
+    local_theta = None
+    if arch == "gemma3":
+        local_rope = local_rope or {}
+        if _rope_scaling(local_rope, max_pos) is not None:
+            raise ValueError("rope scaling of sliding layers is not supported (Gemma 3 scales "
+                             "its full-attention layers only)")
+        local_theta = float(local_rope.get("rope_theta", c.get("rope_local_base_freq", 1e4)))
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError("partial rotary embeddings are not supported")
-    max_pos = int(c.get("max_position_embeddings", 2048))
-    window = c.get("sliding_window")
-    use_window = c.get("use_sliding_window", arch == "mistral")
-    if window and use_window and int(window) < max_pos:
-        # Within the window, sliding-window attention equals full attention: cap the context.
-        max_pos = int(window)
-    if arch == "qwen2":
-        bias = True
-    else:
-        bias = bool(c.get("attention_bias", False))
+    if c.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention is not supported (a causal decoder)")
+    act_name = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+    if arch in _GEMMAS and act_name == "gelu":
+        act_name = "gelu_pytorch_tanh"
+    if act_name not in _ACTIVATIONS:
+        raise ValueError(f"activation {act_name!r} is not supported (supported: "
+                         f"{sorted(_ACTIVATIONS)})")
+    window, layer_types = _layer_types(c, arch, num_layers)
+    bias = True if arch == "qwen2" else bool(c.get("attention_bias", False))
     eos = c.get("eos_token_id")
     eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
     bos = c.get("bos_token_id")
+    gemma = arch in _GEMMAS
+    later_gemma = arch in ("gemma2", "gemma3")
+
+    def optional(name):
+        return None if c.get(name) is None else float(c[name])
+
     return ModelConfig(
         vocab_size=int(c["vocab_size"]),
         hidden_size=hidden,
         intermediate_size=int(c["intermediate_size"]),
-        num_layers=int(c["num_hidden_layers"]),
+        num_layers=num_layers,
         num_heads=n_head,
         num_kv_heads=n_kv,
         head_dim=head_dim,
         rope_theta=float(rope_theta),
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),
         attention_bias=bias,
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in ("qwen3", "gemma3"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         architecture=arch,
         rope_scaling=rope_scaling,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=local_theta,
+        mlp_activation=_ACTIVATIONS[act_name],
+        embed_scale=gemma,
+        norm_weight_offset=1.0 if gemma else 0.0,
+        sandwich_norms=later_gemma,
+        query_pre_attn_scalar=optional("query_pre_attn_scalar") if later_gemma else None,
+        attn_logit_softcapping=optional("attn_logit_softcapping"),
+        final_logit_softcapping=optional("final_logit_softcapping"),
     )
 
 
@@ -93,7 +156,9 @@ def _rope_scaling(scaling: dict, max_position_embeddings: int) -> RopeScaling | 
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type in (None, "default"):
         return None
-    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type"}
+    if rope_type == "freq_factors":  # GGUF's, not a Hugging Face rope_type
+        raise ValueError("rope scaling 'freq_factors' is not supported in config.json")
+    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type", "freq_factors"}
     ignored = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
     unknown = sorted(set(scaling) - fields - ignored)
     if unknown:
@@ -115,6 +180,10 @@ _LAYER_KEYS = {
     "w_up": ("mlp.up_proj.weight", True),
     "w_down": ("mlp.down_proj.weight", True),
 }
+# Gemma 2/3's four norms a layer: input, after attention, before and after the MLP.
+_SANDWICH_NORM_KEYS = {"post_attn_norm": "post_attention_layernorm.weight",
+                       "mlp_norm": "pre_feedforward_layernorm.weight",
+                       "post_mlp_norm": "post_feedforward_layernorm.weight"}
 _BIAS_KEYS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
               "bv": "self_attn.v_proj.bias"}
 _QK_NORM_KEYS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
@@ -123,7 +192,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float32,
                               lazy: bool = False) -> dict:
-    """Hugging Face Llama/Qwen2/Mistral tensor names -> the jaxserve params layout
+    """Hugging Face tensor names (Llama, Mistral, Qwen, Gemma) -> the jaxserve params layout
     (numpy in `dtype`, matrices (in, out), layers stacked on axis 0). A tensor may be given as
     a zero-argument reader; lazy: the stacked layer weights are LayerStacks that read (and
     transpose, check and convert) each layer when it is asked for."""
@@ -145,12 +214,15 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float
         "w_down": (config.intermediate_size, H),
         "bq": (config.num_heads * D,), "bk": (config.num_kv_heads * D,),
         "bv": (config.num_kv_heads * D,), "q_norm": (D,), "k_norm": (D,),
+        "post_attn_norm": (H,), "post_mlp_norm": (H,),
     }
     keys = dict(_LAYER_KEYS)
     if config.attention_bias:
         keys.update({k: (v, False) for k, v in _BIAS_KEYS.items()})
     if config.qk_norm:
         keys.update({k: (v, False) for k, v in _QK_NORM_KEYS.items()})
+    if config.sandwich_norms:
+        keys.update({k: (v, False) for k, v in _SANDWICH_NORM_KEYS.items()})
 
     def layer(name: str, key: str, transpose: bool) -> np.ndarray:
         w = take(name)

@@ -102,7 +102,12 @@ def load_orbax(path: str, dtype=np.float32, lazy: bool = False):
     cfg = dict(meta["config"])
     cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids", ()))
     if cfg.get("rope_scaling"):
-        cfg["rope_scaling"] = RopeScaling(**cfg["rope_scaling"])
+        scaling = dict(cfg["rope_scaling"])
+        if scaling.get("freq_factors") is not None:
+            scaling["freq_factors"] = tuple(scaling["freq_factors"])
+        cfg["rope_scaling"] = RopeScaling(**scaling)
+    if cfg.get("layer_types") is not None:  # JSON lists -> the config's (hashable) tuples
+        cfg["layer_types"] = tuple(cfg["layer_types"])
     config = ModelConfig(**cfg)
     params = OrbaxParams(os.path.join(path, "params"), dtype)
     if not lazy:

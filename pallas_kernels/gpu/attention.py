@@ -77,11 +77,14 @@ def ragged_paged_attention(
     block_sizes: GpuBlockSizes | None = None,
     k_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages: K means k_pages * k_scale
     v_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
+    window: int | None = None,  # sliding window: keys at positions > p - window only
+    soft_cap: float | None = None,  # scores -> soft_cap * tanh(score / soft_cap)
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; tokens >= query_start[S] are zeros
     """Causal paged attention for a ragged batch; see `ref_ragged_paged_attention`. Inputs are
     checked (values too, outside jit); unsupported shapes raise ValueError naming the XLA
     fallback. interpret=True runs the kernel in Pallas's interpreter (any backend, for tests)."""
-    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale)
+    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale,
+                    window=window, soft_cap=soft_cap)
     check_supported(head_dim=q.shape[-1], page_size=k_pages.shape[2], dtype=k_pages.dtype)
     # The scale arrays are D times smaller than the pages, but checked all the same.
     largest = max(a.size for a in (k_pages, k_scale) if a is not None)
@@ -91,7 +94,8 @@ def ragged_paged_attention(
                          "use attention_backend='xla')")
     return _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale,
                       sm_scale=float(sm_scale), interpret=interpret,
-                      block_sizes=block_sizes or GpuBlockSizes())
+                      block_sizes=block_sizes or GpuBlockSizes(), window=window,
+                      soft_cap=None if soft_cap is None else float(soft_cap))
 
 
 def compute_dtype(q_dtype, pool_dtype):
@@ -102,9 +106,11 @@ def compute_dtype(q_dtype, pool_dtype):
     return jnp.dtype(jnp.bfloat16 if jnp.dtype(q_dtype) == jnp.bfloat16 else jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_sizes"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_sizes", "window",
+                                             "soft_cap"))
 def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale, *,
-               sm_scale: float, interpret: bool, block_sizes: GpuBlockSizes):
+               sm_scale: float, interpret: bool, block_sizes: GpuBlockSizes,
+               window: int | None, soft_cap: float | None):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs, table_width = page_tables.shape
@@ -124,7 +130,8 @@ def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale,
     quantized = k_scale is not None
     kernel = functools.partial(attention_kernel, sm_scale=sm_scale, group_pad=p.group_pad,
                                pages_per_block=p.pages_per_block,
-                               pages_per_split=p.pages_per_split, quantized=quantized)
+                               pages_per_split=p.pages_per_split, quantized=quantized,
+                               window=window, soft_cap=soft_cap)
     part = (p.splits, p.num_blocks, num_kv_heads, p.rows)
     # Each program sees its KV head's whole pool (pages, and scales if int8) and gathers pages.
     pool_block = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, k: (h, 0, 0, 0))

@@ -10,8 +10,10 @@ pool gathered through the page table, and keeps an online softmax in float32:
   p_j = exp(s_j - m') for unmasked keys and 0 for masked ones.
 
 Masked scores take a finite MASK_VALUE (no inf - inf), and it writes the unnormalised (acc, m, l)
-of its split for `attention.merge_splits`. Scores are formed and masked only in `_scores`: sliding
-windows and logit soft-capping belong there.
+of its split for `attention.merge_splits`. Scores are formed, soft-capped and masked only in
+`_scores`. With a sliding window a program starts at the key block of its block's earliest window
+(whole blocks of its split before it are skipped), masks keys by position and zeroes the V rows
+before the widest window (pages there may be released: the scratch page 0).
 
 int8 pages (`quantized`) come with float32 scales per token, loaded beside the K/V block. The
 int8 block is cast to the compute dtype of q (exact: |x| <= 127 fits bf16's 8-bit significand)
@@ -40,14 +42,21 @@ def _dot(a, b, *, trans_b: bool = False):
     return out.astype(jnp.float32)
 
 
-def _scores(q, k, key_pos, query_pos, kv_len, *, sm_scale: float, k_scale=None):
+def _scores(q, k, key_pos, query_pos, kv_len, *, sm_scale: float, k_scale=None,
+            window: int | None = None, soft_cap: float | None = None):
     """The one place scores are formed and masked. q f[M, D], k f[L, D], key_pos i32[L],
     query_pos i32[M], k_scale f32[L] or None -> (f32[M, L] scores with masked entries at
-    MASK_VALUE, bool[M, L] valid): a key counts if it is below the row's KV length and not after
-    the query's position. Masking is a select, so NaN scales of masked keys are dropped."""
+    MASK_VALUE, bool[M, L] valid): a key counts if it is below the row's KV length, not after
+    the query's position and, with a window, after position - window. Scores are soft-capped
+    (soft_cap * tanh(s / soft_cap)) where soft_cap is given. Masking is a select, so NaN scales
+    of masked keys are dropped."""
     s = _dot(q, k, trans_b=True)
     s = s * sm_scale if k_scale is None else s * (k_scale * sm_scale)[None, :]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
     valid = (key_pos[None, :] < kv_len) & (key_pos[None, :] <= query_pos[:, None])
+    if window is not None:
+        valid &= key_pos[None, :] > query_pos[:, None] - window
     return jnp.where(valid, s, MASK_VALUE), valid
 
 
@@ -66,6 +75,8 @@ def attention_kernel(
     pages_per_block: int,
     pages_per_split: int,
     quantized: bool,
+    window: int | None = None,
+    soft_cap: float | None = None,
 ):
     ks_ref, vs_ref = refs[:2] if quantized else (None, None)
     acc_ref, m_ref, l_ref = refs[-3:]
@@ -80,6 +91,11 @@ def attention_kernel(
     limit = jnp.minimum(kv_len, q_pos0 + count)
     first_page = split * pages_per_split
     last_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(limit, page_size))
+    lowest = 0  # the first key any query of the block reads
+    if window is not None:  # start at the earliest window's block (whole blocks of the split)
+        lowest = jnp.maximum(q_pos0 - window + 1, 0)
+        skip = jnp.maximum(lowest // page_size - first_page, 0) // pages_per_block
+        first_page = first_page + skip * pages_per_block
     steps = jnp.where(count > 0,
                       pl.cdiv(jnp.maximum(last_page - first_page, 0), pages_per_block), 0)
 
@@ -90,9 +106,11 @@ def attention_kernel(
         k = k_ref[pages].reshape(block_k, head_dim).astype(q.dtype)  # i8 -> q's dtype: exact
         v = v_ref[pages].reshape(block_k, head_dim).astype(q.dtype)
         key_pos = page0 * page_size + jnp.arange(block_k, dtype=jnp.int32)
-        in_row = key_pos < kv_len  # bool[L]: slots past the length hold garbage
+        # bool[L]: slots past the length, or before every window, hold garbage
+        in_row = (key_pos < kv_len) & (key_pos >= lowest)
         k_scale = ks_ref[pages].reshape(block_k) if quantized else None  # f32[L]
-        s, valid = _scores(q, k, key_pos, query_pos, kv_len, sm_scale=sm_scale, k_scale=k_scale)
+        s, valid = _scores(q, k, key_pos, query_pos, kv_len, sm_scale=sm_scale, k_scale=k_scale,
+                           window=window, soft_cap=soft_cap)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)

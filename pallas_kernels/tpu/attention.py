@@ -42,6 +42,8 @@ def ragged_paged_attention(
     block_sizes: TpuBlockSizes | None = None,
     k_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
     v_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
+    window: int | None = None,  # sliding window: keys at positions > p - window only
+    soft_cap: float | None = None,  # scores -> soft_cap * tanh(score / soft_cap)
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; tokens >= query_start[S] are zeros
     """Causal paged attention for a ragged batch; see `ref_ragged_paged_attention`.
 
@@ -52,11 +54,12 @@ def ragged_paged_attention(
     interpret=True runs in Pallas TPU interpret mode (`pltpu.InterpretParams()`, any backend);
     False compiles with Mosaic, which needs a TPU.
     """
-    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale)
+    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale,
+                    window=window, soft_cap=soft_cap)
     bs = block_sizes or TpuBlockSizes()
     args = (q, k_pages, v_pages, page_tables, seq_lens, query_start)
     kw = dict(sm_scale=sm_scale, pages_per_block=bs.pages_per_block, interpret=interpret,
-              k_scale=k_scale, v_scale=v_scale)
+              k_scale=k_scale, v_scale=v_scale, window=window, soft_cap=soft_cap)
     if uses_decode_path(q.shape[0], page_tables.shape[0]):
         return decode_attention(*args, **kw)
     return prefill_attention(*args, block_q=bs.block_q, **kw)

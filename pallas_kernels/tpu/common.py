@@ -25,9 +25,11 @@ casts; the view may cost a relayout copy of the scale pool per call on TPU if XL
 [.., N, B] and [.., 1, B] differently (storing the scales as [Hkv, N, 1, B] avoids it); each
 [1, B] VMEM block is padded to a whole tile.
 
-Room for later features: sliding windows and logit soft-capping belong in `masked_scores` (the one
-place scores are formed and masked); each would arrive as a keyword-only argument of the entry
-point.
+Sliding windows and soft-capping (keyword-only arguments of the entry point): both paths start
+their key-block loop at the block holding the earliest key any of their queries' windows reaches
+(`window_start`) and mask the rest by position with the causal limit (their values too: pages
+before a window may be released, i.e. the scratch page 0); `masked_scores`, the one place scores
+are formed, soft-caps them.
 """
 
 from __future__ import annotations
@@ -147,13 +149,28 @@ def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_hea
     return jax.lax.fori_loop(0, num_blocks, step, carry)
 
 
-def masked_scores(q, k, valid, *, sm_scale: float):
+def masked_scores(q, k, valid, *, sm_scale: float, soft_cap: float | None = None):
     """The one place scores are formed and masked. q f32[R, D], k f32[L, D], valid bool[R, L]
-    (key inside the row's causal range) -> f32[R, L], masked entries MASK_VALUE. Sliding windows
-    and logit soft-capping belong here."""
+    (key inside the row's causal range and window) -> f32[R, L], soft-capped
+    (soft_cap * tanh(s / soft_cap)) where soft_cap is given, masked entries MASK_VALUE."""
     scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                  preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     return jnp.where(valid, scores, MASK_VALUE)
+
+
+def window_start(first_position, window: int | None, block_len: int):
+    """The first key block any query from `first_position` on reads: 0 without a window."""
+    if window is None:
+        return 0
+    return jax.lax.div(jnp.maximum(first_position - window + 1, 0), block_len)
+
+
+def in_window(key_pos, position, window: int | None):
+    """bool: key_pos <= position and, with a window, key_pos > position - window."""
+    valid = key_pos <= position
+    return valid if window is None else valid & (key_pos > position - window)
 
 
 def online_softmax_step(carry, scores, valid, v, v_valid):

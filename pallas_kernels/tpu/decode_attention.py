@@ -33,8 +33,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu.common import (finish, init_carry, kv_scratch, masked_scores,
-                                       online_softmax_step, pipelined_kv_loop, pool_operands,
-                                       prepare_page_tables, resolve_interpret, split_refs)
+                                       in_window, online_softmax_step, pipelined_kv_loop,
+                                       pool_operands, prepare_page_tables, resolve_interpret,
+                                       split_refs, window_start)
 
 
 def token_rows_and_positions(seq_lens, query_start, num_tokens: int):
@@ -54,7 +55,8 @@ def _decode_kernel(row_ref, position_ref, table_ref,  # scalar prefetch: i32[T] 
                    *refs,  # pool in HBM: K, V [Hkv, N, B, D] (+ K, V scales f32[Hkv, N, 1, B]);
                    # o_ref [G, D]; VMEM buffers K, V [2, pages_per_block, B, D] (+ scales
                    # f32[2, pages_per_block, 1, B]); DMA semaphores (buffers, 2 slots)
-                   sm_scale: float, table_width: int, quantized: bool):
+                   sm_scale: float, table_width: int, quantized: bool, window: int | None,
+                   soft_cap: float | None):
     pool, o_ref, bufs, sems = split_refs(refs, quantized=quantized)
     t, h = pl.program_id(0), pl.program_id(1)
     row, position = row_ref[t], position_ref[t]
@@ -63,23 +65,27 @@ def _decode_kernel(row_ref, position_ref, table_ref,  # scalar prefetch: i32[T] 
     q = q_ref[...].astype(jnp.float32)
     group, head_dim = q.shape
 
-    def body(block, k, v, carry):
+    first = window_start(position, window, block_len)  # blocks before the window: not read
+
+    def body(i, k, v, carry):
+        block = first + i
         key_pos = block * block_len + jax.lax.broadcasted_iota(jnp.int32, (group, block_len), 1)
         v_pos = block * block_len + jax.lax.broadcasted_iota(jnp.int32, (block_len, 1), 0)
-        valid = key_pos <= position
-        scores = masked_scores(q, k, valid, sm_scale=sm_scale)
-        return online_softmax_step(carry, scores, valid, v, v_pos <= position)
+        valid = in_window(key_pos, position, window)
+        scores = masked_scores(q, k, valid, sm_scale=sm_scale, soft_cap=soft_cap)
+        return online_softmax_step(carry, scores, valid, v, in_window(v_pos, position, window))
 
     carry = pipelined_kv_loop(
-        pl.cdiv(position + 1, block_len), lambda block: row * table_width + block * pages_per_block,
-        body, init_carry(group, head_dim), table_ref=table_ref, kv_head=h, pool=pool, bufs=bufs,
+        pl.cdiv(position + 1, block_len) - first,
+        lambda i: row * table_width + (first + i) * pages_per_block, body,
+        init_carry(group, head_dim), table_ref=table_ref, kv_head=h, pool=pool, bufs=bufs,
         sems=sems)
     o_ref[...] = finish(carry).astype(o_ref.dtype)
 
 
 def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *, sm_scale: float,
-                     pages_per_block: int, interpret: bool, k_scale=None,
-                     v_scale=None) -> jax.Array:
+                     pages_per_block: int, interpret: bool, k_scale=None, v_scale=None,
+                     window: int | None = None, soft_cap: float | None = None) -> jax.Array:
     """Inputs and output as `ragged_paged_attention` (validated there); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -93,7 +99,8 @@ def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
     pool = pool_operands(k_pages, v_pages, k_scale, v_scale)
     quantized = len(pool) == 4
     kernel = functools.partial(_decode_kernel, sm_scale=float(sm_scale),
-                               table_width=table.shape[0] // num_seqs, quantized=quantized)
+                               table_width=table.shape[0] // num_seqs, quantized=quantized,
+                               window=window, soft_cap=soft_cap)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -36,8 +36,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu.common import (finish, init_carry, kv_scratch, masked_scores,
-                                       online_softmax_step, pipelined_kv_loop, pool_operands,
-                                       prepare_page_tables, resolve_interpret, split_refs)
+                                       in_window, online_softmax_step, pipelined_kv_loop,
+                                       pool_operands, prepare_page_tables, resolve_interpret,
+                                       split_refs, window_start)
 
 
 def _prefill_kernel(seq_lens_ref, table_ref, query_start_ref, first_seq_ref, last_seq_ref,
@@ -46,7 +47,8 @@ def _prefill_kernel(seq_lens_ref, table_ref, query_start_ref, first_seq_ref, las
                     *refs,  # pool in HBM: K, V [Hkv, N, B, D] (+ K, V scales f32[Hkv, N, 1, B]);
                     # o_ref [block_q, G, D]; VMEM buffers K, V [2, pages_per_block, B, D] (+
                     # scales f32[2, pages_per_block, 1, B]); DMA semaphores (buffers, 2 slots)
-                    sm_scale: float, table_width: int, quantized: bool):
+                    sm_scale: float, table_width: int, quantized: bool, window: int | None,
+                    soft_cap: float | None):
     pool, o_ref, bufs, sems = split_refs(refs, quantized=quantized)
     qb, h = pl.program_id(0), pl.program_id(1)
     block_q, group, head_dim = q_ref.shape
@@ -65,16 +67,25 @@ def _prefill_kernel(seq_lens_ref, table_ref, query_start_ref, first_seq_ref, las
         position = first_pos + token - q_lo  # [R, 1]
         last_token = jnp.minimum(q_hi, first_token + block_q) - 1
         num_blocks = jnp.maximum(pl.cdiv(first_pos + last_token - q_lo + 1, block_len), 0)
+        # The block's earliest query of this row opens the earliest window.
+        first = window_start(first_pos + jnp.maximum(first_token - q_lo, 0), window, block_len)
+        # Keys some query of the block may read: below seq_len, and inside the widest window.
+        lowest = first_pos + jnp.maximum(first_token - q_lo, 0) - (window or 0) + 1
 
-        def body(block, k, v, carry):
+        def body(i, k, v, carry):
+            block = first + i
             key_pos = block * block_len + jax.lax.broadcasted_iota(jnp.int32, (1, block_len), 1)
             v_pos = block * block_len + jax.lax.broadcasted_iota(jnp.int32, (block_len, 1), 0)
-            valid = in_seq & (key_pos <= position)
-            scores = masked_scores(q, k, valid, sm_scale=sm_scale)
-            return online_softmax_step(carry, scores, valid, v, v_pos < seq_len)
+            valid = in_seq & in_window(key_pos, position, window)
+            scores = masked_scores(q, k, valid, sm_scale=sm_scale, soft_cap=soft_cap)
+            v_valid = v_pos < seq_len
+            if window is not None:  # pages before a window may be released (garbage)
+                v_valid &= v_pos >= lowest
+            return online_softmax_step(carry, scores, valid, v, v_valid)
 
         return pipelined_kv_loop(
-            num_blocks, lambda block: s * table_width + block * pages_per_block, body, carry,
+            jnp.maximum(num_blocks - first, 0),
+            lambda i: s * table_width + (first + i) * pages_per_block, body, carry,
             table_ref=table_ref, kv_head=h, pool=pool, bufs=bufs, sems=sems)
 
     carry = jax.lax.fori_loop(first_seq_ref[qb], last_seq_ref[qb] + 1, seq_body,
@@ -97,7 +108,8 @@ def _rows_per_block(query_start, num_tokens: int, block_q: int):
 
 def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
                       sm_scale: float, block_q: int, pages_per_block: int, interpret: bool,
-                      k_scale=None, v_scale=None) -> jax.Array:
+                      k_scale=None, v_scale=None, window: int | None = None,
+                      soft_cap: float | None = None) -> jax.Array:
     """Inputs and output as `ragged_paged_attention` (validated there); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, num_pages, page_size, _ = k_pages.shape
@@ -114,7 +126,8 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
     pool = pool_operands(k_pages, v_pages, k_scale, v_scale)
     quantized = len(pool) == 4
     kernel = functools.partial(_prefill_kernel, sm_scale=float(sm_scale),
-                               table_width=table.shape[0] // num_seqs, quantized=quantized)
+                               table_width=table.shape[0] // num_seqs, quantized=quantized,
+                               window=window, soft_cap=soft_cap)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -10,13 +10,15 @@ from jaxserve.backends.cpu import kernels, packing
 KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")  # the pages its attention reads in place
 
 
-def attention(q, cache, md, *, sm_scale: float):
+def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
+              soft_cap: float | None = None):
     """Decode and prefill tokens alike in one custom call: each token attends its row's pages
-    causally, read in place (no gathered copy). Any layout works (a padding token's row is S);
+    causally (within its sliding window, scores soft-capped), read in place (no gathered copy). Any layout works (a padding token's row is S);
     the batch packs chunks back to back so that no slot is alignment padding."""
     out = kernels.paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                   md.token_row, md.positions, sm_scale=sm_scale,
-                                  k_scale=cache.k_scale, v_scale=cache.v_scale)
+                                  k_scale=cache.k_scale, v_scale=cache.v_scale, window=window,
+                                  soft_cap=soft_cap)
     return out.astype(q.dtype)
 
 

@@ -8,7 +8,10 @@
                       packed in 48-column panels (`pack_panels`): a register-tiled GEMM that
                       streams each weight from memory once however many rows there are (a
                       decode step's few rows are bound by that stream), and for int8
-                      dequantizing weights (group scales and offsets) a panel at a time.
+                      applying the float16 group scales and offsets per group of 32 k
+                      (one or two rows) or dequantizing the weights a panel at a time;
+                      4-bit levels (GGUF Q4_1 blocks) two a byte (`pack_nibbles`), half
+                      int8's bytes, with results equal to int8's.
   matmul_bf16         (matmul_bf16.cc) x rounded to bfloat16 times bfloat16 weights on AMX
                       tiles, f32 accumulation, against weights packed in 16-column tiles
                       (`pack_bf16_tiles`); `amx_bf16_available()` says whether this CPU and
@@ -42,13 +45,14 @@ import numpy as np
 # The library's translation units, and the header each includes.
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("paged_attention.cc", "matmul.cc", "matmul_bf16.cc", "argmax.cc"))
-HEADERS = (Path(__file__).with_name("parallel.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("parallel.h", "vec.h"))
 # FFI target name -> the handler symbol the sources export.
 _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_paged_attention_bf16": "JaxservePagedAttentionBf16",
             "jaxserve_paged_attention_int8": "JaxservePagedAttentionInt8",
             "jaxserve_matmul_f32": "JaxserveMatmulF32",
             "jaxserve_matmul_int8": "JaxserveMatmulInt8",
+            "jaxserve_matmul_int4": "JaxserveMatmulInt4",
             "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
             "jaxserve_argmax": "JaxserveArgmax"}
 PANEL = 48  # output columns per weight panel (matmul.cc's kPanel)
@@ -200,12 +204,14 @@ _ATTENTION_TARGETS = {jnp.dtype(jnp.float32): "jaxserve_paged_attention",
 
 
 def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_scale: float,
-                    k_scale=None, v_scale=None):
+                    k_scale=None, v_scale=None, window: int | None = None,
+                    soft_cap: float | None = None):
     """q f32[T, Hq, D]; k, v [Hkv, N, B, D] of float32 or bfloat16, or int8 with k_scale, v_scale
     f32[Hkv, N, B] (a key is k * k_scale[..., None]; kv_cache.quantize_kv); page_tables
     i32[S, P]; seq_lens i32[S]; token_row i32[T] (S or more: a padding token, output zeros);
     positions i32[T]. Token t attends positions j <= positions[t], j < seq_lens[token_row[t]]
-    of its row. -> f32[T, Hq, D]. The pages are read in place in their dtype (never converted:
+    of its row (and j > positions[t] - window with a window; pages wholly before it are not
+    read); soft_cap: scaled scores -> soft_cap * tanh(score / soft_cap). -> f32[T, Hq, D]. The pages are read in place in their dtype (never converted:
     that would copy the pool each call); any other dtype, or scales missing for int8 pages or
     given for float ones, is a ValueError. A row's seq_len over its table's P * B keys, or a
     page id outside [0, N) among the pages its keys occupy, fails the call (a JaxRuntimeError
@@ -225,7 +231,8 @@ def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_
         scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return _call(target, _f32(*q.shape), q.astype(jnp.float32), k, v, *scales, i32(page_tables),
-                 i32(seq_lens), i32(token_row), i32(positions), sm_scale=np.float32(sm_scale))
+                 i32(seq_lens), i32(token_row), i32(positions), sm_scale=np.float32(sm_scale),
+                 window=np.int64(window or 0), soft_cap=np.float32(soft_cap or 0.0))
 
 
 def pack_panels(w_out_in: np.ndarray) -> np.ndarray:
@@ -263,9 +270,24 @@ def matmul_f32(x, panels, n: int):
 
 def matmul_int8(x, panels, scale, offset, n: int):
     """x f32[M, K] @ (Q * scale + offset) for Q i8[K, n] packed by `pack_panels`, and its scale
-    and offset per 32 k of each column ([n, K / 32], quantize.py) packed the same way,
+    and offset per 32 k of each column (f16[n, K / 32], quantize.py) packed the same way,
     dequantizing the weights inside the product -> f32[M, n]."""
     return _call("jaxserve_matmul_int8", _f32(x.shape[0], n), x, panels, scale, offset)
+
+
+def pack_nibbles(panels: np.ndarray) -> np.ndarray:
+    """Int8 panels [P, K, 48] of levels 0..15 (K even) -> u8[P, K / 2, 48], two k a byte:
+    byte [p, i, c] = levels [p, 2 i, c] | levels [p, 2 i + 1, c] << 4."""
+    q = np.asarray(panels)
+    if q.shape[1] % 2 or q.min(initial=0) < 0 or q.max(initial=0) > 15:
+        raise ValueError("pack_nibbles takes levels 0..15 over an even number of k")
+    q = q.astype(np.uint8)
+    return np.ascontiguousarray(q[:, 0::2] | q[:, 1::2] << 4)
+
+
+def matmul_int4(x, nibbles, scale, offset, n: int):
+    """matmul_int8 for levels 0..15 packed by `pack_nibbles` (half the bytes; equal results)."""
+    return _call("jaxserve_matmul_int4", _f32(x.shape[0], n), x, nibbles, scale, offset)
 
 
 def argmax(x):

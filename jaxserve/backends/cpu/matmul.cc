@@ -2,7 +2,9 @@
 //
 //   MatmulF32    y f32[M, N] = x f32[M, K] @ W                     w f32[P, K, 48]
 //   MatmulInt8   y f32[M, N] = x f32[M, K] @ (Q * scale + offset)   q i8[P, K, 48],
-//                scale, offset f32[P, K / 32, 48]: one of each per 32 k of each column
+//                scale, offset f16[P, K / 32, 48]: one of each per 32 k of each column
+//   MatmulInt4   as MatmulInt8 for levels Q in 0..15 (GGUF Q4_1 blocks), two a byte:
+//                q u8[P, K / 2, 48], byte [p, i, c] = Q[2 i, c] | Q[2 i + 1, c] << 4
 //
 // Panel p holds output columns [48 p, 48 p + 48) of the [K, N] weight (zero past N), k-major,
 // so each k of a panel is three contiguous 16-lane vectors (AVX-512; six 8-lane ones on AVX2).
@@ -13,24 +15,39 @@
 // of panels, a block at a time, and prefetches its next block while the row tiles compute on the
 // current one. At a decode step's few rows a matmul is bound by streaming its weights, so reading
 // each once is what matters there; at many rows the register tiles keep the FMAs fed from L2.
-// The int8 kernel dequantizes each weight once per row tile (in registers up to one row tile,
-// else into an f32 copy of the panel shared by all row tiles) where XLA converts the whole
-// weight first.
+// At one or two rows the int8 kernel sums each group's products x q apart and applies the
+// group's scale and offset once (s sum x q + o sum x): one FMA a weight, as f32 has. Up to a row
+// tile it dequantizes each weight in registers, past that into an f32 copy of the panel shared
+// by all row tiles, where XLA converts the whole weight first. 4-bit levels stream half the
+// bytes of int8 and widen in registers to the same float levels, in the same order: on the
+// vector paths the results equal int8's bit for bit.
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
-
 #include "parallel.h"
+#include "vec.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using jaxserve::vec::Broadcast;
+using jaxserve::vec::Fma;
+using jaxserve::vec::HalfToFloat;
+using jaxserve::vec::kLanes;
+using jaxserve::vec::Load;
+using jaxserve::vec::LoadFirst;
+using jaxserve::vec::LoadHalf;
+using jaxserve::vec::LoadNibbles;
+using jaxserve::vec::Prefetch;
+using jaxserve::vec::PrefetchL2;
+using jaxserve::vec::StoreFirst;
+using jaxserve::vec::Vec;
+using jaxserve::vec::Zero;
 
 constexpr int64_t kPanel = 48;  // output columns per panel: three 16-lane or six 8-lane vectors
 constexpr int64_t kGroup = 32;  // k per int8 scale and offset (quantize.py's GROUP)
@@ -51,87 +68,22 @@ constexpr int64_t kBlockBytes = 128 << 10;
 // It is the packed rows that make the row split pay: split without packing, it gained nothing.
 constexpr int64_t kSplitRowsPerThread = 48;
 
-#if defined(__AVX512F__)
-// 16 lanes of float32 (GCC's generic vectors turned the int8 widening into scalar code).
-constexpr int kLanes = 16;
-using Vec = __m512;
-inline Vec Zero() { return _mm512_setzero_ps(); }
-inline Vec Load(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec Load(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline Vec Broadcast(float v) { return _mm512_set1_ps(v); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline __mmask16 Lanes(int64_t n) {
-  return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
-}
-// The first n (<= 16) lanes; masked-off lanes are neither read nor written.
-inline Vec LoadFirst(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(Lanes(n), p); }
-inline void StoreFirst(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, Lanes(n), v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-// 8 lanes of float32 in 16 registers (AMD Zen, Intel before AVX-512).
-constexpr int kLanes = 8;
-using Vec = __m256;
-inline Vec Zero() { return _mm256_setzero_ps(); }
-inline Vec Load(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec Load(const int8_t* p) {
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-}
-inline Vec Broadcast(float v) { return _mm256_set1_ps(v); }
-inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline __m256i Lanes(int64_t n) {
-  const int32_t k = static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8));
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-// The first n (<= 8) lanes; masked-off lanes are neither read nor written.
-inline Vec LoadFirst(const float* p, int64_t n) { return _mm256_maskload_ps(p, Lanes(n)); }
-inline void StoreFirst(float* p, Vec v, int64_t n) { _mm256_maskstore_ps(p, Lanes(n), v); }
-#else
-// Portable 16 lanes (correct everywhere; fast only where the compiler vectorises it).
-constexpr int kLanes = 16;
-struct Vec {
-  float v[16];
-};
-inline Vec Zero() { return Vec{}; }
-template <typename T>
-inline Vec Load(const T* p) {
-  Vec r;
-  for (int i = 0; i < 16; ++i) r.v[i] = static_cast<float>(p[i]);
-  return r;
-}
-inline Vec Broadcast(float x) {
-  Vec r;
-  for (int i = 0; i < 16; ++i) r.v[i] = x;
-  return r;
-}
-inline Vec Fma(Vec a, Vec b, Vec c) {
-  for (int i = 0; i < 16; ++i) c.v[i] += a.v[i] * b.v[i];
-  return c;
-}
-inline Vec LoadFirst(const float* p, int64_t n) {
-  Vec r{};
-  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) r.v[i] = p[i];
-  return r;
-}
-inline void StoreFirst(float* p, Vec v, int64_t n) {
-  for (int64_t i = 0; i < std::min<int64_t>(n, 16); ++i) p[i] = v.v[i];
-}
-#endif
-
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-template <typename W>
-inline void Prefetch(const W* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
-inline void PrefetchL2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
-#else
-template <typename W>
-inline void Prefetch(const W*) {}
-inline void PrefetchL2(const char*) {}
-#endif
-
 constexpr int kVecs = kPanel / kLanes;  // vectors per k of a panel
+// Panels of uint8_t hold 4-bit levels, two k a byte (MatmulInt4); of int8_t or float, one k.
+template <typename W>
+constexpr int64_t kPerByte = std::is_same_v<W, uint8_t> ? 2 : 1;
+// Elements of W in one panel of k_dim.
+template <typename W>
+constexpr int64_t PanelSize(int64_t k_dim) { return k_dim / kPerByte<W> * kPanel; }
+// Element i (k i / 48, column i % 48) of a panel, as float.
+template <typename W>
+float Level(const W* panel, int64_t i) {
+  if constexpr (kPerByte<W> == 2) {
+    return static_cast<float>(panel[i / (2 * kPanel) * kPanel + i % kPanel] >> (i / kPanel % 2 * 4) & 15);
+  } else {
+    return static_cast<float>(panel[i]);
+  }
+}
 // Register tiling. 16 lanes (32 registers): a row tile is 8 rows x one panel's 3 accumulators,
 // in one pass over k. 8 lanes (AVX2, 16 registers): a panel is six vectors and a pass holds at
 // most 12 accumulators: one row over two panels, two rows over one, up to four over half a
@@ -155,85 +107,126 @@ template <int kM>
 constexpr int kPanelsPerTile = PanelsPerTile(kM);
 
 // y[0:kM, 0:cols] = x[0:kM] @ W for kP consecutive panels of W (cols <= 48 kP valid columns).
-// An int8 W is dequantized in registers, Q * scale + offset, from the panels' group scales and
-// offsets [kP, k_dim / 32, 48] (null for f32). x has row stride k_dim, or with kPackedX is one
-// row tile packed k-major (PackRows); y has row stride n_dim.
+// An int8 W comes with its panels' group scales and offsets [kP, k_dim / 32, 48] (null for f32)
+// and x's group sums xsum[kM][k_dim / 32] (null for f32). x has row stride k_dim, or with
+// kPackedX is one row tile packed k-major (PackRows); y has row stride n_dim.
 //
 // The tile's kVecs kP column vectors are accumulated PassVecs at a time, each pass a walk over
 // k. Per k, a pass loads its weight vectors before the rows' broadcasts where both fit in the
 // registers beside the accumulators, and otherwise broadcasts the rows first and loads one
-// weight vector at a time.
+// weight vector at a time. Int8 sums each group's x q apart where those sums fit in the
+// registers too (kGroupSums: then s sum x q + o sum x per group), and otherwise dequantizes each
+// weight, q s + o.
 //
 // The tile also prefetches `pf_lines` cache lines from `pf` into L2, spread over its k loops:
 // the next block's weights, fetched while this block's row tiles compute on weights already in
 // L2.
 template <int kM, int kP, typename W, bool kPackedX>
-inline void Tile(const float* x, int64_t k_dim, const W* panels, const float* scale,
-                 const float* offset, float* y, int64_t n_dim, int64_t cols,
-                 const char* pf = nullptr, int64_t pf_lines = 0) {
+inline void Tile(const float* x, int64_t k_dim, const W* panels, const uint16_t* scale,
+                 const uint16_t* offset, const float* xsum, float* y, int64_t n_dim,
+                 int64_t cols, const char* pf = nullptr, int64_t pf_lines = 0) {
   constexpr int kAll = kVecs * kP;
   constexpr int kG = PassVecs(kM, kAll);
   constexpr int kPanelVecs = std::min(kG, kVecs);  // a pass's vectors within one panel
   static_assert(kAll % kG == 0 && (kG % kVecs == 0 || kVecs % kG == 0));
-  constexpr int kScales = sizeof(W) == 1 ? 2 * kG : 0;  // int8: a group's scales and offsets
-  constexpr bool kWeightsFirst = kScales + kG + 1 + kM * kG <= kRegisters;
+  constexpr bool kInt8 = sizeof(W) == 1;  // int8 or 4-bit levels, with group factors
+  constexpr int kStep = kPerByte<W>;  // k per row of stored weights
+  constexpr bool kGroupSums = kInt8 && 2 * kM * kG + kG + 1 <= kRegisters;
+  constexpr int kScales = kInt8 && !kGroupSums ? 2 * kG : 0;  // a group's scales and offsets
+  constexpr int kSums = (kGroupSums ? 2 : 1) * kM * kG;  // accumulators (and group sums)
+  constexpr bool kWeightsFirst = kScales + kStep * kG + 1 + kSums <= kRegisters;
+  const int64_t span = kInt8 ? kGroup : k_dim;  // k per group (f32: one span)
   const int64_t steps = kAll / kG * k_dim;
   int64_t issued = 0;
   for (int g = 0; g < kAll; g += kG) {
     // Vector g + j of the tile: columns kLanes (g + j) .., in panel (g + j) / kVecs.
     const auto weights = [&](int j, int64_t k) {
       const int v = g + j;
-      return panels + (v / kVecs) * k_dim * kPanel + k * kPanel + kLanes * (v % kVecs);
+      return panels + (v / kVecs) * PanelSize<W>(k_dim) + k / kStep * kPanel + kLanes * (v % kVecs);
     };
-    // Int8: the scales and offsets of the current group of 32 k, loaded once per group.
-    Vec sv[kG], ov[kG];
-    const auto weight = [&](int j, int64_t k) {
-      if constexpr (sizeof(W) == 1) {
-        return Fma(Load(weights(j, k)), sv[j], ov[j]);
+    // Int8: vector j's scales or offsets for the group of 32 k from k.
+    const auto group = [&](const uint16_t* a, int j, int64_t k) {
+      const int v = g + j;
+      return LoadHalf(a + ((v / kVecs) * k_dim + k) / kGroup * kPanel + kLanes * (v % kVecs));
+    };
+    Vec sv[kG], ov[kG];  // dequantizing: the current group's
+    // Vector j's weights of k .. k + kStep - 1 into w[0 .. kStep).
+    const auto weight = [&](int j, int64_t k, Vec* w) {
+      if constexpr (kStep == 2) {
+        LoadNibbles(weights(j, k), w[0], w[1]);
       } else {
-        return Load(weights(j, k));
+        w[0] = Load(weights(j, k));
+      }
+      if constexpr (kInt8 && !kGroupSums) {
+        for (int h = 0; h < kStep; ++h) w[h] = Fma(w[h], sv[j], ov[j]);
       }
     };
-    Vec acc[kM][kG];
+    Vec acc[kM][kG], part[kM][kG];
     for (int m = 0; m < kM; ++m) {
       for (int j = 0; j < kG; ++j) acc[m][j] = Zero();
     }
-    for (int64_t k = 0; k < k_dim; ++k) {
-      if constexpr (sizeof(W) == 1) {
-        if (k % kGroup == 0) {
+    Vec(&sums)[kM][kG] = kGroupSums ? part : acc;  // what the k loop accumulates into
+    for (int64_t k0 = 0; k0 < k_dim; k0 += span) {
+      if constexpr (kGroupSums) {
+        for (int m = 0; m < kM; ++m) {
+          for (int j = 0; j < kG; ++j) part[m][j] = Zero();
+        }
+        // The scales and offsets of a group two ahead (each panel's 96 bytes a group).
+        for (int j = 0; j < kG; j += kPanelVecs) {
+          const int v = g + j;
+          const int64_t at = ((v / kVecs) * k_dim + k0) / kGroup * kPanel + 2 * kPanel;
+          Prefetch(scale + at), Prefetch(scale + at + 32), Prefetch(offset + at),
+              Prefetch(offset + at + 32);
+        }
+      } else if constexpr (kInt8) {
+        for (int j = 0; j < kG; ++j) sv[j] = group(scale, j, k0), ov[j] = group(offset, j, k0);
+      }
+      for (int64_t k = k0; k < k0 + span; k += kStep) {
+        const int64_t step = g / kG * k_dim + k + kStep - 1;
+        for (; issued * steps < (step + 1) * pf_lines; ++issued) PrefetchL2(pf + 64 * issued);
+        if constexpr (kM > 1 || kInt8) {  // see kPrefetchK
+          // The pass's weights of one k span up to three cache lines a panel (int8: the next
+          // k's line is the same or the one after); prefetching past the end is harmless.
+          for (int j = 0; j < kG; j += kPanelVecs) {
+            const char* ahead = reinterpret_cast<const char*>(weights(j, k + kPrefetchK * kStep));
+            const int64_t bytes = kInt8 ? 1 : kPanelVecs * kLanes * sizeof(W);
+            for (int64_t b = 0; b < bytes; b += 64) Prefetch(ahead + b);
+          }
+        }
+        const auto xk = [&](int m, int64_t kk) {
+          return kPackedX ? x[kk * kRowTile + m] : x[m * k_dim + kk];
+        };
+        // Per k, in order (4-bit: the pair's first k, then its second, as int8 sums them).
+        if constexpr (kWeightsFirst) {
+          Vec wv[kG][kStep];
+          for (int j = 0; j < kG; ++j) weight(j, k, wv[j]);
+          for (int h = 0; h < kStep; ++h) {
+            for (int m = 0; m < kM; ++m) {
+              const Vec xv = Broadcast(xk(m, k + h));
+              for (int j = 0; j < kG; ++j) sums[m][j] = Fma(xv, wv[j][h], sums[m][j]);
+            }
+          }
+        } else {
+          Vec xv[kStep][kM];
+          for (int h = 0; h < kStep; ++h) {
+            for (int m = 0; m < kM; ++m) xv[h][m] = Broadcast(xk(m, k + h));
+          }
           for (int j = 0; j < kG; ++j) {
-            const int v = g + j;
-            const int64_t at = ((v / kVecs) * k_dim + k) / kGroup * kPanel + kLanes * (v % kVecs);
-            sv[j] = Load(scale + at);
-            ov[j] = Load(offset + at);
+            Vec wv[kStep];
+            weight(j, k, wv);
+            for (int h = 0; h < kStep; ++h) {
+              for (int m = 0; m < kM; ++m) sums[m][j] = Fma(xv[h][m], wv[h], sums[m][j]);
+            }
           }
         }
       }
-      const int64_t step = g / kG * k_dim + k;
-      for (; issued * steps < (step + 1) * pf_lines; ++issued) PrefetchL2(pf + 64 * issued);
-      if constexpr (kM > 1 || sizeof(W) == 1) {  // see kPrefetchK
-        // The pass's weights of one k span up to three cache lines a panel (int8: the next k's
-        // line is the same or the one after); prefetching past the end is harmless.
-        for (int j = 0; j < kG; j += kPanelVecs) {
-          const char* ahead = reinterpret_cast<const char*>(weights(j, k + kPrefetchK));
-          const int64_t bytes = sizeof(W) == 1 ? 1 : kPanelVecs * kLanes * sizeof(W);
-          for (int64_t b = 0; b < bytes; b += 64) Prefetch(ahead + b);
-        }
-      }
-      const auto xk = [&](int m) { return kPackedX ? x[k * kRowTile + m] : x[m * k_dim + k]; };
-      if constexpr (kWeightsFirst) {
-        Vec wv[kG];
-        for (int j = 0; j < kG; ++j) wv[j] = weight(j, k);
-        for (int m = 0; m < kM; ++m) {
-          const Vec xv = Broadcast(xk(m));
-          for (int j = 0; j < kG; ++j) acc[m][j] = Fma(xv, wv[j], acc[m][j]);
-        }
-      } else {
-        Vec xv[kM];
-        for (int m = 0; m < kM; ++m) xv[m] = Broadcast(xk(m));
+      if constexpr (kGroupSums) {
+        const int64_t at = k0 / kGroup, groups = k_dim / kGroup;
         for (int j = 0; j < kG; ++j) {
-          const Vec wv = weight(j, k);
-          for (int m = 0; m < kM; ++m) acc[m][j] = Fma(xv[m], wv, acc[m][j]);
+          const Vec sj = group(scale, j, k0), oj = group(offset, j, k0);
+          for (int m = 0; m < kM; ++m) {
+            acc[m][j] = Fma(part[m][j], sj, Fma(Broadcast(xsum[m * groups + at]), oj, acc[m][j]));
+          }
         }
       }
     }
@@ -272,14 +265,16 @@ void PackRows(const float* x, int64_t m, int64_t k_dim, float* xp) {
 }
 
 // All m rows of x against num_panels consecutive panels (w, and for int8 scale and offset, point
-// at the first; y at its first column, cols of which are valid): a block of panels that fits in
+// at the first, and xsum at x's group sums [m, k_dim / 32]; y at its first column, cols of which
+// are valid): a block of panels that fits in
 // L2 at a time, row tile by row tile within it, so each panel is read from memory once however
 // many rows there are. With kPackedX, x is packed by PackRows (row tile r / 8 then starts at
 // x + r * k_dim as well).
 template <typename W, bool kPackedX = false>
 void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num_panels,
-               const float* scale, const float* offset, float* y, int64_t n_dim, int64_t cols) {
-  const int64_t panel_bytes = k_dim * kPanel * static_cast<int64_t>(sizeof(W));
+               const uint16_t* scale, const uint16_t* offset, const float* xsum, float* y,
+               int64_t n_dim, int64_t cols) {
+  const int64_t panel_bytes = PanelSize<W>(k_dim) * static_cast<int64_t>(sizeof(W));
   const int64_t pair = PanelsPerTile(m);
   const int64_t block = std::max<int64_t>(pair, kBlockBytes / panel_bytes / pair * pair);
   const int64_t row_tiles = (m + kRowTile - 1) / kRowTile;
@@ -289,7 +284,7 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
     // prefetcher keeps up with the stream, and extra prefetches only compete with it).
     const int64_t next_panels = std::min(num_panels, b1 + block) - b1;
     const int64_t next_lines = m > 2 ? next_panels * panel_bytes / 64 : 0;
-    const char* next = reinterpret_cast<const char*>(w + b1 * k_dim * kPanel);
+    const char* next = reinterpret_cast<const char*>(w + b1 * PanelSize<W>(k_dim));
     int64_t job = 0;
     const int64_t jobs = row_tiles * (b1 - b);
     for (int64_t r = 0; r < m; r += kRowTile) {
@@ -299,9 +294,10 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
           const int64_t col = p * kPanel;
           const int64_t first = job * next_lines / jobs, last = (job + kP) * next_lines / jobs;
           const int64_t at = p * k_dim / kGroup * kPanel;  // the panel's group scales
-          Tile<kM, kP, W, kPackedX>(x + r * k_dim, k_dim, w + p * k_dim * kPanel,
+          Tile<kM, kP, W, kPackedX>(x + r * k_dim, k_dim, w + p * PanelSize<W>(k_dim),
                                     scale != nullptr ? scale + at : nullptr,
                                     offset != nullptr ? offset + at : nullptr,
+                                    xsum != nullptr ? xsum + r * k_dim / kGroup : nullptr,
                                     y + r * n_dim + col, n_dim,
                                     std::min(kP * kPanel, cols - col), next + 64 * first,
                                     last - first);
@@ -319,11 +315,11 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
 // `work` is rows x weight bytes: under 256 KB of it, handing work to another thread costs more
 // than it saves.
 template <typename W>
-void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* scale,
-               const float* offset, float* y, int64_t m, int64_t k_dim, int64_t n_dim) {
+void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const uint16_t* scale,
+               const uint16_t* offset, float* y, int64_t m, int64_t k_dim, int64_t n_dim) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t work = m * k_dim * n_dim * static_cast<int64_t>(sizeof(W));
+  const int64_t work = m * k_dim * n_dim * static_cast<int64_t>(sizeof(W)) / kPerByte<W>;
   const int64_t num_chunks = work < (256 << 10) ? 1 : std::min(panels, threads);
   // Whole tiles per chunk: panels in pairs where a tile reads two.
   const int64_t pair = PanelsPerTile(m);
@@ -339,47 +335,60 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const float* s
       thread_local std::vector<float> packed;
       packed.resize((r1 - r0 + kRowTile - 1) / kRowTile * kRowTile * k_dim);
       PackRows(x + r0 * k_dim, r1 - r0, k_dim, packed.data());
-      PanelRows<W, true>(packed.data(), r1 - r0, k_dim, w, panels, scale, offset,
+      PanelRows<W, true>(packed.data(), r1 - r0, k_dim, w, panels, nullptr, nullptr, nullptr,
                          y + r0 * n_dim, n_dim, n_dim);
     });
     return;
   }
   const int64_t per = ((panels + num_chunks - 1) / num_chunks + pair - 1) / pair * pair;
-  jaxserve::RunChunks(pool, num_chunks, [=](int64_t chunk) {
+  const int64_t groups = k_dim / kGroup;
+  // Int8 up to a row tile: x's group sums, for the tiles that scale and offset group sums.
+  std::vector<float> xsum(sizeof(W) == 1 && m <= kRowTile ? m * groups : 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+    float sum = 0.0f;
+    for (int64_t k = 0; k < kGroup; ++k) sum += x[i * kGroup + k];
+    xsum[i] = sum;
+  }
+  jaxserve::RunChunks(pool, num_chunks, [=, &xsum](int64_t chunk) {
     const int64_t p0 = chunk * per, p1 = std::min(panels, (chunk + 1) * per);
     if (p0 >= p1) return;
-    const int64_t groups = k_dim / kGroup;
     if (sizeof(W) == 4 || m <= kRowTile) {
-      PanelRows<W>(x, m, k_dim, w + p0 * k_dim * kPanel, p1 - p0,
+      PanelRows<W>(x, m, k_dim, w + p0 * PanelSize<W>(k_dim), p1 - p0,
                    scale != nullptr ? scale + p0 * groups * kPanel : nullptr,
-                   offset != nullptr ? offset + p0 * groups * kPanel : nullptr, y + p0 * kPanel,
-                   n_dim, n_dim - p0 * kPanel);
+                   offset != nullptr ? offset + p0 * groups * kPanel : nullptr,
+                   xsum.empty() ? nullptr : xsum.data(), y + p0 * kPanel, n_dim,
+                   n_dim - p0 * kPanel);
       return;
     }
     // Int8 past one row tile: dequantize each panel once into float32 for all the row tiles, in
     // a buffer each thread keeps across calls.
-    thread_local std::vector<float> converted;
+    thread_local std::vector<float> converted, factors;
     converted.resize(k_dim * kPanel);
+    factors.resize(2 * groups * kPanel);  // the panel's scales, then its offsets, as f32
     for (int64_t p = p0; p < p1; ++p) {
-      const W* panel = w + p * k_dim * kPanel;
-      const float* s = scale + p * groups * kPanel;
-      const float* o = offset + p * groups * kPanel;
+      const W* panel = w + p * PanelSize<W>(k_dim);
+      for (int64_t i = 0; i < groups * kPanel; ++i) {
+        factors[i] = HalfToFloat(scale[p * groups * kPanel + i]);
+        factors[groups * kPanel + i] = HalfToFloat(offset[p * groups * kPanel + i]);
+      }
+      const float *s = factors.data(), *o = s + groups * kPanel;
       for (int64_t i = 0; i < k_dim * kPanel; ++i) {
         const int64_t at = i / (kGroup * kPanel) * kPanel + i % kPanel;
-        converted[i] = static_cast<float>(panel[i]) * s[at] + o[at];
+        converted[i] = Level(panel, i) * s[at] + o[at];
       }
-      PanelRows<float>(x, m, k_dim, converted.data(), 1, nullptr, nullptr, y + p * kPanel,
-                       n_dim, n_dim - p * kPanel);
+      PanelRows<float>(x, m, k_dim, converted.data(), 1, nullptr, nullptr, nullptr,
+                       y + p * kPanel, n_dim, n_dim - p * kPanel);
     }
   });
 }
 
-// Checks x [M, K], w [P, K, 48] and y [M, N] with 48 (P - 1) < N <= 48 P.
+// Checks x [M, K], w [P, K / per_byte, 48] and y [M, N] with 48 (P - 1) < N <= 48 P.
 ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
-                       ffi::Span<const int64_t> yd) {
+                       ffi::Span<const int64_t> yd, int64_t per_byte = 1) {
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
-      xd[1] != wd[1] || yd[0] != xd[0] || yd[1] > wd[0] * kPanel || yd[1] <= (wd[0] - 1) * kPanel) {
-    return ffi::Error::InvalidArgument("matmul: x [M, K] @ w [P, K, 48] -> y [M, N], 48 (P - 1) < N <= 48 P");
+      xd[1] != wd[1] * per_byte || yd[0] != xd[0] || yd[1] > wd[0] * kPanel ||
+      yd[1] <= (wd[0] - 1) * kPanel) {
+    return ffi::Error::InvalidArgument("matmul: x [M, K] @ w [P, K, 48] (4-bit: [P, K / 2, 48]) -> y [M, N], 48 (P - 1) < N <= 48 P");
   }
   return ffi::Error::Success();
 }
@@ -393,19 +402,22 @@ ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q,
-                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> offset,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  if (auto e = CheckShapes(x.dimensions(), q.dimensions(), y->dimensions()); e.failure()) return e;
+// Int8 (W = int8_t) or 4-bit levels (W = uint8_t) with their group scales and offsets.
+template <typename W, ffi::DataType kType>
+ffi::Error MatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kType> q,
+                         ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
+                         ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), qd = q.dimensions();
+  if (auto e = CheckShapes(xd, qd, y->dimensions(), kPerByte<W>); e.failure()) return e;
   for (const auto& d : {scale.dimensions(), offset.dimensions()}) {
     if (xd[1] % kGroup != 0 || d.size() != 3 || d[0] != qd[0] || d[1] != xd[1] / kGroup ||
         d[2] != kPanel) {
-      return ffi::Error::InvalidArgument("matmul: scale, offset [P, K / 32, 48] for q [P, K, 48]");
+      return ffi::Error::InvalidArgument("matmul: scale, offset [P, K / 32, 48] for q of K k");
     }
   }
-  RunMatmul<int8_t>(pool, x.typed_data(), q.typed_data(), scale.typed_data(),
-                    offset.typed_data(), y->typed_data(), xd[0], xd[1], y->dimensions()[1]);
+  RunMatmul<W>(pool, x.typed_data(), reinterpret_cast<const W*>(q.typed_data()),
+               scale.typed_data(), offset.typed_data(), y->typed_data(), xd[0], xd[1],
+               y->dimensions()[1]);
   return ffi::Error::Success();
 }
 
@@ -418,11 +430,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, MatmulF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, MatmulInt8,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, (MatmulGrouped<int8_t, ffi::S8>),
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt4, (MatmulGrouped<uint8_t, ffi::U8>),
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

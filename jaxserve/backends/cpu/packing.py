@@ -23,7 +23,8 @@ PROJECTIONS = ("w_qkv", "wo", "w_gate_up", "w_down")
 class PanelWeight:
     """A weight [in, out=n] packed for the CPU matmul: panels [ceil(n / 48), in, 48], f32, or
     int8 with a scale and an offset per 32 inputs of each column, packed the same way
-    f32[ceil(n / 48), in / 32, 48] (None otherwise); or the bits of bfloat16 tiles
+    f16[ceil(n / 48), in / 32, 48] (None otherwise), or with those the int8 levels of a weight
+    that are all 0..15 (GGUF Q4_1 blocks) two a byte, u8[ceil(n / 48), in / 2, 48]; or the bits of bfloat16 tiles
     u16[ceil(n / 16), in / 2, 16, 2] (kernels.pack_bf16_tiles) for the AMX matmul."""
     panels: jax.Array
     scale: jax.Array | None
@@ -37,7 +38,9 @@ class PanelWeight:
             return kernels.matmul_bf16(x, self.panels, self.n)
         if self.scale is None:
             return kernels.matmul_f32(x, self.panels, self.n)
-        return kernels.matmul_int8(x, self.panels, self.scale, self.offset, self.n)
+        int4 = self.panels.dtype == jnp.uint8
+        matmul = kernels.matmul_int4 if int4 else kernels.matmul_int8
+        return matmul(x, self.panels, self.scale, self.offset, self.n)
 
     def embed(self, token_ids):
         """Rows of a tied float embedding [V, H] stored as the head's panels: the table is kept
@@ -47,10 +50,13 @@ class PanelWeight:
 
 def pack(w) -> PanelWeight:
     """An [out, in] weight (float, bfloat16 or Int8Weight) -> a PanelWeight (host numpy
-    arrays)."""
+    arrays). An Int8Weight whose levels are all 0..15 (every group a Q4_1 block) is packed two
+    levels a byte: a decode step streams the weights, and there it is half int8's bytes."""
     if isinstance(w, Int8Weight):
-        packed = (kernels.pack_panels(np.asarray(a)) for a in (w.q_t, w.scale, w.offset))
-        return PanelWeight(*packed, len(w.q_t))
+        q, scale, offset = (kernels.pack_panels(np.asarray(a)) for a in (w.q_t, w.scale, w.offset))
+        if q.min(initial=0) >= 0 and q.max(initial=0) <= 15:
+            q = kernels.pack_nibbles(q)
+        return PanelWeight(q, scale, offset, len(w.q_t))
     if w.dtype == jnp.bfloat16:
         return PanelWeight(kernels.pack_bf16_tiles(w), None, None, w.shape[0])
     w = np.asarray(w, np.float32)
@@ -59,12 +65,13 @@ def pack(w) -> PanelWeight:
 
 def pack_params(params: dict) -> dict:
     """Every layer projection and the head packed; a tied float embedding becomes the head's
-    panels (looked up by PanelWeight.embed)."""
+    panels (looked up by PanelWeight.embed). Parts of a tree pack alike (the runner packs the
+    layers one at a time): a tree without a head or embedding packs its layers only."""
     layers = [{k: pack(v) if k in PROJECTIONS else v for k, v in lp.items()}
               for lp in params["layers"]]
     out = {**params, "layers": layers}
     if "lm_head" in params:
         out["lm_head"] = pack(params["lm_head"])
-    else:
+    elif "embed" in params:
         out["embed"] = pack(params["embed"])  # [V, H] is the tied head's [out, in]
     return out

@@ -8,7 +8,9 @@
 // per token and KV head: kv_cache.py's quantize_kv); page_tables i32[S, P]; seq_lens i32[S];
 // token_row i32[T] (S or more: padding, output zeros); positions i32[T]. Query head h * G + g
 // reads KV head h (G = Hq / Hkv). Token t attends key positions j <= positions[t] and
-// j < seq_lens[token_row[t]]. A row's seq_len must fit its page table (P pages of B keys) and
+// j < seq_lens[token_row[t]], and with a sliding window W > 0 only j > positions[t] - W: pages
+// wholly before the window are not read (their table entries may be the scratch page 0). A
+// soft cap C > 0 turns each scaled score s into C * tanh(s / C). A row's seq_len must fit its page table (P pages of B keys) and
 // the pages holding its keys must be in the pool (0 <= id < N): both are checked once per call,
 // before any key is read, and fail the call with an InvalidArgument error. Entries past a row's
 // keys are not read (padding rows: seq_len 0, page tables of 0s; page 0 is the pool's scratch
@@ -25,6 +27,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -100,6 +103,8 @@ struct Problem {
   float* out;
   int64_t num_tokens, num_q_heads, num_kv_heads, num_pages, page_size, num_rows, table_width;
   float sm_scale;
+  int64_t window;  // 0: none
+  float soft_cap;  // 0: none
 };
 
 // Floats of one split's softmax state: m[G], l[G], acc[G, D].
@@ -113,6 +118,11 @@ inline int64_t KeysOf(const Problem& p, int64_t t) {
   const int64_t row = p.token_row[t];
   if (row < 0 || row >= p.num_rows) return 0;
   return std::max<int64_t>(0, std::min<int64_t>(p.positions[t] + 1, p.seq_lens[row]));
+}
+
+// The first key position token t attends (its sliding window's start; 0 without a window).
+inline int64_t FirstKeyOf(const Problem& p, int64_t t) {
+  return p.window > 0 ? std::max<int64_t>(0, p.positions[t] - p.window + 1) : 0;
 }
 
 // Whether every row's seq_len fits its page table and the pages holding its keys are in the
@@ -156,9 +166,11 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split
   const int64_t g_size = kG > 0 ? kG : p.num_q_heads / p.num_kv_heads;
   float* out = p.out + (t * p.num_q_heads + h * g_size) * d;
   const int64_t len = KeysOf(p, t), b = p.page_size;
-  const int64_t per_split = ((len + b - 1) / b + num_splits - 1) / num_splits * b;
-  const int64_t begin = std::min(len, split * per_split);
-  const int64_t end = std::min(len, begin + per_split);
+  // Splits are whole pages from the page holding the window's first key.
+  const int64_t lo = std::min(len, FirstKeyOf(p, t)), base = lo / b * b;
+  const int64_t per_split = ((len - base + b - 1) / b + num_splits - 1) / num_splits * b;
+  const int64_t begin = std::min(len, std::max(lo, base + split * per_split));
+  const int64_t end = std::min(len, base + (split + 1) * per_split);
   if (begin >= end && partial == nullptr) {
     std::fill(out, out + g_size * d, 0.0f);
     return;
@@ -188,14 +200,18 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split
   std::fill(m, m + g_size, -1e30f);
   std::fill(l, l + g_size, 0.0f);
   std::fill(acc, acc + g_size * d, 0.0f);
-  for (int64_t first = begin; first < end; first += b) {
-    const int64_t page = table[first / b];
-    const T* kp = k_head + page * page_elems;
-    const T* vp = v_head + page * page_elems;
-    const int64_t n = std::min(b, end - first);
-    if (first + b < end) {  // see Prefetch
+  // Runs of keys within one page: [first, first + n), n <= B; only the window's first run may
+  // start inside its page (at offset `skip`).
+  for (int64_t first = begin; first < end; first += b - first % b) {
+    const int64_t page = table[first / b], skip = first % b;
+    const T* kp = k_head + page * page_elems + skip * d;
+    const T* vp = v_head + page * page_elems + skip * d;
+    const float* ks_page = kScaled<T> ? ks_head + page * b + skip : nullptr;
+    const float* vs_page = kScaled<T> ? vs_head + page * b + skip : nullptr;
+    const int64_t n = std::min(b - skip, end - first);
+    if (first + n < end) {  // see Prefetch
       const int64_t next = table[first / b + 1];
-      const int64_t rows = std::min(b, end - first - b);
+      const int64_t rows = std::min(b, end - first - n);
       Prefetch(k_head + next * page_elems, rows * row_bytes);
       Prefetch(v_head + next * page_elems, rows * row_bytes);
       if constexpr (kScaled<T>) {
@@ -205,12 +221,17 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split
     }
     for (int64_t i = 0; i < n; ++i) {
       const float* key = Widen(kp + i * d, d, row);
-      const float scale = kScaled<T> ? ks_head[page * b + i] * p.sm_scale : p.sm_scale;
+      const float scale = kScaled<T> ? ks_page[i] * p.sm_scale : p.sm_scale;
       for (int64_t g = 0; g < g_size; ++g) {
         const float* qg = q + g * d;
         float dot = 0.0f;
         for (int64_t e = 0; e < d; ++e) dot += qg[e] * key[e];
         scores[g * b + i] = dot * scale;
+      }
+    }
+    if (p.soft_cap > 0.0f) {  // every [G, B] entry: those past n are never read
+      for (int64_t i = 0; i < g_size * b; ++i) {
+        scores[i] = p.soft_cap * std::tanh(scores[i] / p.soft_cap);
       }
     }
     for (int64_t g = 0; g < g_size; ++g) {
@@ -230,7 +251,7 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split
     }
     for (int64_t i = 0; i < n; ++i) {
       const float* value = Widen(vp + i * d, d, row);
-      const float scale = kScaled<T> ? vs_head[page * b + i] : 1.0f;
+      const float scale = kScaled<T> ? vs_page[i] : 1.0f;
       for (int64_t g = 0; g < g_size; ++g) {
         const float w = scores[g * b + i] * scale;
         float* o = acc + g * d;
@@ -309,8 +330,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kPa
                   ffi::Buffer<kPage> v, const ffi::Buffer<ffi::F32>* k_scale,
                   const ffi::Buffer<ffi::F32>* v_scale, ffi::Buffer<ffi::S32> page_tables,
                   ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> token_row,
-                  ffi::Buffer<ffi::S32> positions, float sm_scale,
-                  ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> positions, float sm_scale, int64_t window,
+                  float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   using T = ffi::NativeType<kPage>;  // float, int8_t, or bfloat16's bits (Bf16Bits)
   const auto qd = q.dimensions(), kd = k.dimensions(), td = page_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || !(v.dimensions() == kd) ||
@@ -330,7 +351,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kPa
             k_scale != nullptr ? k_scale->typed_data() : nullptr,
             v_scale != nullptr ? v_scale->typed_data() : nullptr, page_tables.typed_data(),
             seq_lens.typed_data(), token_row.typed_data(), positions.typed_data(),
-            out->typed_data(), qd[0], qd[1], kd[0], kd[1], kd[2], td[0], td[1], sm_scale};
+            out->typed_data(), qd[0], qd[1], kd[0], kd[1], kd[2], td[0], td[1], sm_scale,
+            window, soft_cap};
   if (auto e = CheckPages(p); e.failure()) return e;
   const int64_t d = qd[2];
   const int64_t units = p.num_tokens * p.num_kv_heads;
@@ -347,7 +369,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kPa
   // has work, where there are enough keys (64 KB of pages) to pay for the hand-off.
   int64_t keys = 0, longest = 0;
   for (int64_t t = 0; t < p.num_tokens; ++t) {
-    const int64_t n = KeysOf(p, t);
+    const int64_t n = KeysOf(p, t) - std::min(KeysOf(p, t), FirstKeyOf(p, t));
     keys += n;
     longest = std::max(longest, n);
   }
@@ -373,10 +395,10 @@ template <ffi::DataType kPage>
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kPage> k,
                           ffi::Buffer<kPage> v, ffi::Buffer<ffi::S32> page_tables,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> token_row,
-                          ffi::Buffer<ffi::S32> positions, float sm_scale,
-                          ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::S32> positions, float sm_scale, int64_t window,
+                          float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Attend<kPage>(pool, q, k, v, nullptr, nullptr, page_tables, seq_lens, token_row,
-                       positions, sm_scale, out);
+                       positions, sm_scale, window, soft_cap, out);
 }
 
 ffi::Error PagedAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -384,9 +406,10 @@ ffi::Error PagedAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                               ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> token_row, ffi::Buffer<ffi::S32> positions,
-                              float sm_scale, ffi::ResultBuffer<ffi::F32> out) {
+                              float sm_scale, int64_t window, float soft_cap,
+                              ffi::ResultBuffer<ffi::F32> out) {
   return Attend<ffi::S8>(pool, q, k, v, &k_scale, &v_scale, page_tables, seq_lens, token_row,
-                         positions, sm_scale, out);
+                         positions, sm_scale, window, soft_cap, out);
 }
 
 // The handlers' arguments: q, then k and v of dtype kPage (then int8's scales: see below) ...
@@ -408,6 +431,8 @@ auto BindRest(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()  // token_row
       .template Arg<ffi::Buffer<ffi::S32>>()  // positions
       .template Attr<float>("sm_scale")
+      .template Attr<int64_t>("window")
+      .template Attr<float>("soft_cap")
       .template Ret<ffi::Buffer<ffi::F32>>();
 }
 

@@ -161,7 +161,7 @@ def build_report(result: RunResult, *, workload=None, slo_ttft_ms: float | None 
             "backend": info["backend"], "engine_config": info["config"],
             "max_model_len": info["max_model_len"],
             "num_pages": info["num_pages"], "page_size": b,
-            "kv_pool_bytes": info["kv_pool_bytes"], "param_bytes": info["param_bytes"],
+            "kv_pool_bytes": info["kv_pool_bytes"], "weight_bytes": info["weight_bytes"],
             "peak_kv_pages": ref,
             "peak_kv_bytes": ref * page_bytes,
             "kv_at_peak": {
@@ -260,7 +260,7 @@ def format_report(rep: dict[str, Any]) -> str:
                ("  free pages", f"{_fmt(pk['free_bytes'] / MIB, 2)} MiB"),
                ("  scratch page", f"{_fmt(pk['scratch_bytes'] / MIB, 2)} MiB"),
                ("KV pool / weights", f"{_fmt(rep['kv_pool_bytes'] / MIB)} MiB / "
-                f"{_fmt(rep['param_bytes'] / MIB)} MiB"),
+                f"{_fmt(rep['weight_bytes'] / MIB)} MiB"),
                ("peak process RSS", f"{_fmt(rep['peak_rss_bytes'] / MIB)} MiB"),
                ("preemptions", str(rep["preemptions"])),
                ("speculative decoding", _speculation_line(rep.get("speculation"))),

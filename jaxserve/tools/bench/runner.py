@@ -220,7 +220,7 @@ def run_engine(engine, workload: WorkloadSpec, *, requests: list[BenchRequest] |
         **{key: stats[key] - stats0[key]
            for key in ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")},
         "num_pages": engine.num_pages, "page_size": page_size,
-        "kv_pool_bytes": stats["kv_pool_bytes"], "param_bytes": stats["param_bytes"],
+        "kv_pool_bytes": stats["kv_pool_bytes"], "weight_bytes": stats["weight_bytes"],
         "config": dataclasses.asdict(engine.config), "backend": engine.backend,
         "max_model_len": engine.max_model_len,
     }

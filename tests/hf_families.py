@@ -1,0 +1,132 @@
+"""Tiny seeded Hugging Face checkpoints of the model families jaxserve serves, built with
+transformers (the reference) for parity tests: Mistral (sliding window on every layer), Gemma
+(GeGLU, scaled embeddings, 1 + weight norms), Gemma 2 (soft-capping, query_pre_attn_scalar,
+alternating sliding and full layers, sandwich norms), Gemma 3 text (q/k norm, local and global
+rope bases, a sliding-window pattern) and a Qwen2 with sliding layers from max_window_layers on. Two layers, hidden 64, f32; norm weights are drawn around
+their identity (ones, or zeros for Gemma's 1 + weight) so that every norm matters, and query and
+key projections scaled up so that attention is far from uniform.
+
+`family_model(name)` -> (transformers model, ModelConfig, params) and a LoadedModel of it with a
+word-level tokenizer ("t<i>" per id) for engine tests; StepLogits runs hand-made step plans
+through the runner's forward and returns full logits rows."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+WINDOW = 12  # tokens: a few pages of 8, crossed by chunks of 32
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+FAMILIES = ("mistral", "gemma", "gemma2", "gemma3", "qwen2-window")
+
+
+def _hf_config(name: str):
+    import transformers
+
+    if name == "mistral":
+        return transformers.MistralConfig(**TINY, sliding_window=WINDOW, rope_theta=1e4,
+                                          tie_word_embeddings=False)
+    if name == "qwen2-window":  # layer 0 full, layer 1 sliding (from max_window_layers on)
+        return transformers.Qwen2Config(**TINY, use_sliding_window=True, sliding_window=WINDOW,
+                                        max_window_layers=1, tie_word_embeddings=True)
+    if name == "gemma":
+        return transformers.GemmaConfig(**TINY, head_dim=16, hidden_act="gelu_pytorch_tanh")
+    if name == "gemma2":  # layer 0 sliding, layer 1 full; caps low enough to bend scores, logits
+        return transformers.Gemma2Config(**TINY, head_dim=16, sliding_window=WINDOW,
+                                         query_pre_attn_scalar=24, attn_logit_softcapping=1.5,
+                                         final_logit_softcapping=0.5)
+    if name == "gemma3":  # sliding layer 0 (local base 1e4), full layer 1 (global, linear-scaled)
+        return transformers.Gemma3TextConfig(
+            **TINY, head_dim=24, sliding_window=WINDOW, query_pre_attn_scalar=20,
+            layer_types=["sliding_attention", "full_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                "rope_theta": 1e6},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}})
+    raise ValueError(name)
+
+
+@functools.cache
+def family_model(name: str):
+    """(transformers model in f32 eval mode, ModelConfig, params) of a seeded tiny checkpoint,
+    loaded through our config and tensor readers."""
+    import torch
+    import transformers
+
+    from jaxserve.weights import config_from_hf, params_from_hf_state_dict
+
+    torch.manual_seed(0)
+    hf_cfg = _hf_config(name)
+    cls = {"mistral": transformers.MistralForCausalLM, "gemma": transformers.GemmaForCausalLM,
+           "gemma2": transformers.Gemma2ForCausalLM,
+           "gemma3": transformers.Gemma3ForCausalLM,
+           "qwen2-window": transformers.Qwen2ForCausalLM}[name]
+    model = cls(hf_cfg).eval().float()
+    with torch.no_grad():
+        for param_name, w in model.named_parameters():
+            if param_name.endswith("norm.weight"):  # ones (Llama) or zeros (Gemma) at init
+                w.add_(torch.randn_like(w) * 0.3)
+            if param_name.endswith(("q_proj.weight", "k_proj.weight")):  # scores of a few units,
+                w.mul_(8.0)  # not near zero: the softmax, its window and soft cap all matter
+    cfg = config_from_hf(hf_cfg.to_dict())
+    tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return model, cfg, params_from_hf_state_dict(cfg, tensors)
+
+
+def family_loaded(name: str):
+    """A LoadedModel of family_model(name), with a word-level tokenizer."""
+    from jaxserve.weights import LoadedModel
+    from jaxserve.weights.random_init import numbered_tokenizer
+
+    _, cfg, params = family_model(name)
+    return LoadedModel(config=cfg, params=params,
+                       tokenizer=numbered_tokenizer(cfg.vocab_size, TINY["eos_token_id"]),
+                       fingerprint=f"tiny-{name}", source="tests/hf_families.py")
+
+
+def greedy_reference(name: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers' greedy continuation of `prompt` (no cache: the plain forward each step)."""
+    return list(_greedy_reference(name, tuple(prompt), max_tokens))
+
+
+@functools.cache
+def _greedy_reference(name: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    import torch
+
+    model = family_model(name)[0]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+            ids.append(int(np.argmax(logits.numpy())))
+    return tuple(ids[len(prompt):])
+
+
+class StepLogits:
+    """Runs steps through the runner and returns the full logits rows of sampled positions."""
+
+    def __init__(self, cfg, params, page_size, backend, num_pages: int = 64):
+        from jaxserve.runtime.batch import Buckets
+        from jaxserve.runtime.runner import ModelRunner
+
+        self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=page_size)
+        self.page_size, self.backend = page_size, backend
+        self.buckets = Buckets.for_engine(8, 128, 32)
+
+    def step(self, plan) -> np.ndarray:
+        import jax
+
+        from jaxserve.model import llama
+        from jaxserve.runtime.batch import build_batch
+
+        batch, rows, _ = build_batch(plan, self.buckets, self.page_size)
+        runner = self.runner
+        # Same forward as the jitted step, but returning logits for comparison.
+        pool, hidden = llama.forward(runner.params, runner.pool, jax.numpy.asarray(batch.token_ids),
+                                     jax.tree_util.tree_map(jax.numpy.asarray, batch.attn),
+                                     cfg=runner.cfg, backend=self.backend)
+        runner.pool = pool
+        logits = llama.logits(runner.params, hidden[batch.logits_indices], runner.cfg)
+        return np.asarray(logits)[:rows]

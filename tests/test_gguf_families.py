@@ -1,0 +1,167 @@
+"""Gemma, Gemma 2 and Gemma 3 from GGUF as llama.cpp's converter writes them (tensor names,
+norm weights with the 1 added, attention.sliding_window, soft-capping keys, rope.freq_base_swa,
+rope.scaling.*, attention.scale for a query_pre_attn_scalar other than the head dim): the tiny
+seeded checkpoints of tests/hf_families.py written with gguf.GGUFWriter (f32) and read back give
+transformers' logits within 1e-4 through pages of 8 and a chunk crossing the window. Likewise a
+Llama with llama3 rope scaling stored as llama.cpp stores it, a rope_freqs tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+gguf = pytest.importorskip("gguf")
+pytest.importorskip("transformers")
+
+from hf_families import StepLogits, family_model  # noqa: E402
+from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.core.sequence import Request, Sequence  # noqa: E402
+from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
+from jaxserve.weights.gguf_loader import config_from_gguf, gguf_hf_state_dict, read_gguf  # noqa: E402,E501
+from jaxserve.weights.hf_loader import params_from_hf_state_dict  # noqa: E402
+
+_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+          "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "post_attention_norm",
+          "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(hf: str, arch: str) -> str:
+    if hf == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf == "model.norm.weight":
+        return "output_norm.weight"
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, idx, rest = hf.split(".", 3)
+    module = rest.removesuffix(".weight")
+    if arch in ("gemma", "llama") and module == "post_attention_layernorm":  # the pre-FFN norm
+        return f"blk.{idx}.ffn_norm.weight"
+    return f"blk.{idx}.{_NAMES[module]}.weight"
+
+
+def _write(path, family: str):
+    model, cfg, _ = family_model(family)
+    hf = model.config
+    w = gguf.GGUFWriter(str(path), arch=family)
+    w.add_context_length(hf.max_position_embeddings)
+    w.add_embedding_length(hf.hidden_size)
+    w.add_block_count(hf.num_hidden_layers)
+    w.add_feed_forward_length(hf.intermediate_size)
+    w.add_head_count(hf.num_attention_heads)
+    w.add_head_count_kv(hf.num_key_value_heads)
+    w.add_key_length(hf.head_dim)
+    w.add_value_length(hf.head_dim)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    if family != "gemma":
+        w.add_sliding_window(hf.sliding_window)
+        w.add_float32(f"{family}.attention.scale", hf.query_pre_attn_scalar ** -0.5)
+    if family == "gemma2":
+        w.add_attn_logit_softcapping(hf.attn_logit_softcapping)
+        w.add_final_logit_softcapping(hf.final_logit_softcapping)
+    if family == "gemma3":  # two layers: pattern 2 makes layer 0 sliding, layer 1 full
+        w.add_sliding_window_pattern([True, False])
+        w.add_rope_freq_base_swa(cfg.rope_local_theta)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":  # tied
+            continue
+        arr = t.detach().numpy().astype(np.float32)
+        if name.endswith("norm.weight"):  # as llama.cpp's converter stores Gemma norms
+            arr = arr + 1.0
+        w.add_tensor(_gguf_name(name, family), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return model, cfg
+
+
+def _last_logits_match(model, cfg, params):
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, cfg.vocab_size, 40)]
+    seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt), 40)
+    seq.page_ids = list(range(1, 8))
+    runner = StepLogits(cfg, params, 8, "xla")
+    runner.step(StepPlan([ScheduledChunk(seq, 0, 8, [])]))
+    ours = runner.step(StepPlan([ScheduledChunk(seq, 8, 32, [seq])]))[0]
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt])).logits[0, -1].numpy()
+    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+def test_gemma_gguf_matches_transformers(tmp_path, family):
+    model, hf_cfg = _write(tmp_path / "m.gguf", family)
+    g = read_gguf(str(tmp_path / "m.gguf"))
+    cfg = config_from_gguf(g.metadata, n_vocab_tensor=hf_cfg.vocab_size, has_output=False)
+    for field in ("sliding_window", "layer_types", "rope_local_theta", "rope_scaling",
+                  "attn_logit_softcapping", "final_logit_softcapping", "embed_scale",
+                  "sandwich_norms", "qk_norm", "mlp_activation", "tie_word_embeddings"):
+        assert getattr(cfg, field) == getattr(hf_cfg, field), field
+    assert cfg.norm_weight_offset == 0.0  # stored with the 1 added
+    assert abs(cfg.attention_scale - hf_cfg.attention_scale) < 1e-7
+    _last_logits_match(model, cfg, params_from_hf_state_dict(cfg, gguf_hf_state_dict(g, cfg)))
+
+
+def test_llama3_rope_freqs_gguf_matches_transformers(tmp_path):
+    """llama.cpp writes llama3's scaling as per-pair divisors (rope_freqs.weight) and Q/K rows
+    permuted for its interleaved rotary; both are undone on load."""
+    import transformers
+
+    from jaxserve.weights.gguf_loader import with_rope_freq_factors
+
+    torch.manual_seed(0)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+               "rope_theta": 1e4}
+    hf = transformers.LlamaConfig(vocab_size=211, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, max_position_embeddings=256,
+                                  rope_parameters=scaling)
+    model = transformers.LlamaForCausalLM(hf).eval().float()
+    with torch.no_grad():  # scores of a few units: the rotary frequencies matter
+        for name, t in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                t.mul_(8.0)
+    d = hf.hidden_size // hf.num_attention_heads
+    plain = 1.0 / 1e4 ** (np.arange(0, d, 2) / d)
+    divisors = plain / model.model.rotary_emb.inv_freq.double().numpy()
+    # every band of llama3 is present: kept, blended and divided by the factor
+    assert divisors.min() < 1 + 1e-6 and divisors.max() > 8 - 1e-5
+    assert ((divisors > 1.01) & (divisors < 7.99)).any()
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), arch="llama")
+    for key, value in (("context_length", 256), ("embedding_length", 64), ("block_count", 2),
+                       ("feed_forward_length", 96), ("attention.head_count", 4),
+                       ("attention.head_count_kv", 2)):
+        w.add_uint32(f"llama.{key}", value)
+    w.add_rope_freq_base(1e4)
+    w.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    w.add_tensor("rope_freqs.weight", divisors.astype(np.float32))
+    for name, t in model.state_dict().items():
+        arr = t.detach().numpy().astype(np.float32)
+        heads = {"q_proj": 4, "k_proj": 2}.get(name.split(".")[-2])
+        if heads:  # llama.cpp's row order for interleaved rotary
+            arr = arr.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(arr.shape)
+        w.add_tensor(_gguf_name(name, "llama"), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = read_gguf(str(tmp_path / "m.gguf"))
+    cfg = with_rope_freq_factors(g, config_from_gguf(g.metadata, n_vocab_tensor=211))
+    assert cfg.rope_scaling.rope_type == "freq_factors"
+    _last_logits_match(model, cfg, params_from_hf_state_dict(cfg, gguf_hf_state_dict(g, cfg)))
+
+
+def test_unsupported_gguf_rope_scaling_is_refused():
+    meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 64,
+            "gemma3.attention.head_count": 4, "gemma3.block_count": 2,
+            "gemma3.feed_forward_length": 96, "gemma3.rope.scaling.type": "longrope",
+            "gemma3.rope.scaling.factor": 4.0}
+    with pytest.raises(ValueError, match="longrope"):
+        config_from_gguf(meta, n_vocab_tensor=100)

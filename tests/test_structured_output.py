@@ -1,0 +1,255 @@
+"""Structured outputs and tool calls through the OpenAI client, on the tiny random model:
+sampled outputs (temperature 0.8-1.0, several seeds, n = 4) are valid for every request across
+a varied schema set, regexes and choice lists; forks, preemption and max_tokens mid-structure
+behave; tool calls come back in OpenAI's shape, streamed too; bad specs and fields other
+servers take (guided_json, ...) are 400s naming the problem."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.engine import LLMEngine
+from jaxserve.server import AsyncEngine, ServerConfig, build_app
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+from serving import serve_app  # noqa: E402
+from tiny_model import tiny_loaded  # noqa: E402
+
+MODEL = "tiny"
+with open("configs/structured_schemas.json") as f:
+    SCHEMAS = json.load(f)
+REGEXES = [r"[a-z]{3,8}@[a-z]{2,5}\.(com|org)", r"(19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]",
+           r"#[0-9a-f]{6}", r"(yes|no)( because [a-z ]{1,20})?"]
+CHOICES = [["red", "green", "blue"], ["A long answer", "B", "C) maybe"]]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = LLMEngine(EngineConfig.from_options(num_pages=256, page_size=8, max_num_seqs=16,
+                                                 max_num_batched_tokens=128),
+                       tiny_loaded(max_len=512))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    aengine = AsyncEngine(engine)
+    with serve_app(build_app(aengine, ServerConfig(served_model_names=(MODEL,)))) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    aengine.shutdown()
+
+
+def chat(client, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "answer"}], **kwargs)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_outputs_are_always_valid(client, name):
+    schema = SCHEMAS[name]
+    for seed, temperature in ((1, 1.0), (2, 0.8), (3, 0.9)):
+        out = chat(client, n=4, seed=seed, temperature=temperature, max_tokens=400,
+                   response_format={"type": "json_schema",
+                                    "json_schema": {"name": name, "schema": schema,
+                                                    "strict": True}})
+        for choice in out.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), schema)
+
+
+def test_regexes_choices_and_json_object_are_always_valid(client):
+    for seed in (1, 2):
+        for regex in REGEXES:
+            out = client.completions.create(model=MODEL, prompt="x", n=4, seed=seed,
+                                            temperature=1.0, max_tokens=100,
+                                            extra_body={"structured_outputs": {"regex": regex}})
+            for c in out.choices:
+                assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+        for options in CHOICES:
+            out = chat(client, n=4, seed=seed, temperature=1.0, max_tokens=50,
+                       extra_body={"structured_outputs": {"choice": options}})
+            assert all(c.message.content in options for c in out.choices)
+        out = chat(client, n=4, seed=seed, temperature=0.8, max_tokens=300,
+                   response_format={"type": "json_object"})
+        for c in out.choices:
+            if c.finish_reason == "stop":
+                assert isinstance(json.loads(c.message.content), dict)
+
+
+def test_max_tokens_mid_structure_is_length(client):
+    out = chat(client, max_tokens=3, temperature=0,
+               response_format={"type": "json_schema",
+                                "json_schema": {"name": "s", "schema": SCHEMAS["nested"]}})
+    assert out.choices[0].finish_reason == "length"
+    assert len(out.choices[0].message.content) <= 3 * 4 and \
+        out.choices[0].message.content.startswith("{")
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                                  "maximum": 14}},
+        "required": ["zone"], "additionalProperties": False}}}
+
+
+def test_tool_calls_required_named_and_streamed(client):
+    tools = [WEATHER, TIME]
+    out = chat(client, tools=tools, tool_choice="required", n=4, seed=5, temperature=1.0,
+               max_tokens=200)
+    for c in out.choices:
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        (call,) = c.message.tool_calls
+        fn = {t["function"]["name"]: t["function"] for t in tools}[call.function.name]
+        jsonschema.validate(json.loads(call.function.arguments), fn["parameters"])
+    named = {"type": "function", "function": {"name": "get_time"}}
+    out = chat(client, tools=tools, tool_choice=named, seed=6, temperature=1.0, max_tokens=200)
+    assert out.choices[0].message.tool_calls[0].function.name == "get_time"
+    stream = chat(client, tools=tools, tool_choice=named, seed=6, temperature=1.0,
+                  max_tokens=200, stream=True)
+    chunks = list(stream)
+    calls = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert len(calls) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert calls[0].function.arguments == out.choices[0].message.tool_calls[0].function.arguments
+
+
+@pytest.mark.parametrize("body, says", [
+    (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json"),
+    (dict(extra_body={"guided_regex": "a+"}), "guided_regex"),
+    (dict(extra_body={"structured_outputs": {"regex": "[a-"}}), "unclosed character class"),
+    (dict(extra_body={"structured_outputs": {"grammar": "start: foo"}}), "unknown name"),
+    (dict(extra_body={"structured_outputs": {"regex": "a", "choice": ["b"]}}), "exactly one"),
+    (dict(response_format={"type": "json_schema",
+                           "json_schema": {"name": "x", "schema": {"type": 5}}}), "type"),
+    (dict(tools=[WEATHER]), "tool_choice 'auto'"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "not in 'tools'"),
+    (dict(logit_bias={"99999": 1}), "logit_bias"),
+    (dict(presence_penalty=3), "presence_penalty"),
+])
+def test_bad_structured_requests_are_400(client, body, says):
+    with pytest.raises(openai.BadRequestError, match=re.escape(says)):
+        chat(client, max_tokens=5, **body)
+
+
+def test_forks_and_preemption_keep_outputs_valid():
+    """n = 4 forks each follow their own matcher, and a pool too small for every sequence
+    preempts and recomputes them (the matcher keeps the output tokens' state): every output
+    still matches, and equals the same seeded request run alone in a roomy pool."""
+    regex = r"\[([0-9]{1,3}, ){3,6}[0-9]{1,3}\]"
+    params = SamplingParams(n=4, seed=11, temperature=1.0, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(regex=regex))
+    prompt = {"prompt_token_ids": list(range(30, 50))}
+    outs = {}
+    for pages in (12, 200):
+        engine = LLMEngine(EngineConfig.from_options(num_pages=pages, page_size=4,
+                                                     max_num_seqs=4), tiny_loaded())
+        engine.add_request(prompt, params, request_id="r")
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.finished:
+                    outs[pages] = [c.text for c in o.outputs]
+        if pages == 12:
+            assert engine.stats()["preemptions"] > 0
+    assert outs[12] == outs[200]
+    assert all(re.fullmatch(regex, t) for t in outs[12]), outs[12]
+
+
+def test_batch_file_takes_the_same_fields(tmp_path):
+    from jaxserve.batch_file import run_batch
+    from jaxserve.server.protocol import ProtocolContext
+
+    engine = LLMEngine(EngineConfig.from_options(num_pages=128, page_size=8, max_num_seqs=4),
+                       tiny_loaded(max_len=512))
+    chat_ = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "seed": 1,
+             "max_tokens": 200}
+    bodies = [
+        {**chat_, "response_format": {"type": "json_schema",
+                                      "json_schema": {"name": "f", "schema": SCHEMAS["flat"]}}},
+        {**chat_, "tools": [WEATHER], "tool_choice": "required"},
+        {**chat_, "structured_outputs": {"regex": "[a-"}},
+        {**chat_, "guided_json": {"type": "object"}},
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": str(i), "url": "/v1/chat/completions",
+                                       "body": b}) + "\n" for i, b in enumerate(bodies)))
+    run_batch(engine, str(inp), str(out),
+              ctx=ProtocolContext.for_engine(engine, model_names=(MODEL,)))
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    first, second = (r["response"]["body"]["choices"][0] for r in results[:2])
+    jsonschema.validate(json.loads(first["message"]["content"]), SCHEMAS["flat"])
+    call = second["message"]["tool_calls"][0]["function"]
+    assert second["finish_reason"] == "tool_calls" and call["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["arguments"]), WEATHER["function"]["parameters"])
+    assert [r["response"]["status_code"] for r in results[2:]] == [400, 400]
+    assert "unclosed character class" in results[2]["response"]["body"]["error"]["message"]
+
+
+def test_speculative_engine_drafts_only_unconstrained_rows():
+    """With speculation on (prompt lookup, and the target as its own draft model), a
+    constrained row gets no drafts (its mask at each position would need the drafts before it)
+    and stays valid; a plain greedy row beside it is speculated and gives the output of an
+    engine without speculation."""
+    prompt = {"prompt_token_ids": [7, 8, 9, 10] * 8}
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs=
+                                 StructuredOutputsParams(json=SCHEMAS["enums"]))
+    specs = {"off": None,
+             "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+                       "prompt_lookup_max": 4, "adaptive": False},
+             "draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}}
+    outs = {}
+    for name, spec in specs.items():
+        engine = LLMEngine(EngineConfig.from_options(num_pages=128, page_size=8, max_num_seqs=4,
+                                                     speculative_config=spec), tiny_loaded())
+        engine.add_request(prompt, plain, request_id="plain")
+        engine.add_request(prompt, constrained, request_id="json")
+        while engine.has_unfinished():
+            outs.update(((name, o.request_id), o.outputs[0])
+                        for o in engine.step() if o.finished)
+        if spec:
+            assert engine.stats()["spec_draft_tokens"] > 0
+    for name in specs:
+        assert outs[(name, "plain")].token_ids == outs[("off", "plain")].token_ids
+        jsonschema.validate(json.loads(outs[(name, "json")].text), SCHEMAS["enums"])
+
+
+def test_chat_template_renders_tools_and_tool_results():
+    """Tools reach the template as `tools` (OpenAI's shape), and assistant tool calls and tool
+    results pass through the messages, for templates that render them."""
+    from jaxserve.server.protocol import ProtocolContext, parse_request
+    from jaxserve.tokenizer import Tokenizer
+    from tiny_model import tiny_tokenizer
+
+    template = ("{% for t in tools or [] %}[tool {{ t['function']['name'] }}]{% endfor %}"
+                "{% for m in messages %}<{{ m['role'] }}>"
+                "{% for c in m.get('tool_calls') or [] %}(call {{ c['function']['name'] }})"
+                "{% endfor %}{{ m['content'] }}{% if m.get('tool_call_id') %}"
+                "#{{ m['tool_call_id'] }}{% endif %}|{% endfor %}<assistant>")
+    base = tiny_tokenizer()
+    tok = Tokenizer(base.backend, bos_token_id=None, eos_token_ids=base.eos_token_ids,
+                    chat_template=template)
+    ctx = ProtocolContext(model_names=(MODEL,), tokenizer=tok, max_model_len=512,
+                          vocab_size=320)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": 1}'}}
+    body = {"model": MODEL, "tools": [WEATHER, TIME], "tool_choice": "required",
+            "messages": [{"role": "user", "content": "time?"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]}
+    parsed = parse_request("chat", body, ctx)
+    assert parsed.prompts[0]["prompt"] == (
+        "[tool get_weather][tool get_time]<user>time?|<assistant>(call get_time)|"
+        "<tool>12:00#call_1|<assistant>")
+    assert parsed.tool_call and parsed.params.structured_outputs is not None
