@@ -57,8 +57,9 @@ def test_engine_step_lowers_for_the_accelerator(loaded, backend, platform, confi
     batch, _, _ = build_batch(warmup_plan(shape, buckets, page_size), buckets, page_size)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     feed = jnp.zeros(2 * buckets.seqs[-1], jnp.int32)
-    lowered = _jitted_step(config, backend).trace(
-        runner.params, pool=runner.pool, batch=batch, feed=feed).lower(
+    lowered = _jitted_step(config, backend, runner.mesh).trace(
+        runner.params, pool=runner.pool, batch=dataclasses.replace(batch, sampling=None),
+        feed=feed).lower(
             lowering_platforms=(platform,))
     text = lowered.as_text()
     assert KERNEL_CALL[platform] in text  # the attention kernel (in the layer loop)
