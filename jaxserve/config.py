@@ -302,6 +302,8 @@ class EngineConfig:
     coordinator_address: str | None = None  # host:port of process 0's coordinator
     num_processes: int = 1
     process_id: int = 0
+    # A process not joined within this, or a peer silent for a sixth of it, ends the run.
+    distributed_timeout_s: int = 60
 
     def __post_init__(self):
         def check(ok: bool, msg: str):
@@ -353,6 +355,8 @@ class EngineConfig:
               f"process_id must be in 0..{self.num_processes - 1}, got {self.process_id!r}")
         check(self.num_processes == 1 or self.coordinator_address,
               "num_processes > 1 needs coordinator_address (host:port of process 0)")
+        check(isinstance(self.distributed_timeout_s, int) and self.distributed_timeout_s >= 1,
+              f"distributed_timeout_s must be an integer >= 1, got {self.distributed_timeout_s!r}")
         spec = self.speculative_config
         check(self.num_processes == 1 or spec is None or spec.method != "draft",
               "speculative method 'draft' runs its model on process 0 alone; with "

@@ -144,14 +144,12 @@ def test_cpu_layout_runs_the_kernels_with_the_same_products(kind):
     layers |= {"attn_norm": np.ones((1, h), np.float32), "mlp_norm": np.ones((1, h), np.float32)}
     params = {"embed": rng.standard_normal((vocab, h)).astype(np.float32),
               "final_norm": np.ones(h, np.float32), "layers": layers}
-    if kind == "int8":
-        from jaxserve.model.quantize import quantize_int8
-        params = quantize_int8(params)
-    if kind == "bf16":
-        from jaxserve.model.quantize import round_bf16
-        if not cpu_kernels.amx_bf16_available():
-            pytest.skip("no AMX-BF16 here")
-        params = round_bf16(params)
+    from jaxserve.model.quantize import quantize
+
+    if kind == "bf16" and not cpu_kernels.amx_bf16_available():
+        pytest.skip("no AMX-BF16 here")
+    if kind in ("int8", "bf16"):
+        params = quantize(params, kind)
     plain = llama.per_layer_params(params)
     packed = pack_params(plain)
     weights = lambda p: [p["layers"][0][k] for k in ("w_qkv", "wo", "w_gate_up", "w_down")]  # noqa: E731

@@ -105,13 +105,21 @@ def test_data_parallel_router_places_by_prefix_and_load(cases):
 
 
 @pytest.fixture(scope="module")
-def three_processes() -> list[dict]:
-    """tests/multi_host_cases.py as processes 0, 1 and 2 over loopback: their JSON lines."""
+def three_processes(tmp_path_factory) -> list[dict]:
+    """tests/multi_host_cases.py as processes 0, 1 and 2 over loopback: their JSON lines. The
+    model is an orbax checkpoint, which each process restores only its device's shards of."""
+    from multi_device_cases import SMOL_SHAPED
+
+    from jaxserve.weights import save_orbax
+    from jaxserve.weights.random_init import random_model
+
+    checkpoint = save_orbax(str(tmp_path_factory.mktemp("multi_host") / "smol"),
+                            random_model(SMOL_SHAPED, seed=3, weight_scale=0.3))
     with socket.socket() as sock:  # a free port for the coordinator
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "multi_host_cases.py"),
-                               str(port), str(i)], stdout=subprocess.PIPE,
+                               str(port), str(i), checkpoint], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=_env())
              for i in range(3)]
     results = []
@@ -150,3 +158,20 @@ def test_sizes_that_do_not_fit_are_clear_errors():
     with pytest.raises(ValueError, match="'draft' runs its model on process 0 alone"):
         EngineConfig(num_processes=2, coordinator_address="localhost:1234",
                      speculative_config={"method": "draft"})
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_equals_tp1(default_model_path):
+    """The real SmolLM2-135M (3 KV heads: one a device) at TP 3 on three virtual devices gives
+    the single-device engine's greedy tokens on the full-featured workload."""
+    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=3"}
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "smollm2_tp_cases.py"),
+                           default_model_path], capture_output=True, text=True, env=env,
+                          timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    runs = json.loads(proc.stdout.strip().splitlines()[-1])
+    one, three = runs["tp1"], runs["tp3"]
+    assert three["outputs"] == one["outputs"] and len(one["outputs"]) == 4
+    for run in (one, three):
+        assert run["stats"]["referenced_pages"] == 0 and run["stats"]["preemptions"] >= 1
+    assert three["stats"]["kv_pool_bytes_per_device"] * 3 == one["stats"]["kv_pool_bytes"]

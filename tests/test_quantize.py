@@ -15,13 +15,7 @@ from jaxserve.config import EngineConfig, ModelConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine
 from jaxserve.model import llama
-from jaxserve.model.quantize import (
-    GROUP,
-    quantize,
-    quantize_int8,
-    quantize_weight,
-    round_bf16,
-)
+from jaxserve.model.quantize import GROUP, quantize, quantize_weight
 
 
 def test_quantize_weight_error_is_within_half_a_step_of_each_group():
@@ -72,7 +66,7 @@ def test_input_channels_must_fill_groups_and_unknown_methods_are_errors():
 def test_int8_quantizes_projections_and_a_separate_head():
     params = {"embed": np.ones((10, 32), np.float32), "final_norm": np.ones(32, np.float32),
               "layers": {"wq": np.ones((2, 32, 64), np.float32), "attn_norm": np.ones((2, 32))}}
-    q = quantize_int8(params)
+    q = quantize(params, "int8")
     assert q["layers"]["wq"].q_t.dtype == np.int8 and q["layers"]["wq"].scale.shape == (2, 64, 1)
     assert q["layers"]["attn_norm"] is params["layers"]["attn_norm"]
     assert q["lm_head"].q_t.shape == (10, 32)  # tied head quantized per vocabulary row
@@ -114,7 +108,7 @@ def test_bf16_rounds_projections_and_a_separate_head():
               "final_norm": np.ones(4, np.float32),
               "layers": {"wq": np.full((2, 4, 4), 1 + 2 ** -12, np.float32),
                          "attn_norm": np.ones((2, 4))}}
-    r = round_bf16(params)
+    r = quantize(params, "bf16")
     assert r["layers"]["wq"].dtype == jnp.bfloat16 and (r["layers"]["wq"] == 1).all()
     assert r["layers"]["attn_norm"] is params["layers"]["attn_norm"]
     assert r["lm_head"].shape == (4, 10) and r["lm_head"].dtype == jnp.bfloat16  # [in, out]

@@ -60,6 +60,9 @@ flags.DEFINE_string("coordinator_address", None,
 flags.DEFINE_integer("num_processes", _D.num_processes, "Processes joined as one engine.")
 flags.DEFINE_integer("process_id", _D.process_id,
                      "This process's index; 0 schedules and serves, the others follow it.")
+flags.DEFINE_integer("distributed_timeout_s", _D.distributed_timeout_s,
+                     "Seconds to wait for every process to join; a peer silent for a sixth of "
+                     "this ends the run with an error.")
 
 _S = SpeculativeConfig()
 flags.DEFINE_enum("speculative_method", None, SPECULATIVE_METHODS,
@@ -83,7 +86,7 @@ _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend
           "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
           "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting",
           "tensor_parallel_size", "data_parallel_size", "coordinator_address", "num_processes",
-          "process_id")
+          "process_id", "distributed_timeout_s")
 
 
 def engine_options() -> dict:

@@ -27,6 +27,7 @@ FLAGS = flags.FLAGS
 def main(argv):
     del argv
     from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.runtime.distributed import PeerLostError
 
     try:
         params = SamplingParams(max_tokens=FLAGS.max_tokens, temperature=FLAGS.temperature,
@@ -52,6 +53,9 @@ def main(argv):
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"jaxserve generate: error: {e}", file=sys.stderr)
         return 2
+    except PeerLostError as e:  # another process of a multi-host run died
+        print(f"jaxserve generate: error: {e}", file=sys.stderr)
+        return 1
     completion = out.outputs[0]
     if FLAGS.json:
         m = out.metrics

@@ -63,7 +63,8 @@ class DataParallelEngine:
     """The LLMEngine interface over data_parallel_size replicas (weights loaded once)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        loaded = loaded or load_model(config.model, dtype=backends.resolve_dtype(config.dtype))
+        loaded = loaded or load_model(config.model, dtype=backends.resolve_dtype(config.dtype),
+                                      lazy=True)
         mesh = sharding.make_mesh(config.tensor_parallel_size, config.data_parallel_size)
         self.replicas = [LLMEngine(config, loaded, mesh=sharding.replica_mesh(mesh, i))
                          for i in range(config.data_parallel_size)]
@@ -160,7 +161,7 @@ def make_engine(config: EngineConfig, loaded: LoadedModel | None = None):
     0's engine serves, the others `follow()` it."""
     if config.num_processes > 1:
         distributed.initialize(config.coordinator_address, config.num_processes,
-                               config.process_id)
+                               config.process_id, config.distributed_timeout_s)
     if config.data_parallel_size > 1:
         return DataParallelEngine(config, loaded)
     return LLMEngine(config, loaded)

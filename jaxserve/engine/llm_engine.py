@@ -32,6 +32,7 @@ from jaxserve.engine.speculator import Speculator, load_draft
 from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.distributed import PeerLostError
 from jaxserve.runtime.logit_controls import build_controls
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
@@ -53,7 +54,7 @@ class LLMEngine:
         config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
         config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
         self.config = config
-        loaded = loaded or load_model(config.model, dtype=config.dtype)
+        loaded = loaded or load_model(config.model, dtype=config.dtype, lazy=True)
         self.model_config = loaded.config
         sharding.check_fits(loaded.config, config.tensor_parallel_size, config.quantization)
         if mesh is None:
@@ -300,6 +301,8 @@ class LLMEngine:
         try:
             out = self.runner.dispatch(batch, copies, after, None if later else controls,
                                        sample=not later)
+        except PeerLostError:  # another process is gone: nothing to recover here
+            raise
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
         return Launched(plan, out, num_rows, offsets, catch_up,
@@ -317,6 +320,8 @@ class LLMEngine:
             controls = self._controls(launched.plan, r)
         try:
             self.runner.sample(launched.out, batch.sampling, controls)
+        except PeerLostError:
+            raise
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
 

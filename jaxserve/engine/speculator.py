@@ -27,7 +27,7 @@ def load_draft(config: EngineConfig, loaded: LoadedModel,
         return None
     if draft is None:
         own = spec.model is None or spec.model == config.model
-        draft = loaded if own else load_model(spec.model, dtype=config.dtype)
+        draft = loaded if own else load_model(spec.model, dtype=config.dtype, lazy=True)
     check_shared_vocabulary(loaded.config, loaded.tokenizer, draft.config, draft.tokenizer)
     check_draft_window(loaded.config, draft.config)
     return draft

@@ -72,22 +72,33 @@ def per_layer_params(params: dict) -> dict:
     projections, and an [out, in] lm_head. A backend may then pack the projections and the head
     for its matmul (Backend.pack_params)."""
     stacked = params["layers"]
-    num_layers = len(stacked["attn_norm"])
-    layers = []
-    for i in range(num_layers):
-        lp = jax.tree_util.tree_map(lambda x: np.asarray(x[i]), stacked)
-        fused = {"attn_norm": lp["attn_norm"],
-                 "w_qkv": _out_in([lp["wq"], lp["wk"], lp["wv"]]),
-                 "wo": _out_in([lp["wo"]]), "mlp_norm": lp["mlp_norm"],
-                 "w_gate_up": _out_in([lp["w_gate"], lp["w_up"]]),
-                 "w_down": _out_in([lp["w_down"]])}
-        if "bq" in lp:
-            fused["b_qkv"] = np.concatenate([lp["bq"], lp["bk"], lp["bv"]], axis=-1)
-        for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):  # where present
-            if name in lp:
-                fused[name] = lp[name]
-        layers.append(fused)
-    out = {**params, "layers": layers}
+    layers = [fuse_layer(layer_of(stacked, i)) for i in range(len(stacked["attn_norm"]))]
+    return {**head_params(params), "layers": layers}
+
+
+def layer_of(stacked: dict, i: int) -> dict:
+    """Layer i of the loaders' stacked layers (an Int8Weight's fields sliced alike)."""
+    return jax.tree_util.tree_map(lambda x: np.asarray(x[i]), stacked)
+
+
+def fuse_layer(lp: dict) -> dict:
+    """One layer of the loaders' layout -> its execution layout (fused [out, in] projections)."""
+    fused = {"attn_norm": lp["attn_norm"],
+             "w_qkv": _out_in([lp["wq"], lp["wk"], lp["wv"]]),
+             "wo": _out_in([lp["wo"]]), "mlp_norm": lp["mlp_norm"],
+             "w_gate_up": _out_in([lp["w_gate"], lp["w_up"]]),
+             "w_down": _out_in([lp["w_down"]])}
+    if "bq" in lp:
+        fused["b_qkv"] = np.concatenate([lp["bq"], lp["bk"], lp["bv"]], axis=-1)
+    for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):  # where present
+        if name in lp:
+            fused[name] = lp[name]
+    return fused
+
+
+def head_params(params: dict) -> dict:
+    """The loaders' leaves outside the layers in the execution layout (lm_head [out, in])."""
+    out = {k: v for k, v in params.items() if k != "layers"}
     if "lm_head" in params:
         out["lm_head"] = _out_in([params["lm_head"]])
     return out

@@ -136,33 +136,40 @@ def _levels(g: np.ndarray, lo: np.ndarray, hi: np.ndarray):
     return scale, offset, np.clip(np.rint((g - offset[..., None]) / step), -128, 127)
 
 
-def quantize_int8(params: dict) -> dict:
-    """Quantize the layer projections and the output head; embeddings and norms stay float.
-    A tied head gets its own quantized copy (the embedding lookup keeps the float table)."""
-    return _map_weights(params, quantize_weight)
+def _weight_fn(method: str):
+    """The map of one [..., in, out] weight under EngineConfig.quantization (None: kept)."""
+    if method == "int8":
+        return quantize_weight
+    if method == "bf16":
+        # The CPU backend packs these for its AMX matmul, which rounds the activations it
+        # multiplies too (nearest even).
+        return lambda w: np.asarray(w, np.float32).astype(jnp.bfloat16)
+    if method != "none":
+        raise ValueError(f"unknown quantization {method!r}")
+    return None
 
 
-def _map_weights(params: dict, fn) -> dict:
-    """fn applied to the layer projections and to the output head ([in, out]; a tied model's
-    is the embedding table, transposed, and gets its own copy: the lookup keeps the table)."""
-    layers = {k: fn(v) if k in _QUANTIZED else v for k, v in params["layers"].items()}
+def quantize_layer(layer: dict, method: str) -> dict:
+    """The projections of one layer's dict, or of the stacked layers' (any leading axes);
+    norms and biases stay float."""
+    fn = _weight_fn(method)
+    if fn is None:
+        return layer
+    return {k: fn(v) if k in _QUANTIZED else v for k, v in layer.items()}
+
+
+def quantize_head(params: dict, method: str) -> dict:
+    """The output head ([in, out]) under `method`; a tied model's is the embedding table,
+    transposed, and gets its own copy (the lookup keeps the float table). Layers untouched."""
+    fn = _weight_fn(method)
+    if fn is None:
+        return params
     head = params["lm_head"] if "lm_head" in params else np.asarray(params["embed"]).T
-    return {**params, "layers": layers, "lm_head": fn(head)}
-
-
-def round_bf16(params: dict) -> dict:
-    """The layer projections and the output head rounded to bfloat16 (nearest even); the CPU
-    backend packs them for its AMX matmul, which rounds the activations it multiplies too.
-    Embeddings and norms stay float; a tied head gets its own rounded copy."""
-    return _map_weights(params, lambda w: np.asarray(w, np.float32).astype(jnp.bfloat16))
+    return {**params, "lm_head": fn(head)}
 
 
 def quantize(params: dict, method: str) -> dict:
-    """The loaders' params under EngineConfig.quantization: "none", "int8" or "bf16"."""
-    if method == "int8":
-        return quantize_int8(params)
-    if method == "bf16":
-        return round_bf16(params)
-    if method != "none":
-        raise ValueError(f"unknown quantization {method!r}")
-    return params
+    """The loaders' params under EngineConfig.quantization: "none", "int8" (layer projections
+    and the head; embeddings and norms stay float) or "bf16" (the same rounded to bfloat16)."""
+    _weight_fn(method)  # an unknown method is an error before anything is read
+    return quantize_head({**params, "layers": quantize_layer(params["layers"], method)}, method)

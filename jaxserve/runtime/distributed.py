@@ -4,32 +4,62 @@ process's devices; process 0 schedules and runs the front ends, and sends each d
 
 Messages go with `multihost_utils.broadcast_one_to_all` (a collective of every process): a fixed
 header (kind, payload bytes), then the pickled payload as bytes. Peers are trusted (they are
-the same deployment). A peer that dies or never joins ends the run with an error within
-`TIMEOUT_S` (JAX's defaults are 300 s to join and a 100 s heartbeat).
+the same deployment).
+
+A peer that dies or never joins ends the run with a clear error within `timeout_s` (JAX's
+defaults are 300 s to join and a 100 s heartbeat, and both end in a C++ abort):
+- joining: a process not joined after timeout_s prints which coordinator it waited for and
+  exits 1 (JAX's own join deadline is set later, so this fires first);
+- a peer that dies mid-run breaks the next broadcast (its sockets close): PeerLostError;
+- a peer that hangs or whose host vanishes misses heartbeats for timeout_s / 6: JAX's
+  coordination service ends every process with an error naming that task.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
+import sys
+import threading
 
 import jax
 import numpy as np
 
 TIMEOUT_S = 60
-HEARTBEAT_S = 10
 STEP, COPY, RESET, STOP, SAMPLE = 1, 2, 3, 4, 5  # message kinds
 
 
-def initialize(coordinator_address: str, num_processes: int, process_id: int) -> None:
-    """Join the processes (call before any other JAX use); CPU devices talk over gloo."""
+class PeerLostError(RuntimeError):
+    """A collective with the other processes failed: one of them died or left."""
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int,
+               timeout_s: int = TIMEOUT_S) -> None:
+    """Join the processes (call before any other JAX use); CPU devices talk over gloo. A
+    process that cannot join within timeout_s exits 1 with a message (a join cannot be
+    abandoned: JAX would abort the process)."""
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in 0..{num_processes - 1}, got {process_id}")
+    heartbeat_s = max(1, timeout_s // 6)
+    watchdog = threading.Timer(timeout_s, _not_joined,
+                               (coordinator_address, num_processes, process_id, timeout_s))
+    watchdog.daemon = True
+    watchdog.start()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator_address,
                                num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=TIMEOUT_S,
-                               heartbeat_timeout_seconds=HEARTBEAT_S,
-                               shutdown_timeout_seconds=TIMEOUT_S)
+                               initialization_timeout=timeout_s + heartbeat_s,
+                               heartbeat_timeout_seconds=heartbeat_s,
+                               shutdown_timeout_seconds=timeout_s)
+    watchdog.cancel()
+
+
+def _not_joined(address: str, num_processes: int, process_id: int, timeout_s: int) -> None:
+    print(f"jaxserve: error: process {process_id} of {num_processes} could not join the "
+          f"others through the coordinator at {address} within {timeout_s} s: a process never "
+          "started, died, or was given another --num_processes or --coordinator_address",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 class Channel:
@@ -38,8 +68,16 @@ class Channel:
     def __init__(self):
         from jax.experimental import multihost_utils
 
-        self._broadcast = multihost_utils.broadcast_one_to_all
+        self._collective = multihost_utils.broadcast_one_to_all
         self.is_source = jax.process_index() == 0
+
+    def _broadcast(self, x):
+        try:
+            return np.asarray(self._collective(x))  # waits: a failure surfaces here
+        except Exception as e:  # XLA reports a closed gloo socket as a ValueError
+            raise PeerLostError(
+                f"process {jax.process_index()} of {jax.process_count()}: a broadcast to the "
+                f"other processes failed, so one of them died or left ({e})") from e
 
     def send(self, kind: int, payload=None) -> None:
         data = np.frombuffer(pickle.dumps(payload), np.uint8)
@@ -48,7 +86,7 @@ class Channel:
 
     def receive(self):
         kind, size = (int(x) for x in self._broadcast(np.zeros(2, np.int64)))
-        data = np.asarray(self._broadcast(np.zeros(size, np.uint8)))
+        data = self._broadcast(np.zeros(size, np.uint8))
         return kind, pickle.loads(data.tobytes())
 
 

@@ -28,7 +28,7 @@ from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVPool
-from jaxserve.model.quantize import quantize
+from jaxserve.model.quantize import quantize_head, quantize_layer
 from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime import distributed, sharding
@@ -145,12 +145,18 @@ def _signature(batch) -> tuple:
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
 
 
-def prepare_params(params: dict, quantization: str, backend: str) -> dict:
-    """The loaders' params -> what the step runs: quantized, in the model's execution layout,
-    then packed for the backend's matmul (host numpy arrays still)."""
-    params = llama.per_layer_params(quantize(params, quantization))
-    pack = backends.get(backend).pack_params
-    return pack(params) if pack is not None else params
+def prepare_params(params: dict, quantization: str, backend: str):
+    """The loaders' params -> what the step runs, as host numpy: (the leaves outside the
+    layers, an iterator of the layers), quantized, in the execution layout and packed for the
+    backend's matmul. The layers are made one at a time as they are placed, so the host holds
+    one beyond the loaders' copy (a lazy load's: none)."""
+    pack = backends.get(backend).pack_params or (lambda tree: tree)
+    stacked = params["layers"]
+    layers = (pack({"layers": [llama.fuse_layer(quantize_layer(llama.layer_of(stacked, i),
+                                                                quantization))]})["layers"][0]
+              for i in range(len(stacked["attn_norm"])))
+    top = pack({**llama.head_params(quantize_head(params, quantization)), "layers": []})
+    return {k: v for k, v in top.items() if k != "layers"}, layers
 
 
 class ModelRunner:
@@ -165,8 +171,7 @@ class ModelRunner:
         self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
-        self.params = sharding.shard_params(prepare_params(params, quantization, backend), cfg,
-                                            self.mesh, self._cast)
+        self.params = self._place(params, quantization, backend)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
         self.channel = None
         self.reset_pool()
@@ -183,6 +188,18 @@ class ModelRunner:
         # would add seconds to every start.
         self.huge_page_bytes = collapse_into_huge_pages(
             jax.tree_util.tree_leaves(self.params)) if huge_pages else 0
+
+    def _place(self, params, quantization: str, backend: str) -> dict:
+        """The loaders' host params on this runner's devices; an unread orbax checkpoint
+        (weights.orbax_io.OrbaxParams) is restored straight into the shardings, unless its
+        weights must first be quantized or packed on the host."""
+        if hasattr(params, "restore"):
+            # float weights are packed on the host only by the cpu backend (its panels)
+            if quantization == "none" and backend != "cpu":
+                return sharding.restore_params(params, self.cfg, self.mesh, self.dtype)
+            params = params.numpy()
+        return sharding.place_params(*prepare_params(params, quantization, backend), self.cfg,
+                                     self.mesh, self._cast)
 
     def reset_pool(self, num_pages: int | None = None) -> None:
         """A zeroed KV pool (at start, after a failed step consumed the donated one, and of the
@@ -205,7 +222,7 @@ class ModelRunner:
         offsets (quantize.py) and integer arrays keep theirs."""
         x = np.asarray(x)
         keep = x.dtype == np.float16 or not jnp.issubdtype(x.dtype, jnp.floating)
-        return x if keep else x.astype(self.dtype)
+        return x if keep else x.astype(self.dtype, copy=False)
 
     @property
     def compilations(self) -> int:

@@ -19,11 +19,16 @@ Layout on a replica's tp devices (shard s of tp):
 The model runs inside `shard_map` (`tensor_parallel_forward`), so the attention kernels (Pallas
 included) see plain per-device arrays; under plain `jit` a Pallas call over a sharded pool is
 gathered onto one device.
+
+Weights reach the devices shard by shard, never whole on one: host arrays through
+`place_params` (each device's buffer made from its own rows), an unread orbax checkpoint through
+`restore_params` (restored into the shardings, fused on each device).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -90,25 +95,26 @@ def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
                                intermediate_size=cfg.intermediate_size // tp)
 
 
-def _regroup_qkv(w, cfg: ModelConfig, tp: int):
-    """w [F, ...] (F = (Hq + 2 Hkv) D rows; a weight, bias or int8 scale) -> the rows in shard
-    order, KV heads repeated up to pool_kv_heads."""
+def _qkv_shard(w, cfg: ModelConfig, tp: int, s: int) -> np.ndarray:
+    """Shard s of w [F, ...] (F = (Hq + 2 Hkv) D rows; a weight, bias or int8 field): its q
+    heads, then the KV heads they read (k, then v; repeated up to pool_kv_heads)."""
     d, hq, hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    q, k, v = np.split(np.asarray(w), [hq * d, (hq + hkv) * d])
-    rep = pool_kv_heads(cfg, tp) // hkv
+    q, k, v = np.split(w, [hq * d, (hq + hkv) * d])
+    n, pool = hq // tp, pool_kv_heads(cfg, tp)
+    per_device = pool // tp
+    kv = [(s * per_device + j) * hkv // pool for j in range(per_device)]  # pool head -> model's
 
-    def heads(x, n, repeat=1):  # [n*D, ...] -> [tp, n*repeat*D/tp, ...]
-        x = np.repeat(x.reshape(n, d, *x.shape[1:]), repeat, axis=0)
-        return x.reshape(tp, -1, *x.shape[2:])
+    def rows(x, heads):
+        return np.concatenate([x[h * d:(h + 1) * d] for h in heads])
 
-    return np.concatenate([heads(q, hq), heads(k, hkv, rep), heads(v, hkv, rep)], axis=1) \
-        .reshape(-1, *q.shape[1:])
+    return np.concatenate([q[s * n * d:(s + 1) * n * d], rows(k, kv), rows(v, kv)])
 
 
-def _regroup_gate_up(w, tp: int):
-    gate, up = np.split(np.asarray(w), 2)
-    return np.concatenate([gate.reshape(tp, -1, *gate.shape[1:]),
-                           up.reshape(tp, -1, *up.shape[1:])], axis=1).reshape(w.shape)
+def _gate_up_shard(w, tp: int, s: int) -> np.ndarray:
+    """Shard s of w [2I, ...]: its gate columns, then the same up columns."""
+    gate, up = np.split(w, 2)
+    m = gate.shape[0] // tp
+    return np.concatenate([gate[s * m:(s + 1) * m], up[s * m:(s + 1) * m]])
 
 
 def _name(path) -> str | None:
@@ -131,24 +137,32 @@ def param_specs(params) -> dict:
     return jax.tree_util.tree_map_with_path(_spec, params)
 
 
-def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh, to_dtype) -> dict:
-    """Execution-layout host params -> device arrays on `mesh`, each device given only its shard
-    (regrouped per shard first when tp > 1). to_dtype(x) casts a host array for serving."""
+def place_params(top: dict, layers, cfg: ModelConfig, mesh: Mesh, to_dtype) -> dict:
+    """Execution-layout host params -> device arrays on `mesh`: the leaves outside the layers
+    (`top`), then `layers` (an iterable: the runner makes them one at a time). Each leaf is cast
+    by to_dtype, then each device's buffer is made from its own rows only (a column-parallel
+    leaf regrouped shard by shard), so no device, and no host buffer beyond that one tensor,
+    holds a whole regrouped weight; with several processes each builds only its devices'
+    shards."""
     tp = tp_size(mesh)
-    if tp > 1:
 
-        def regroup(path, x):
-            name = _name(path)
-            if name in ("w_qkv", "b_qkv"):
-                return _regroup_qkv(x, cfg, tp)
-            if name == "w_gate_up":
-                return _regroup_gate_up(x, tp)
-            return x
+    def place(path, x):
+        x, name, spec = to_dtype(x), _name(path), _spec(path, None)
+        shape, shard = x.shape, x.__getitem__
+        if tp > 1 and name in ("w_qkv", "b_qkv", "w_gate_up"):
+            regroup = (functools.partial(_qkv_shard, x, cfg, tp) if name != "w_gate_up"
+                       else functools.partial(_gate_up_shard, x, tp))
+            rows = len(regroup(0))  # more than x's / tp where KV heads are repeated
+            shape = (rows * tp, *x.shape[1:])
 
-        params = jax.tree_util.tree_map_with_path(regroup, params)
-    specs = param_specs(params)
-    return jax.tree_util.tree_map(
-        lambda x, spec: jax.device_put(to_dtype(x), NamedSharding(mesh, spec)), params, specs)
+            def shard(index):  # index[0] is shard s's rows of the regrouped weight
+                return regroup((index[0].start or 0) // rows)[(slice(None),) + tuple(index[1:])]
+
+        return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), shard)
+
+    placed = jax.tree_util.tree_map_with_path(place, top)
+    placed["layers"] = [jax.tree_util.tree_map_with_path(place, lp) for lp in layers]
+    return placed
 
 
 def pool_sharding(mesh: Mesh) -> NamedSharding:
@@ -174,3 +188,82 @@ def tensor_parallel_forward(forward, mesh: Mesh):
                              check_vma=False)(params, pool, token_ids, md)
 
     return run
+
+
+def _loader_shapes(cfg: ModelConfig) -> dict:
+    """Global shapes of the loaders' layout (weights/__init__.py), by key path."""
+    L, H, D, I = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    shapes = {("embed",): (cfg.vocab_size, H), ("final_norm",): (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes[("lm_head",)] = (H, cfg.vocab_size)
+    layers = {"attn_norm": (L, H), "mlp_norm": (L, H), "wq": (L, H, q), "wk": (L, H, kv),
+              "wv": (L, H, kv), "wo": (L, q, H), "w_gate": (L, H, I), "w_up": (L, H, I),
+              "w_down": (L, I, H)}
+    if cfg.attention_bias:
+        layers |= {"bq": (L, q), "bk": (L, kv), "bv": (L, kv)}
+    if cfg.qk_norm:
+        layers |= {"q_norm": (L, D), "k_norm": (L, D)}
+    if cfg.sandwich_norms:
+        layers |= {"post_attn_norm": (L, H), "post_mlp_norm": (L, H)}
+    return shapes | {("layers", k): v for k, v in layers.items()}
+
+
+# Execution-layout leaves of a layer, each from the loaders' stacked weights it is made of.
+_GROUPS = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up"),
+           "wo": ("wo",), "w_down": ("w_down",), "attn_norm": ("attn_norm",),
+           "mlp_norm": ("mlp_norm",), "q_norm": ("q_norm",), "k_norm": ("k_norm",),
+           "post_attn_norm": ("post_attn_norm",), "post_mlp_norm": ("post_mlp_norm",)}
+
+
+def restore_params(source, cfg: ModelConfig, mesh: Mesh, dtype) -> dict:
+    """An unread checkpoint (weights.orbax_io.OrbaxParams) -> the execution-layout params on
+    `mesh`, as place_params makes them, without a host copy: each stacked weight is restored
+    straight into the sharding that gives every device the columns (or rows) its shard is made
+    of (a KV weight whole where its heads are repeated), then each layer's shard is fused on
+    its own device. Device memory peaks at the shards plus one leaf's stacked weights."""
+    tp, shapes = tp_size(mesh), _loader_shapes(cfg)
+    d, hkv = cfg.head_dim, cfg.num_kv_heads
+    repeated = hkv < tp
+
+    def loader_spec(name: str, ndim: int) -> P:
+        if name in ("wq", "w_gate", "w_up", "bq") or (name in ("wk", "wv", "bk", "bv")
+                                                       and not repeated):
+            return P(*[None] * (ndim - 1), "tp")  # output columns
+        if name in ("wo", "w_down"):
+            return P(None, "tp", None)  # input rows
+        return P()
+
+    def restore(keys):
+        spec = loader_spec(keys[-1], len(shapes[keys]))
+        return source.restore(keys, NamedSharding(mesh, spec), shapes[keys], dtype), spec
+
+    def per_device(name, ws, i):
+        ws = [w[i] for w in ws]
+        if name in ("w_qkv", "b_qkv"):
+            if repeated:  # this device's one KV head, out of the whole k and v
+                head = jax.lax.axis_index("tp") * hkv // tp
+                ws[1:] = [jax.lax.dynamic_slice_in_dim(w, head * d, d, axis=-1) for w in ws[1:]]
+            fused = jax.numpy.concatenate(ws, axis=-1)
+            return fused.T if name == "w_qkv" else fused
+        if name == "w_gate_up":
+            return jax.numpy.concatenate(ws, axis=-1).T
+        return ws[0].T if name in ("wo", "w_down") else ws[0]
+
+    top = {k[0]: restore(k)[0] for k in shapes if k[0] != "layers"}
+    if "lm_head" in top:
+        top["lm_head"] = jax.jit(lambda w: w.T)(top["lm_head"])
+    layers = [{} for _ in range(cfg.num_layers)]
+    for name, parts in _GROUPS.items():
+        if ("layers", parts[0]) not in shapes:
+            continue
+        ws, specs = zip(*(restore(("layers", p)) for p in parts))
+        fuse = jax.jit(jax.shard_map(functools.partial(per_device, name), mesh=mesh,
+                                     in_specs=(list(specs), P()),
+                                     out_specs=_spec([jax.tree_util.DictKey(name)], None),
+                                     check_vma=False))
+        for i, layer in enumerate(layers):
+            layer[name] = fuse(list(ws), np.int32(i))
+        for w in ws:
+            w.delete()
+    return {**top, "layers": layers}

@@ -34,7 +34,10 @@ class ModelNotFoundError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
-    params: dict  # numpy arrays (float32, bfloat16 or float16), layout in the module docstring
+    # numpy arrays (float32, bfloat16 or float16), layout in the module docstring; loaded
+    # lazily, the layer weights are layer_stack.LayerStacks (GGUF, safetensors), or the whole
+    # is an orbax_io.OrbaxParams
+    params: dict
     tokenizer: "Tokenizer"
     # sha256 hex over the config and the weights as stored: GGUF -> the raw (quantised) tensor
     # data bytes of the file; HF -> the raw safetensors bytes (headers included); orbax -> the
@@ -80,10 +83,13 @@ def resolve_model_path(name_or_path: str) -> str:
     return os.path.abspath(path)
 
 
-def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
+def load_model(name_or_path: str, dtype: str = "float32", lazy: bool = False) -> LoadedModel:
     """Load weights, config and tokenizer from a name, GGUF, HF or orbax dir. The weights come
     in `dtype` ("float32", "bfloat16", "float16"), converted tensor by tensor: a bf16 checkpoint
-    served in bf16 never has an f32 copy in host memory."""
+    served in bf16 never has an f32 copy in host memory. lazy: for the runner, which places
+    the model layer by layer: GGUF and safetensors layer weights are LayerStacks read one layer
+    at a time, and an orbax checkpoint's params are left unread (orbax_io.OrbaxParams) for the
+    runner to restore into its devices' shardings."""
     from jaxserve.weights import gguf_loader, hf_loader, orbax_io
 
     dtype = numpy_dtype(dtype)
@@ -93,16 +99,16 @@ def load_model(name_or_path: str, dtype: str = "float32") -> LoadedModel:
             magic = f.read(4)
         if magic != gguf_loader.GGUF_MAGIC:
             raise _not_found(f"{path} is not a GGUF file (unsupported file type)")
-        return gguf_loader.load_gguf(path, dtype)
+        return gguf_loader.load_gguf(path, dtype, lazy)
     if orbax_io.is_orbax_dir(path):
-        return orbax_io.load_orbax(path, dtype)
+        return orbax_io.load_orbax(path, dtype, lazy)
     if hf_loader.is_hf_dir(path):
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise _not_found(f"Hugging Face directory {path} has no tokenizer.json")
-        return hf_loader.load_hf_dir(path, dtype)
+        return hf_loader.load_hf_dir(path, dtype, lazy)
     ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     if len(ggufs) == 1:
-        return gguf_loader.load_gguf(os.path.join(path, ggufs[0]), dtype)
+        return gguf_loader.load_gguf(os.path.join(path, ggufs[0]), dtype, lazy)
     raise _not_found(f"{path} is a directory without a loadable model (no config.json + "
                      f"*.safetensors, no {orbax_io.META_FILE}, "
                      f"{'several .gguf files' if ggufs else 'no .gguf file'})")

@@ -13,6 +13,7 @@ Hugging Face's rotate_half (non-interleaved halves) convention exactly.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import mmap
@@ -327,23 +328,27 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     return None
 
 
-def gguf_hf_state_dict(g: GGUFFile, config: ModelConfig,
-                       dtype=np.float32) -> dict[str, np.ndarray]:
+def gguf_hf_state_dict(g: GGUFFile, config: ModelConfig, dtype=np.float32,
+                       lazy: bool = False) -> dict:
     """Every tensor, dequantised (through float32, one tensor at a time) to `dtype`, under its
-    Hugging Face name, Q/K un-permuted."""
+    Hugging Face name, Q/K un-permuted; lazy: a reader of each (dequantised when called)."""
     raw = np.memmap(g.path, dtype=np.uint8, mode="r")
-    out = {}
     permuted = config.architecture in _PERMUTED_ARCHS
+
+    def read(info: GGUFTensorInfo, hf: str) -> np.ndarray:
+        w = _dequantize(raw[info.offset:info.offset + info.nbytes], info)
+        if permuted and (".q_proj." in hf or ".k_proj." in hf):
+            w = _unpermute(w, config.num_heads if ".q_proj." in hf else config.num_kv_heads)
+        return w.astype(dtype, copy=False)
+
+    out = {}
     for name, info in g.tensors.items():
         hf = hf_name(name, config.architecture)
         if name == "rope_freqs.weight":  # read by load_gguf (rope_freq_factors)
             continue
         if hf is None:
             raise ValueError(f"unexpected tensor {name!r} in GGUF {g.path}")
-        w = _dequantize(raw[info.offset:info.offset + info.nbytes], info)
-        if permuted and (".q_proj." in hf or ".k_proj." in hf):
-            w = _unpermute(w, config.num_heads if ".q_proj." in hf else config.num_kv_heads)
-        out[hf] = w.astype(dtype, copy=False)
+        out[hf] = functools.partial(read, info, hf) if lazy else read(info, hf)
     return out
 
 
@@ -374,7 +379,7 @@ def gguf_fingerprint(g: GGUFFile, config: ModelConfig) -> str:
     return h.hexdigest()
 
 
-def load_gguf(path: str, dtype=np.float32):
+def load_gguf(path: str, dtype=np.float32, lazy: bool = False):
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import LoadedModel
     from jaxserve.weights.hf_loader import params_from_hf_state_dict
@@ -387,7 +392,8 @@ def load_gguf(path: str, dtype=np.float32):
     config = config_from_gguf(g.metadata, n_vocab_tensor=emb.shape[0],
                               has_output="output.weight" in g.tensors)
     config = with_rope_freq_factors(g, config)
-    params = params_from_hf_state_dict(config, gguf_hf_state_dict(g, config, dtype), dtype)
+    params = params_from_hf_state_dict(config, gguf_hf_state_dict(g, config, dtype, lazy), dtype,
+                                       lazy)
     tokenizer = Tokenizer.from_gguf_metadata(g.metadata)
     return LoadedModel(config=config, params=params, tokenizer=tokenizer,
                        fingerprint=gguf_fingerprint(g, config), source=path)

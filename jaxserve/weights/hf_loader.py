@@ -7,6 +7,7 @@ the integer types), so BF16 checkpoints load without torch and nothing is copied
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import hashlib
 import json
@@ -18,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.weights.layer_stack import LayerStack
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -188,17 +190,20 @@ _QK_NORM_KEYS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_nor
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def params_from_hf_state_dict(config: ModelConfig, tensors: dict[str, np.ndarray],
-                              dtype=np.float32) -> dict:
+def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float32,
+                              lazy: bool = False) -> dict:
     """Hugging Face tensor names (Llama, Mistral, Qwen, Gemma) -> the jaxserve params layout
-    (numpy in `dtype`, matrices (in, out), layers stacked on axis 0)."""
+    (numpy in `dtype`, matrices (in, out), layers stacked on axis 0). A tensor may be given as
+    a zero-argument reader; lazy: the stacked layer weights are LayerStacks that read (and
+    transpose, check and convert) each layer when it is asked for."""
     used: set[str] = set()
 
     def take(name: str) -> np.ndarray:
         if name not in tensors:
             raise ValueError(f"missing tensor {name!r} in checkpoint")
         used.add(name)
-        return np.asarray(tensors[name])
+        t = tensors[name]
+        return np.asarray(t() if callable(t) else t)
 
     L = config.num_layers
     H, D = config.hidden_size, config.head_dim
@@ -218,21 +223,33 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict[str, np.ndarray
         keys.update({k: (v, False) for k, v in _QK_NORM_KEYS.items()})
     if config.sandwich_norms:
         keys.update({k: (v, False) for k, v in _SANDWICH_NORM_KEYS.items()})
+
+    def layer(name: str, key: str, transpose: bool) -> np.ndarray:
+        w = take(name)
+        w = w.T if transpose else w
+        if w.shape != expected[key]:
+            raise ValueError(f"{name}: shape {w.shape} (after transpose: {transpose}) != "
+                             f"expected {expected[key]}")
+        # np.array copies: inputs may be read-only memory maps of the checkpoint file.
+        return np.array(w, dtype=dtype, order="C")
+
     layers = {}
     for key, (suffix, transpose) in keys.items():
-        out = np.empty((L, *expected[key]), dtype=dtype)
-        for i in range(L):
-            w = take(f"model.layers.{i}.{suffix}")
-            w = w.T if transpose else w
-            if w.shape != expected[key]:
-                raise ValueError(f"model.layers.{i}.{suffix}: shape {w.shape} (after transpose: "
-                                 f"{transpose}) != expected {expected[key]}")
-            out[i] = w
-        layers[key] = out
+        names = [f"model.layers.{i}.{suffix}" for i in range(L)]
+        if lazy:
+            for name in names:
+                if name not in tensors:
+                    raise ValueError(f"missing tensor {name!r} in checkpoint")
+            used.update(names)
+            layers[key] = LayerStack([functools.partial(layer, n, key, transpose) for n in names],
+                                     (L, *expected[key]), dtype)
+        else:
+            layers[key] = np.empty((L, *expected[key]), dtype)
+            for i, name in enumerate(names):
+                layers[key][i] = layer(name, key, transpose)
     embed = take("model.embed_tokens.weight")
     if embed.shape != (config.vocab_size, H):
         raise ValueError(f"embed_tokens shape {embed.shape} != {(config.vocab_size, H)}")
-    # np.array copies: inputs may be read-only memory maps of the checkpoint file.
     params = {"embed": np.array(embed, dtype=dtype), "layers": layers,
               "final_norm": np.array(take("model.norm.weight"), dtype=dtype)}
     if config.tie_word_embeddings:
@@ -257,7 +274,7 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np
 
 def read_safetensors(path: str, digest=None, float_dtype=np.float32) -> dict[str, np.ndarray]:
     """All tensors of one .safetensors file, memory-mapped; float types become `float_dtype`
-    (a bf16 tensor read as bf16 is a view of the file, never an f32 copy). If `digest` (a hashlib
+    (None: kept as stored; a bf16 tensor read as bf16 is a view of the file, never an f32 copy). If `digest` (a hashlib
     object) is given, the file's header and raw data bytes are fed to it."""
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     (n,) = struct.unpack("<Q", raw[:8].tobytes())
@@ -279,7 +296,7 @@ def read_safetensors(path: str, digest=None, float_dtype=np.float32) -> dict[str
         else:
             raise ValueError(f"{path}: tensor {name} has unsupported dtype {dt}")
         arr = arr.reshape(meta["shape"])
-        if arr.dtype.kind in "fV" and arr.dtype != float_dtype:
+        if float_dtype is not None and arr.dtype.kind in "fV" and arr.dtype != float_dtype:
             arr = arr.astype(float_dtype)
         out[name] = arr
     return out
@@ -302,7 +319,7 @@ def is_hf_dir(directory: str) -> bool:
             and bool(safetensors_files(directory)))
 
 
-def load_hf_dir(directory: str, dtype=np.float32):
+def load_hf_dir(directory: str, dtype=np.float32, lazy: bool = False):
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import LoadedModel
 
@@ -328,7 +345,8 @@ def load_hf_dir(directory: str, dtype=np.float32):
     tensors: dict[str, np.ndarray] = {}
     for fn in safetensors_files(directory):
         h.update(b"safetensors\0")
-        tensors.update(read_safetensors(fn, digest=h, float_dtype=dtype))
-    params = params_from_hf_state_dict(config, tensors, dtype)
+        # lazy: memory-mapped as stored, each layer converted when read
+        tensors.update(read_safetensors(fn, digest=h, float_dtype=None if lazy else dtype))
+    params = params_from_hf_state_dict(config, tensors, dtype, lazy)
     return LoadedModel(config=config, params=params, tokenizer=tokenizer,
                        fingerprint=h.hexdigest(), source=directory)

@@ -6,6 +6,9 @@ Layout of the directory written by `save_orbax(path, loaded)`:
     path/params/               orbax PyTree checkpoint of the float32 params
 The fingerprint is stored, so a model re-loaded from orbax keeps the fingerprint of the weights
 it was saved from (the params are the same float32 arrays).
+
+`load_orbax(path, lazy=True)` leaves the params unread (OrbaxParams): the runner restores each
+weight straight into its devices' sharding (each process reads only its devices' parts).
 """
 
 from __future__ import annotations
@@ -53,9 +56,41 @@ def _to_numpy(tree, dtype):
     return np.asarray(tree, dtype=dtype)
 
 
-def load_orbax(path: str, dtype=np.float32):
-    import orbax.checkpoint as ocp
+class OrbaxParams:
+    """The params of a checkpoint, not yet read: `restore` reads one weight into a sharding,
+    `numpy` all of them onto the host (the loaders' layout, weights/__init__.py)."""
 
+    def __init__(self, params_dir: str, dtype):
+        self.params_dir, self.dtype = params_dir, dtype
+
+    def restore(self, keys: tuple[str, ...], sharding, shape: tuple[int, ...], dtype=None):
+        """The weight at params[keys[0]][keys[1]]... as a jax.Array placed by `sharding`, in
+        `dtype` (default the load's)."""
+        dtype = dtype or self.dtype
+        import jax
+        import orbax.checkpoint as ocp
+
+        def nest(leaf):
+            for key in reversed(keys):
+                leaf = {key: leaf}
+            return leaf
+
+        item = nest(jax.ShapeDtypeStruct(shape, dtype))
+        args = nest(ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape, dtype=dtype))
+        tree = ocp.PyTreeCheckpointer().restore(
+            self.params_dir, args=ocp.args.PyTreeRestore(item=item, restore_args=args,
+                                                         partial_restore=True))
+        for key in keys:
+            tree = tree[key]
+        return tree
+
+    def numpy(self) -> dict:
+        import orbax.checkpoint as ocp
+
+        return _to_numpy(ocp.PyTreeCheckpointer().restore(self.params_dir), self.dtype)
+
+
+def load_orbax(path: str, dtype=np.float32, lazy: bool = False):
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import LoadedModel
 
@@ -74,7 +109,9 @@ def load_orbax(path: str, dtype=np.float32):
     if cfg.get("layer_types") is not None:  # JSON lists -> the config's (hashable) tuples
         cfg["layer_types"] = tuple(cfg["layer_types"])
     config = ModelConfig(**cfg)
-    params = _to_numpy(ocp.PyTreeCheckpointer().restore(os.path.join(path, "params")), dtype)
+    params = OrbaxParams(os.path.join(path, "params"), dtype)
+    if not lazy:
+        params = params.numpy()
     tokenizer = Tokenizer.from_hf_dir(os.path.join(path, "tokenizer"))
     return LoadedModel(config=config, params=params, tokenizer=tokenizer,
                        fingerprint=meta["fingerprint"], source=path)

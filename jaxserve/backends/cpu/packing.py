@@ -65,12 +65,13 @@ def pack(w) -> PanelWeight:
 
 def pack_params(params: dict) -> dict:
     """Every layer projection and the head packed; a tied float embedding becomes the head's
-    panels (looked up by PanelWeight.embed)."""
+    panels (looked up by PanelWeight.embed). Parts of a tree pack alike (the runner packs the
+    layers one at a time): a tree without a head or embedding packs its layers only."""
     layers = [{k: pack(v) if k in PROJECTIONS else v for k, v in lp.items()}
               for lp in params["layers"]]
     out = {**params, "layers": layers}
     if "lm_head" in params:
         out["lm_head"] = pack(params["lm_head"])
-    else:
+    elif "embed" in params:
         out["embed"] = pack(params["embed"])  # [V, H] is the tied head's [out, in]
     return out
