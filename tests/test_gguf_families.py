@@ -3,7 +3,10 @@ norm weights with the 1 added, attention.sliding_window, soft-capping keys, rope
 rope.scaling.*, attention.scale for a query_pre_attn_scalar other than the head dim): the tiny
 seeded checkpoints of tests/hf_families.py written with gguf.GGUFWriter (f32) and read back give
 transformers' logits within 1e-4 through pages of 8 and a chunk crossing the window. Likewise a
-Llama with llama3 rope scaling stored as llama.cpp stores it, a rope_freqs tensor."""
+Llama with llama3 rope scaling stored as llama.cpp stores it, a rope_freqs tensor; Qwen3 (arch
+qwen3: per-head q/k norms, key_length head dim, no biases) and a Mistral-style llama with
+attention.sliding_window (every layer windowed, the context length kept), both also generating
+transformers' greedy tokens through the engine."""
 
 from __future__ import annotations
 
@@ -14,10 +17,14 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from hf_families import StepLogits, family_model  # noqa: E402
+from hf_families import TINY, WINDOW, StepLogits, family_model  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.core.sequence import Request, Sequence  # noqa: E402
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
+from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxserve.llm import LLM  # noqa: E402
+from jaxserve.weights import LoadedModel, config_from_hf  # noqa: E402
 from jaxserve.weights.gguf_loader import config_from_gguf, gguf_hf_state_dict, read_gguf  # noqa: E402,E501
 from jaxserve.weights.hf_loader import params_from_hf_state_dict  # noqa: E402
 
@@ -38,7 +45,7 @@ def _gguf_name(hf: str, arch: str) -> str:
         return "output.weight"
     _, _, idx, rest = hf.split(".", 3)
     module = rest.removesuffix(".weight")
-    if arch in ("gemma", "llama") and module == "post_attention_layernorm":  # the pre-FFN norm
+    if arch not in ("gemma2", "gemma3") and module == "post_attention_layernorm":  # pre-FFN
         return f"blk.{idx}.ffn_norm.weight"
     return f"blk.{idx}.{_NAMES[module]}.weight"
 
@@ -165,3 +172,122 @@ def test_unsupported_gguf_rope_scaling_is_refused():
             "gemma3.rope.scaling.factor": 4.0}
     with pytest.raises(ValueError, match="longrope"):
         config_from_gguf(meta, n_vocab_tensor=100)
+
+
+def _write_plain(path, arch: str, model, permute: bool, window=None):
+    """A Llama-layout transformers model as llama.cpp's converter writes it for `arch` (Q/K rows
+    permuted for interleaved rotary where `permute`), with attention.sliding_window if given."""
+    hf = model.config
+    w = gguf.GGUFWriter(str(path), arch=arch)
+    w.add_context_length(hf.max_position_embeddings)
+    w.add_embedding_length(hf.hidden_size)
+    w.add_block_count(hf.num_hidden_layers)
+    w.add_feed_forward_length(hf.intermediate_size)
+    w.add_head_count(hf.num_attention_heads)
+    w.add_head_count_kv(hf.num_key_value_heads)
+    w.add_key_length(hf.head_dim)
+    w.add_value_length(hf.head_dim)
+    w.add_rope_freq_base(config_from_hf(hf.to_dict()).rope_theta)
+    w.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    if window is not None:
+        w.add_sliding_window(window)
+    d = hf.head_dim
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and hf.tie_word_embeddings:
+            continue
+        arr = t.detach().numpy().astype(np.float32)
+        heads = {"q_proj": hf.num_attention_heads,
+                 "k_proj": hf.num_key_value_heads}.get(name.split(".")[-2])
+        if permute and heads:
+            arr = arr.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(arr.shape)
+        w.add_tensor(_gguf_name(name, arch), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = read_gguf(str(path))
+    cfg = config_from_gguf(g.metadata, n_vocab_tensor=hf.vocab_size,
+                           has_output="output.weight" in g.tensors)
+    return cfg, params_from_hf_state_dict(cfg, gguf_hf_state_dict(g, cfg))
+
+
+def _greedy_matches_transformers(model, cfg, params, max_tokens=16):
+    """The engine (pages of 8, chunks of 32) generates transformers' greedy tokens."""
+    from jaxserve.weights.random_init import numbered_tokenizer
+
+    loaded = LoadedModel(config=cfg, params=params,
+                         tokenizer=numbered_tokenizer(cfg.vocab_size, TINY["eos_token_id"]),
+                         fingerprint="tiny-gguf", source="test")
+    config = EngineConfig(page_size=8, max_num_batched_tokens=32, max_num_seqs=4,
+                          attention_backend="xla")
+    llm = LLM.from_engine(LLMEngine(config, loaded))
+    prompt = [int(t) for t in np.random.default_rng(3).integers(3, cfg.vocab_size, 20)]
+    out = llm.generate([{"prompt_token_ids": prompt}],
+                       SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                       use_tqdm=False)[0]
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    assert list(out.outputs[0].token_ids) == ids[len(prompt):]
+
+
+def test_qwen3_gguf_matches_transformers(tmp_path):
+    """llama.cpp's qwen3: q/k norm tensors per head, the head dim from key_length (24, not
+    hidden / heads = 16), no q/k/v biases, Q/K rows not permuted; the config equals the
+    Hugging Face directory's."""
+    import transformers
+
+    torch.manual_seed(0)
+    hf_cfg = transformers.Qwen3Config(**TINY, head_dim=24, rope_theta=1e6,
+                                      tie_word_embeddings=True)
+    model = transformers.Qwen3ForCausalLM(hf_cfg).eval().float()
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith("norm.weight"):  # ones at init: vary them
+                w.add_(torch.randn_like(w) * 0.3)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                w.mul_(8.0)
+    cfg, params = _write_plain(tmp_path / "m.gguf", "qwen3", model, permute=False)
+    hf = config_from_hf(hf_cfg.to_dict())
+    for field in ("head_dim", "qk_norm", "attention_bias", "tie_word_embeddings", "rope_theta",
+                  "rms_norm_eps", "sliding_window", "layer_types", "mlp_activation",
+                  "norm_weight_offset", "max_position_embeddings"):
+        assert getattr(cfg, field) == getattr(hf, field), field
+    assert cfg.qk_norm and not cfg.attention_bias and cfg.head_dim == 24
+    _last_logits_match(model, cfg, params)
+    _greedy_matches_transformers(model, cfg, params)
+
+
+def test_mistral_style_llama_gguf_sliding_window(tmp_path):
+    """A Mistral checkpoint as llama.cpp writes it (arch llama, Q/K permuted) with
+    llama.sliding_window 12: every layer windowed, the context length (512) stays the model's
+    length; logits through a chunk crossing the window, and greedy tokens past it."""
+    model, hf_cfg, _ = family_model("mistral")
+    cfg, params = _write_plain(tmp_path / "m.gguf", "llama", model, permute=True,
+                               window=WINDOW)
+    assert cfg.sliding_window == WINDOW == hf_cfg.sliding_window
+    assert cfg.layer_types is None and hf_cfg.layer_types is None
+    assert cfg.max_position_embeddings == hf_cfg.max_position_embeddings == 512
+    _last_logits_match(model, cfg, params)
+    _greedy_matches_transformers(model, cfg, params)
+
+
+def test_gguf_sliding_window_pattern():
+    """A per-layer boolean pattern names each layer; a window of 0 is none; a pattern of the
+    wrong length or an integer pattern outside Gemma 3 is refused by name."""
+    meta = {"general.architecture": "qwen3", "qwen3.embedding_length": 64,
+            "qwen3.attention.head_count": 4, "qwen3.block_count": 2,
+            "qwen3.feed_forward_length": 96, "qwen3.attention.sliding_window": 12}
+    cfg = config_from_gguf({**meta, "qwen3.attention.sliding_window_pattern": [False, True]},
+                           n_vocab_tensor=100)
+    assert cfg.sliding_window == 12
+    assert cfg.layer_types == ("full_attention", "sliding_attention")
+    assert config_from_gguf({**meta, "qwen3.attention.sliding_window": 0},
+                            n_vocab_tensor=100).sliding_window is None
+    with pytest.raises(ValueError, match="names 3 layers"):
+        config_from_gguf({**meta, "qwen3.attention.sliding_window_pattern": [True] * 3},
+                         n_vocab_tensor=100)
+    with pytest.raises(ValueError, match="sliding_window_pattern 4"):
+        config_from_gguf({**meta, "qwen3.attention.sliding_window_pattern": 4},
+                         n_vocab_tensor=100)

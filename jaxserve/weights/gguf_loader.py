@@ -36,11 +36,11 @@ _NP_DTYPE = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5
 _STRING, _ARRAY = 8, 9
 
 # Architectures whose converter permutes Q/K rows (LlamaModel and its subclasses in
-# llama.cpp's convert_hf_to_gguf.py). Qwen2 is not permuted.
+# llama.cpp's convert_hf_to_gguf.py). Qwen2 and Qwen3 are not permuted.
 _PERMUTED_ARCHS = ("llama", "mistral")
-_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
+_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
 _GEMMAS = ("gemma", "gemma2", "gemma3")
-_QK_NORM_ARCHS = ("gemma3",)
+_QK_NORM_ARCHS = ("qwen3", "gemma3")
 _SANDWICH_ARCHS = ("gemma2", "gemma3")  # post-attention, pre- and post-FFN norms
 
 
@@ -275,16 +275,25 @@ def _gguf_rope_scaling(kind, factor, original_context) -> RopeScaling | None:
 
 
 def _gguf_windows(arch: str, window, pattern, num_layers: int):
-    """(sliding window, layer types) as llama.cpp lays them out: Gemma 2 alternates (layer 0
-    sliding), Gemma 3 has one full layer in `pattern` (6 unless the file says; a list of
-    booleans, true = sliding, where it names each layer). Other architectures: none."""
-    if arch not in _SANDWICH_ARCHS or not window:
+    """(sliding window, layer types) as llama.cpp lays them out: a list of booleans in
+    `pattern` (true = sliding) names each layer; else Gemma 2 alternates (layer 0 sliding),
+    Gemma 3 has one full layer in `pattern` (6 unless the file says), and the others (a
+    Mistral-style llama, Qwen) window every layer. No window, or 0: none."""
+    if not window:
         return None, None
     if isinstance(pattern, (list, tuple)):
+        if len(pattern) != num_layers:
+            raise ValueError(f"GGUF attention.sliding_window_pattern names {len(pattern)} "
+                             f"layers, the model has {num_layers}")
         sliding = [bool(x) for x in pattern]
-    else:
+    elif arch in _SANDWICH_ARCHS:
         period = 2 if arch == "gemma2" else int(pattern or 6)
         sliding = [(i + 1) % period != 0 for i in range(num_layers)]
+    elif pattern is not None:
+        raise ValueError(f"GGUF {arch} attention.sliding_window_pattern {pattern!r} is not "
+                         "supported (supported: a list of booleans, one per layer)")
+    else:
+        return int(window), None  # every layer windowed
     return int(window), tuple("sliding_attention" if x else "full_attention" for x in sliding)
 
 
@@ -307,7 +316,7 @@ _GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
                 "output.weight": "lm_head.weight"}
 
 
-_GGUF_TO_HF_EXTRA = {  # q/k norms (Gemma 3); Gemma 2/3's four norms
+_GGUF_TO_HF_EXTRA = {  # q/k norms (Qwen3, Gemma 3); Gemma 2/3's four norms
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
