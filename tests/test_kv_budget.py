@@ -274,6 +274,28 @@ def test_speculative_lookahead_pages():
     assert p.returncode == 0 and "peak 4 pages (plain 3" in p.stdout, p.stderr
 
 
+def test_sliding_window_pages_are_what_the_engine_holds():
+    """With every layer windowed the engine releases pages wholly before the window: the
+    analysis counts what KVManager.pages_to_hold does at decode, for every length and window
+    around page boundaries, and the CLI reports it (lengths 100, 4096 and 20000, W = 4096,
+    pages of 16: 7 + 256 + 257 pages instead of 7 + 256 + 1250)."""
+    from jaxserve.core.kv_manager import KVManager
+    from jaxserve.core.page_pool import PagePool
+
+    for b in (1, 4, 16):
+        for w in (1, 5, 16, 17, 33):
+            kv = KVManager(PagePool(2), b, window=w)
+            for t in range(1, 120):
+                assert kvb.window_pages(t, b, w) == kv.pages_to_hold(t, 1), (b, w, t)
+    arch = kvb.KVArchitecture(num_layers=2, num_kv_heads=1, head_dim=4, dtype_bytes=4)
+    out = kvb.analyse(arch, lengths=[100, 4096, 20000], page_sizes=[16], window=4096)
+    (sw,) = out["lengths"]["sliding_window"]
+    assert (sw["pages"], sw["window_pages"]) == (7 + 256 + 1250, 7 + 256 + 257)
+    assert sw["window_bytes"] == 520 * 16 * arch.bytes_per_token
+    p = run_cli(*LLAMA3, "--lengths=100,4096,20000", "--page_sizes=16", "--sliding_window=4096")
+    assert p.returncode == 0 and "520 pages held (full length 1513" in p.stdout, p.stderr
+
+
 def test_tensor_parallel_bytes_per_device():
     """SmolLM2's 3 KV heads: TP 3 gives each device one (a third of the bytes); TP 6 repeats
     each head on 2 devices, so each still holds one and 6 heads' bytes are held in all; TP 2

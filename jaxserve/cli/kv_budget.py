@@ -51,6 +51,10 @@ flags.DEFINE_integer("max_num_batched_tokens", None, "The plan's engine option (
                      "engine's): it fixes the activation peak.")
 flags.DEFINE_integer("tensor_parallel_size", 1, "Devices the KV heads are sharded over: also "
                      "report per-device KV bytes (heads repeated when fewer than devices).")
+flags.DEFINE_integer("sliding_window", None, "Every layer attends only the last W positions "
+                     "(Mistral): also report the pages a request holds once pages wholly "
+                     "before the window are released (default with --model: its window when "
+                     "every layer has one).")
 flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
 flags.DEFINE_string("plot_dir", None, "Write the two plots (PNG, SVG, CSV) into this directory.")
 flags.DEFINE_string("architectures", None, "JSON file of named architectures for the "
@@ -107,6 +111,8 @@ def _architecture() -> kvb.KVArchitecture:
         for k in fields:
             if fields[k] is None:
                 fields[k] = int(getattr(config, k))
+        if FLAGS.sliding_window is None:
+            FLAGS.sliding_window = config.kv_window
         name = f"model {FLAGS.model}"
     missing = [f"--{k}" for k, v in fields.items() if v is None]
     if missing:
@@ -175,6 +181,10 @@ def _render(result: dict) -> str:
             out.append(f"speculative lookahead of {la['lookahead']}, pages of {la['page_size']}: "
                        f"peak {la['peak_pages']} pages (plain {la['pages']}; "
                        f"+{_human_bytes(la['extra_bytes'])} during a verification)")
+        for sw in s.get("sliding_window", []):
+            out.append(f"sliding window of {sw['window']}, pages of {sw['page_size']}: "
+                       f"{sw['window_pages']} pages held (full length {sw['pages']}; "
+                       f"{_human_bytes(sw['window_bytes'])})")
     if "uniform" in result:
         u = result["uniform"]
         out += ["", f"{u['distribution']} (exact; mean length {u['mean_length_exact']}; "
@@ -288,7 +298,8 @@ def main(argv: list[str]) -> None:
         result = kvb.analyse(arch, lengths=lengths, uniform_max=FLAGS.uniform_max,
                              page_sizes=page_sizes, reserve=FLAGS.reserve,
                              lookahead=FLAGS.num_speculative_tokens,
-                             tensor_parallel_size=FLAGS.tensor_parallel_size)
+                             tensor_parallel_size=FLAGS.tensor_parallel_size,
+                             window=FLAGS.sliding_window)
         if FLAGS.plot_dir:
             result["plots"] = _plot(result, arch, lengths, FLAGS.uniform_max, page_sizes,
                                     FLAGS.reserve)

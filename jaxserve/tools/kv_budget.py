@@ -126,6 +126,14 @@ def slots_paged(length: int, page_size: int) -> int:
     return b * (-(-t // b))
 
 
+def window_pages(length: int, page_size: int, window: int) -> int:
+    """Pages a decoding sequence of `length` tokens holds when every layer attends only the
+    last `window` positions and pages wholly before the window are released (the engine's
+    KVManager.pages_to_hold at a chunk of one token): the window's pages, one more where it
+    straddles a page boundary, never more than the whole sequence's."""
+    return min(-(-length // page_size), -(-window // page_size) + 1)
+
+
 def pages_needed(lengths: int | Iterable[int], page_size: int) -> int:
     """Total pages ``sum(ceil(T_i / B))`` for requests of these lengths held at the same time.
 
@@ -299,7 +307,7 @@ def uniform_analysis(max_len: int, page_sizes: Sequence[int] = DEFAULT_PAGE_SIZE
 def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
             uniform_max: int | None = None, page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES,
             reserve: int | None = None, lookahead: int = 0,
-            tensor_parallel_size: int = 1) -> dict[str, Any]:
+            tensor_parallel_size: int = 1, window: int | None = None) -> dict[str, Any]:
     """Everything the CLI reports, as a JSON-able dict.
 
     ``lookahead`` (speculative decoding's drafts per step, k): a verification writes KV for
@@ -313,6 +321,10 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
     ``tensor_parallel_size`` (tp): each device holds every page for its H_kv / tp KV heads, or
     for one head when H_kv < tp (each head repeated on tp / H_kv devices, counted on each);
     reported under "per_device".
+
+    ``window`` (W): every layer attends only the last W positions (Mistral), and the engine
+    releases pages wholly before the window, so a request holds ``window_pages`` pages however
+    long it grows: reported per page size beside the full ``ceil(T / B)``.
     """
     page_sizes = tuple(_positive_int(b, "page_size") for b in page_sizes)
     if not page_sizes:
@@ -362,6 +374,13 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
                  "peak_pages": pages_needed([t + k for t in ls], b),
                  "extra_bytes": (pages_needed([t + k for t in ls], b) - pages_needed(ls, b))
                  * b * bpt} for b in page_sizes]
+        if window is not None:
+            w = _positive_int(window, "window")
+            out["lengths"]["sliding_window"] = [
+                {"page_size": b, "window": w, "pages": pages_needed(ls, b),
+                 "window_pages": sum(window_pages(t, b, w) for t in ls),
+                 "window_bytes": sum(window_pages(t, b, w) for t in ls) * b * bpt}
+                for b in page_sizes]
     if uniform_max is not None:
         u = uniform_analysis(uniform_max, page_sizes, reserve, bpt)
         u["reserve_source"] = "flag" if reserve is not None else "default: max length"
