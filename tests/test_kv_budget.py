@@ -13,6 +13,7 @@ from fractions import Fraction
 import pytest
 
 from jaxserve.tools import kv_budget as kvb
+from jaxserve.tools.architectures import load_architectures
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LENGTHS = [37, 91, 128, 201, 511]
@@ -106,7 +107,7 @@ def test_bad_input():
 
 
 def test_architectures_file():
-    archs = {a.name.split(" ")[0]: a for a in kvb.load_architectures()}
+    archs = {a.name.split(" ")[0]: a for a in load_architectures()}
     assert archs["smollm2-135m"].bytes_per_token == 2 * 30 * 3 * 64 * 4
     assert archs["llama-3-8b"].bytes_per_token == 131072
     assert archs["llama-2-7b"].bytes_per_token == 4 * 131072

@@ -19,6 +19,7 @@ import sys
 from absl import flags
 
 from jaxserve.config import KV_SCALAR_BYTES, MAX_SPECULATIVE_TOKENS, kv_slot_bytes
+from jaxserve.tools import architectures
 from jaxserve.tools import kv_budget as kvb
 
 FLAGS = flags.FLAGS
@@ -204,7 +205,7 @@ def _plot(result: dict, arch: kvb.KVArchitecture, lengths, uniform_max, page_siz
           reserve) -> dict:
     from jaxserve.tools import plots  # matplotlib only when plotting
 
-    archs = kvb.load_architectures(FLAGS.architectures)
+    archs = architectures.load_architectures(FLAGS.architectures)
     shape = lambda a: (a.num_layers, a.num_kv_heads, a.head_dim, a.dtype_bytes,  # noqa: E731
                        a.scale_bytes)
     same = [i for i, a in enumerate(archs) if shape(a) == shape(arch)]

@@ -19,9 +19,7 @@ These count KV only; weights, activations, workspaces and page tables are separa
 from __future__ import annotations
 
 import dataclasses
-import json
 import numbers
-import os
 from fractions import Fraction
 from typing import Any, Iterable, Sequence
 
@@ -36,8 +34,7 @@ __all__ = [
     "GIB", "KVArchitecture", "AllocationReport", "bytes_per_token", "kv_bytes", "to_gib",
     "pages_needed", "slots_paged", "paged_allocation", "reserved_allocation",
     "mean_tail_waste", "mean_tail_waste_uniform", "mean_reservation_waste_uniform",
-    "uniform_analysis", "analyse", "gib_vs_context", "tail_waste_vs_page_size",
-    "load_architectures", "default_architectures_path",
+    "uniform_analysis", "analyse", "window_pages", "gib_vs_context", "tail_waste_vs_page_size",
 ]
 
 
@@ -127,10 +124,8 @@ def slots_paged(length: int, page_size: int) -> int:
 
 
 def window_pages(length: int, page_size: int, window: int) -> int:
-    """Pages a decoding sequence of `length` tokens holds when every layer attends only the
-    last `window` positions and pages wholly before the window are released (the engine's
-    KVManager.pages_to_hold at a chunk of one token): the window's pages, one more where it
-    straddles a page boundary, never more than the whole sequence's."""
+    """Pages a decoding sequence holds once pages wholly before its window are released
+    (KVManager.pages_to_hold at a chunk of one token)."""
     return min(-(-length // page_size), -(-window // page_size) + 1)
 
 
@@ -322,9 +317,8 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
     for one head when H_kv < tp (each head repeated on tp / H_kv devices, counted on each);
     reported under "per_device".
 
-    ``window`` (W): every layer attends only the last W positions (Mistral), and the engine
-    releases pages wholly before the window, so a request holds ``window_pages`` pages however
-    long it grows: reported per page size beside the full ``ceil(T / B)``.
+    ``window`` (W, every layer windowed): a request holds ``window_pages`` pages however long it
+    grows; reported per page size beside the full ``ceil(T / B)``.
     """
     page_sizes = tuple(_positive_int(b, "page_size") for b in page_sizes)
     if not page_sizes:
@@ -376,11 +370,10 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
                  * b * bpt} for b in page_sizes]
         if window is not None:
             w = _positive_int(window, "window")
+            held = {b: sum(window_pages(t, b, w) for t in ls) for b in page_sizes}
             out["lengths"]["sliding_window"] = [
-                {"page_size": b, "window": w, "pages": pages_needed(ls, b),
-                 "window_pages": sum(window_pages(t, b, w) for t in ls),
-                 "window_bytes": sum(window_pages(t, b, w) for t in ls) * b * bpt}
-                for b in page_sizes]
+                {"page_size": b, "window": w, "pages": pages_needed(ls, b), "window_pages": n,
+                 "window_bytes": n * b * bpt} for b, n in held.items()]
     if uniform_max is not None:
         u = uniform_analysis(uniform_max, page_sizes, reserve, bpt)
         u["reserve_source"] = "flag" if reserve is not None else "default: max length"
@@ -426,37 +419,3 @@ def tail_waste_vs_page_size(page_sizes: Sequence[int], *, uniform_max: int | Non
             rows.append([b, float(w), str(w), float(Fraction(b - 1, 2))])
     header = ["page_size", "mean_tail_waste", "mean_tail_waste_exact", "half_page_minus_half"]
     return header, rows, ref
-
-
-# ---------------------------------------------------------------------------------------------
-# Named architectures
-
-
-def default_architectures_path() -> str:
-    """``configs/architectures.json`` at the repository root."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.join(root, "configs", "architectures.json")
-
-
-def load_architectures(path: str | None = None) -> list[KVArchitecture]:
-    """Read ``{"architectures": [{"name", "num_layers", "num_kv_heads", "head_dim",
-    "dtype_bytes"}, ...]}``."""
-    path = path or default_architectures_path()
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"architectures file not found: {path}") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"architectures file {path} is not valid JSON: {e}") from None
-    entries = data.get("architectures") if isinstance(data, dict) else None
-    if not isinstance(entries, list) or not entries:
-        raise ValueError(f"{path}: expected a non-empty list under 'architectures'")
-    keys = ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes")
-    out = []
-    for i, e in enumerate(entries):
-        missing = [k for k in ("name",) + keys if k not in e]
-        if missing:
-            raise ValueError(f"{path}: architecture #{i} lacks {missing}")
-        out.append(KVArchitecture(name=str(e["name"]), **{k: e[k] for k in keys}))
-    return out
