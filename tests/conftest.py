@@ -60,3 +60,16 @@ def hf_smollm2(default_model_path, hf_smollm2_tokenizer):
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name)
     model.eval()
     return types.SimpleNamespace(model=model, tokenizer=hf_smollm2_tokenizer)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code():
+    """Each test module's compiled code goes when the module ends. A process may hold
+    vm.max_map_count (65530) memory mappings and each compiled step of an unrolled model holds
+    hundreds: the whole suite's compiled steps in one process outgrew it and crashed XLA
+    (a segfault reading an executable back from the compilation cache). Later compiles of the
+    same shapes load from that cache."""
+    yield
+    from jaxserve.runtime.runner import release_compiled_steps
+
+    release_compiled_steps()
