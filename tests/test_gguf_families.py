@@ -50,10 +50,9 @@ def _gguf_name(hf: str, arch: str) -> str:
     return f"blk.{idx}.{_NAMES[module]}.weight"
 
 
-def _write(path, family: str):
-    model, cfg, _ = family_model(family)
-    hf = model.config
-    w = gguf.GGUFWriter(str(path), arch=family)
+def _writer(path, arch: str, hf, rope_theta: float):
+    """A GGUF writer with the hyperparameters every family writes, from a transformers config."""
+    w = gguf.GGUFWriter(str(path), arch=arch)
     w.add_context_length(hf.max_position_embeddings)
     w.add_embedding_length(hf.hidden_size)
     w.add_block_count(hf.num_hidden_layers)
@@ -62,8 +61,15 @@ def _write(path, family: str):
     w.add_head_count_kv(hf.num_key_value_heads)
     w.add_key_length(hf.head_dim)
     w.add_value_length(hf.head_dim)
-    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_rope_freq_base(rope_theta)
     w.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    return w
+
+
+def _write(path, family: str):
+    model, cfg, _ = family_model(family)
+    hf = model.config
+    w = _writer(path, family, hf, cfg.rope_theta)
     if family != "gemma":
         w.add_sliding_window(hf.sliding_window)
         w.add_float32(f"{family}.attention.scale", hf.query_pre_attn_scalar ** -0.5)
@@ -178,17 +184,7 @@ def _write_plain(path, arch: str, model, permute: bool, window=None):
     """A Llama-layout transformers model as llama.cpp's converter writes it for `arch` (Q/K rows
     permuted for interleaved rotary where `permute`), with attention.sliding_window if given."""
     hf = model.config
-    w = gguf.GGUFWriter(str(path), arch=arch)
-    w.add_context_length(hf.max_position_embeddings)
-    w.add_embedding_length(hf.hidden_size)
-    w.add_block_count(hf.num_hidden_layers)
-    w.add_feed_forward_length(hf.intermediate_size)
-    w.add_head_count(hf.num_attention_heads)
-    w.add_head_count_kv(hf.num_key_value_heads)
-    w.add_key_length(hf.head_dim)
-    w.add_value_length(hf.head_dim)
-    w.add_rope_freq_base(config_from_hf(hf.to_dict()).rope_theta)
-    w.add_layer_norm_rms_eps(hf.rms_norm_eps)
+    w = _writer(path, arch, hf, config_from_hf(hf.to_dict()).rope_theta)
     if window is not None:
         w.add_sliding_window(window)
     d = hf.head_dim
