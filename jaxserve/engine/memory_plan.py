@@ -152,10 +152,11 @@ def budget(config: EngineConfig, platform: str) -> int | None:
     kv_cache_bytes (which override a budget) or, on CPU, by EngineConfig.resolve_num_pages."""
     if config.num_pages is not None or config.kv_cache_bytes is not None:
         return None
-    if config.num_processes > 1 and (config.memory_budget_bytes or config.memory_utilization
-                                     or platform != "cpu"):
-        raise ValueError("a memory budget is planned by one process: with num_processes > 1 "
-                         "give num_pages or kv_cache_bytes")
+    if config.num_processes > 1:  # the plan is one process's: the default pool size instead
+        if config.memory_budget_bytes or config.memory_utilization:
+            raise ValueError("a memory budget is planned by one process: with num_processes > "
+                             "1 give num_pages or kv_cache_bytes")
+        return None
     if config.memory_budget_bytes is not None:
         return config.memory_budget_bytes
     utilization = config.planned_utilization(platform)
