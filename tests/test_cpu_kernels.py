@@ -266,6 +266,38 @@ def test_a_seq_len_past_the_page_table_is_an_error():
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_write_kv_equals_the_xla_scatter_in_place(dtype):
+    """The backend's write (write_kv.cc) leaves the same pages and scales, bit for bit, as
+    kv_cache.write_kv's scatter and quantization, over a pool of random pages (a zero vector
+    and the scratch page included), without copying the donated pages; a slot outside the
+    pool is an error."""
+    from jaxserve.backends import cpu
+    from jaxserve.model.kv_cache import KVPool, write_kv
+
+    rng = np.random.default_rng(11)
+    cache = KVPool.zeros(1, 3, 6, 4, 8, jnp.dtype(dtype)).layers[0]
+    cache = jax.tree_util.tree_map(
+        lambda a: jnp.asarray(rng.standard_normal(a.shape) * 3).astype(a.dtype), cache)
+    k = jnp.asarray(rng.standard_normal((7, 3, 8)), jnp.float32).at[2].set(0.0)
+    v = jnp.asarray(rng.standard_normal((7, 3, 8)) * 100, jnp.float32)
+    # Distinct slots: the order of XLA's writes to one slot is unspecified.
+    slots = jnp.asarray([5, 9, 0, 23, 12, 1, 17], jnp.int32)
+    want = jax.jit(write_kv)(cache, k, v, slots)
+    got = jax.jit(cpu.write_kv)(cache, k, v, slots)
+    for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        assert g.dtype == w.dtype
+        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
+                                      np.asarray(w.astype(jnp.float32)))
+    donated = jax.jit(cpu.write_kv, donate_argnums=0).lower(cache, k, v, slots).compile()
+    assert " copy(" not in donated.as_text()
+    # INVALID_ARGUMENT: a ValueError where the call runs as it is dispatched
+    with pytest.raises((ValueError, jax.errors.JaxRuntimeError),
+                       match="token 3 writes slot 24, outside the pool's 24 slots"):
+        jax.block_until_ready(jax.jit(cpu.write_kv)(cache, k, v, slots.at[3].set(24)))
+
+
+@needs_kernels
 @on_cpu
 def test_backend_resolution():
     from jaxserve.backends import resolve

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 import pytest
 
@@ -15,6 +16,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine
 from jaxserve.engine.memory_plan import MARGIN, largest_shape
 from jaxserve.runtime import memory
+from jaxserve.runtime.runner import release_compiled_steps
 from jaxserve.weights.random_init import random_model
 from tiny_model import tiny_loaded
 
@@ -141,16 +143,34 @@ def test_a_full_pool_at_the_largest_chunk_stays_inside_the_plan():
     assert stats["referenced_pages"] == 0
 
 
+@pytest.fixture
+def cold_compilation_cache(tmp_path):
+    """An empty persistent compilation cache and no compiled steps in memory: a step shape
+    loaded from the cache keeps about twice the memory of one compiled afresh (XLA's CPU
+    executables as deserialized), so plans compared with each other must start alike."""
+    from jax._src import compilation_cache
+
+    old = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    compilation_cache.reset_cache()
+    release_compiled_steps()
+    yield
+    release_compiled_steps()
+    jax.config.update("jax_compilation_cache_dir", old)
+    compilation_cache.reset_cache()
+
+
 @pytest.mark.slow
-def test_three_gib_on_the_default_model(default_loaded):
-    """A 3 GiB budget: the plan fills at least 85% of it and never more. An int8 page (its
-    scales counted) takes at most 1/3.5 of a float32 page, so the KV bytes a float32 plan
-    leaves hold 3.5x the pages in int8. The whole budget's ratio is lower on the CPU: there
-    the compiled step shapes' code is device memory, and int8 KV's steps compile larger (the
-    README's "Memory budget" gives the measured plans)."""
+def test_three_gib_on_the_default_model(default_loaded, cold_compilation_cache):
+    """A 3 GiB budget: the plan fills at least 85% of it and never more, and with int8 KV it
+    holds at least 3.5x the pages of float32. An int8 page (its scales counted) takes 1/3.76 of
+    a float32 page; the rest of the budget must then cost the two alike: on the CPU the
+    compiled step shapes are device memory, and the backend's write_kv keeps int8's quantizing
+    writes out of them (the README's "Memory budget" gives the measured plans)."""
     budget = 3 * GIB
     plans = {}
     for kv in ("float32", "int8"):
+        release_compiled_steps()
         engine = LLMEngine(EngineConfig(memory_budget_bytes=budget, kv_cache_dtype=kv),
                            default_loaded)
         plan = plans[kv] = engine.memory_plan
@@ -162,5 +182,4 @@ def test_three_gib_on_the_default_model(default_loaded):
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads
     assert f32.page_bytes == per_token * f32.page_size * cfg.head_dim * 4
     assert int8.page_bytes == per_token * int8.page_size * (cfg.head_dim + 4)  # f32 scales
-    assert f32.kv_pool_bytes // int8.page_bytes >= 3.5 * f32.num_pages
-    assert int8.num_pages > 2 * f32.num_pages
+    assert int8.num_pages >= 3.5 * f32.num_pages

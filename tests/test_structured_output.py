@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -196,33 +197,86 @@ def test_batch_file_takes_the_same_fields(tmp_path):
     assert "unclosed character class" in results[2]["response"]["body"]["error"]["message"]
 
 
-def test_speculative_engine_drafts_only_unconstrained_rows():
-    """With speculation on (prompt lookup, and the target as its own draft model), a
-    constrained row gets no drafts (its mask at each position would need the drafts before it)
-    and stays valid; a plain greedy row beside it is speculated and gives the output of an
-    engine without speculation."""
+def test_masks_follow_a_verifications_drafts_and_roll_back():
+    """fill_masks for a verification: row + i holds the mask of the grammar's state after
+    drafts[:i]; rows past a draft the grammar refuses allow everything (they are discarded),
+    and the matcher is where it was."""
+    import numpy as np
+
+    from jaxserve.core.structured_output import (GrammarCompiler, bitmask_words, fill_masks,
+                                                 valid_drafts)
+
+    loaded = tiny_loaded()
+    tok, vocab = loaded.tokenizer, loaded.config.vocab_size
+    grammars = GrammarCompiler(tok.backend.to_str(), vocab, list(tok.eos_token_ids))
+    proto = grammars.compile(StructuredOutputsParams(regex=r"(abc|xyz)( (abc|xyz)){3}"))
+    good = tok.encode("abc xyz", add_special_tokens=False)
+    bad = tok.encode("q", add_special_tokens=False)[0]
+    drafts = good[:2] + [bad] + good[2:]
+
+    def seq_at(matcher):  # what fill_masks reads of a sequence
+        return SimpleNamespace(request=SimpleNamespace(grammar=proto), matcher=matcher)
+
+    seq = seq_at(proto.deep_copy())
+    words = bitmask_words(vocab)
+    got = np.zeros((len(drafts) + 2, words), np.int32)
+    fill_masks([(1, seq, drafts)], got)
+    assert valid_drafts(seq.matcher, drafts) == 2
+    want = np.full_like(got, -1)
+    state = proto.deep_copy()
+    for i in range(3):  # the states before drafts 0, 1 and 2 (the refused one)
+        fill_masks([(1 + i, seq_at(state), [])], want)
+        if i < 2:
+            state.consume_token(drafts[i])
+    np.testing.assert_array_equal(got[1:], want[1:])
+    assert seq.matcher.validate_tokens(good) == len(good)  # rolled back to the start
+
+
+def test_speculation_drafts_constrained_rows_and_keeps_their_outputs():
+    """With speculation on (prompt lookup, and the target as its own draft model), constrained
+    rows are drafted too: each verified position samples under the mask of the grammar's state
+    after the drafts before it, and the matcher advances only over accepted tokens. A greedy
+    and a seeded sampled constrained row, and a plain row beside them, give the outputs of an
+    engine without speculation, token for token, and stay valid; an engine serving only
+    constrained rows drafts for them (and accepts prompt lookup's, cut to what the grammar
+    allows)."""
     prompt = {"prompt_token_ids": [7, 8, 9, 10] * 8}
     plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    constrained = SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs=
-                                 StructuredOutputsParams(json=SCHEMAS["enums"]))
+    schema = StructuredOutputsParams(json=SCHEMAS["enums"])
+    regex = StructuredOutputsParams(regex=r"(abc|xyz)( (abc|xyz)){12}")
+    constrained = {"json": SamplingParams(temperature=1.0, seed=3, max_tokens=60,
+                                          structured_outputs=schema),
+                   "json-greedy": SamplingParams(temperature=0, max_tokens=60,
+                                                 structured_outputs=schema),
+                   "regex": SamplingParams(temperature=0.8, seed=5, max_tokens=60,
+                                           structured_outputs=regex)}
     specs = {"off": None,
-             "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
+             "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
                        "prompt_lookup_max": 4, "adaptive": False},
              "draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}}
     outs = {}
     for name, spec in specs.items():
-        engine = LLMEngine(EngineConfig.from_options(num_pages=128, page_size=8, max_num_seqs=4,
-                                                     speculative_config=spec), tiny_loaded())
-        engine.add_request(prompt, plain, request_id="plain")
-        engine.add_request(prompt, constrained, request_id="json")
-        while engine.has_unfinished():
-            outs.update(((name, o.request_id), o.outputs[0])
-                        for o in engine.step() if o.finished)
-        if spec:
-            assert engine.stats()["spec_draft_tokens"] > 0
+        for only_constrained in (False, True) if spec else (False,):
+            engine = LLMEngine(EngineConfig.from_options(
+                num_pages=128, page_size=8, max_num_seqs=4, speculative_config=spec),
+                tiny_loaded())
+            if not only_constrained:
+                engine.add_request(prompt, plain, request_id="plain")
+            for request_id, params in constrained.items():
+                engine.add_request(prompt, params, request_id=request_id)
+            while engine.has_unfinished():
+                outs.update(((name, o.request_id), o.outputs[0])
+                            for o in engine.step() if o.finished)
+            if only_constrained:  # prompt lookup's drafts follow the grammar: some accepted
+                stats = engine.stats()  # (the draft model's are unconstrained; on this random
+                assert stats["spec_draft_tokens"] > 0  # model the grammar refuses them)
+                assert name == "draft" or stats["spec_accepted_tokens"] > 0
     for name in specs:
-        assert outs[(name, "plain")].token_ids == outs[("off", "plain")].token_ids
-        jsonschema.validate(json.loads(outs[(name, "json")].text), SCHEMAS["enums"])
+        for request_id in ("plain", *constrained):
+            assert outs[(name, request_id)].token_ids == outs[("off", request_id)].token_ids
+        for request_id in ("json", "json-greedy"):
+            jsonschema.validate(json.loads(outs[(name, request_id)].text), SCHEMAS["enums"])
+        assert re.fullmatch(r"(abc|xyz)( (abc|xyz)){12}", outs[(name, "regex")].text)
 
 
 def test_chat_template_renders_tools_and_tool_results():

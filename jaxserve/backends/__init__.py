@@ -5,7 +5,7 @@ layout its matmul wants the weights in (a transformation applied at load, as qua
 the model code imports no backend), its greedy argmax, and the batch layout its attention reads.
 
   cpu      C++ XLA FFI kernels (jaxserve/backends/cpu/): paged attention reading pages in place,
-           f32/int8/bf16 matmuls over packed weights, argmax. x86-64 with AVX2+FMA or AVX-512.
+           KV writes in place, f32/int8/bf16 matmuls over packed weights, argmax. x86-64 with AVX2+FMA or AVX-512.
   xla      plain jnp (jaxserve/backends/xla.py): any device; the fallback.
   pallas   the Pallas kernels of pallas_kernels/, one family per platform: gpu/ (Triton) compiled
            on a GPU, tpu/ (Mosaic) compiled on a TPU; on a CPU only when asked for (interpret
@@ -36,6 +36,9 @@ class Backend:
     #  md: AttentionMetadata, *, sm_scale, window, soft_cap) -> f[T, Hq, D]: each token attends
     #  its row's pages causally (within the last `window` positions; scores soft-capped).
     attention: Callable
+    # (cache: KVCache, k, v f[T, Hkv, D], slot_mapping i32[T]) -> the cache with each token's
+    # key and value at its slot (kv_cache.write_kv's semantics); None: kv_cache.write_kv.
+    write_kv: Callable | None = None
     # Prefill chunks start at multiples of this many tokens (see AttentionMetadata).
     query_block: int = 1
     # Decode rows packed back to back with the prefill chunks (runtime/batch.py): an attention

@@ -160,9 +160,9 @@ class Scheduler(StepResults):
             drafts = []
             if decode:
                 decodes_left -= 1
-                # Rows whose logits depend on the previous token (penalties, a grammar) are
-                # not speculated: their drafts' rows would need each earlier draft applied.
-                if self.spec_k and not seq.sampling_params.needs_previous_token:
+                # Penalised rows are not speculated: their drafts' rows would need the counts
+                # with each earlier draft (a grammar's masks follow the drafts: fill_masks).
+                if self.spec_k and not seq.sampling_params.has_penalties:
                     drafts = self.proposer.drafts(
                         seq, min(self.spec_k, budget - plan.num_tokens - decodes_left - 1))
                     self.spec_opportunities += 1

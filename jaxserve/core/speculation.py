@@ -17,6 +17,7 @@ from jaxserve.config import SpeculativeConfig
 from jaxserve.core.draft_kv import DraftKV
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.step_plan import ScheduledChunk
+from jaxserve.core.structured_output import matcher_of, valid_drafts
 
 PENDING = -1  # a draft model's token, filled in by the engine before the step runs
 
@@ -67,7 +68,10 @@ class Proposer:
         c = self.config
         if c.method == "draft":
             return [PENDING] * k if self.draft_kv.can_draft(seq) else []
-        return ngram_proposal(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        drafts = ngram_proposal(seq.token_ids, k, c.prompt_lookup_min, c.prompt_lookup_max)
+        if seq.request.grammar is not None:  # only the drafts its grammar allows
+            drafts = drafts[:valid_drafts(matcher_of(seq), drafts)]
+        return drafts
 
 
 def rows_to_apply(chunk: ScheduledChunk, sampled: list[int], eos_token_ids: frozenset) -> int:

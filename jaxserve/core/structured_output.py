@@ -7,6 +7,12 @@ A sequence's matcher is made on first use from its request's compiled grammar an
 sequence's output tokens, so forks (n > 1) each get their own and a preempted sequence keeps its
 tokens and its matcher. EOS is allowed exactly where the grammar may end (llguidance puts the
 EOS token in the mask only in an accepting state).
+
+Speculative decoding: a constrained row's drafts are validated against its matcher (prompt
+lookup's are cut at the first the grammar refuses when proposed; a draft model's are known only
+when the step is built), and a verification samples each position under the mask of the state
+after the drafts before it (`fill_masks`); the matcher advances only over accepted tokens, so a
+rejection needs no rollback beyond the one each mask fill does.
 """
 
 from __future__ import annotations
@@ -148,19 +154,35 @@ def advance(seq, token: int) -> bool:
 _executor: Any = None
 
 
-def fill_masks(rows: list[tuple[int, Any]], mask) -> None:
-    """Fill mask[row] (i32[R, ceil(V/32)], C-contiguous) with the next-token bitmask of each
-    (row, sequence), in MASK_THREADS threads."""
+def fill_masks(rows: list[tuple[int, Any, list[int]]], mask) -> None:
+    """Fill mask (i32[R, ceil(V/32)], C-contiguous) with each (row, sequence, drafts)'s
+    next-token bitmasks, in MASK_THREADS threads: row `row` for the sequence's state now and,
+    for a verification's drafts, row + i for its state after drafts[:i] (i = 1 .. len(drafts);
+    the matcher is rolled back afterwards). Rows past a draft the grammar refuses stay all
+    ones: the target's token at that draft cannot equal it, so the rows after are discarded."""
     global _executor
     if not rows:
         return
     if _executor is None:
         _executor = llguidance.LLExecutor(num_threads=MASK_THREADS)
-    matchers = [(matcher_of(seq), row) for row, seq in rows]
-    for matcher, _ in matchers:
+    matchers = [(matcher_of(seq), row, drafts) for row, seq, drafts in rows]
+    for matcher, _, _ in matchers:
         if matcher.is_error():
             raise ValueError(f"structured output failed: {matcher.get_error()}")
-    llnp.fill_next_token_bitmask_par(_executor, matchers, mask)
+    plain = [(m, row) for m, row, drafts in matchers if not drafts]
+    drafted = [entry for entry in matchers if entry[2]]
+    if plain:
+        llnp.fill_next_token_bitmask_par(_executor, plain, mask)
+    if drafted:  # (llguidance refuses an empty draft list here)
+        llnp.fill_next_token_bitmask_par_with_draft_tokens(_executor, drafted, mask)
+    for matcher, row, drafts in drafted:
+        valid = valid_drafts(matcher, drafts)
+        mask[row + valid + 1:row + len(drafts) + 1] = -1
+
+
+def valid_drafts(matcher, drafts: list[int]) -> int:
+    """How many of the drafts, from the first, the grammar accepts in its state now."""
+    return matcher.validate_tokens(drafts) if drafts else 0
 
 
 def bitmask_words(vocab_size: int) -> int:

@@ -33,7 +33,7 @@ from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.distributed import PeerLostError
-from jaxserve.runtime.logit_controls import build_controls
+from jaxserve.runtime.logit_controls import step_controls
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
@@ -268,8 +268,7 @@ class LLMEngine:
         return results
 
     def _controls(self, plan: StepPlan, num_rows: int):
-        seqs = [None if chunk.seq.is_finished else seq for chunk, seq in plan.sample_rows]
-        return build_controls(seqs, num_rows, self.model_config.vocab_size)
+        return step_controls(plan, num_rows, self.model_config.vocab_size)
 
     def _build(self, plan: StepPlan, ahead: bool = False):
         """The plan's padded batch, real sample rows, chunk offsets and logit controls. A plan

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 
 from jaxserve import backends
-from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.kv_cache import KVCache, write_kv
 from jaxserve.pytree import pytree_dataclass, static_field
 
 
@@ -30,6 +30,12 @@ class AttentionMetadata:
     # Prefill chunks start at multiples of this many tokens after the decode rows (padding in
     # between); query_start then counts a row's padding as its own. 1 = packed.
     query_block: int = static_field(default=1)
+
+
+def write(backend: str, cache: KVCache, k, v, slot_mapping) -> KVCache:
+    """This step's keys and values (f[T, Hkv, D]) into one layer's cache at their slots, by the
+    backend's own write where it has one."""
+    return (backends.get(backend).write_kv or write_kv)(cache, k, v, slot_mapping)
 
 
 def attend(backend: str, q, cache: KVCache, md: AttentionMetadata, sm_scale: float, *,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxserve.pytree import pytree_dataclass
 
@@ -63,9 +64,11 @@ class KVPool:
 
 def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x f[..., D] -> (i8[..., D], f32[...]): each vector's absolute maximum maps to 127 (a zero
-    vector gets scale 0 and zeros), so every element is within half a step (scale / 2)."""
+    vector gets scale 0 and zeros), so every element is within half a step (scale / 2). The
+    scale is max * float32(1 / 127), the product XLA folds a division by 127 into (the CPU
+    backend's write_kv.cc computes the same)."""
     x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    scale = jnp.max(jnp.abs(x), axis=-1) * np.float32(1 / 127)
     q = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None])
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
@@ -77,11 +80,12 @@ def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
     # Adjacent advanced indices after a slice keep their place: the update is [Hkv, T, D].
     # Slots are in bounds by construction; promising it lets XLA scatter in place.
     mode = "promise_in_bounds"
-    k, v = k.swapaxes(0, 1), v.swapaxes(0, 1)  # [Hkv, T, D]
     if not cache.quantized:
+        k, v = k.swapaxes(0, 1), v.swapaxes(0, 1)  # [Hkv, T, D]
         return KVCache(k=cache.k.at[:, page, offset].set(k.astype(cache.k.dtype), mode=mode),
                        v=cache.v.at[:, page, offset].set(v.astype(cache.v.dtype), mode=mode))
-    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)  # quantized [T, Hkv, D], then swapped
+    kq, vq, ks, vs = kq.swapaxes(0, 1), vq.swapaxes(0, 1), ks.swapaxes(0, 1), vs.swapaxes(0, 1)
     return KVCache(k=cache.k.at[:, page, offset].set(kq, mode=mode),
                    v=cache.v.at[:, page, offset].set(vq, mode=mode),
                    k_scale=cache.k_scale.at[:, page, offset].set(ks, mode=mode),

@@ -29,7 +29,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.model import attention
 from jaxserve.model.attention import AttentionMetadata
-from jaxserve.model.kv_cache import KVCache, KVPool, write_kv
+from jaxserve.model.kv_cache import KVCache, KVPool
 from jaxserve.model.quantize import Int8Weight
 from jaxserve.model.rope import apply_rope, rope_tables
 
@@ -121,7 +121,7 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, rope, window, 
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     v = v.reshape(t, cfg.num_kv_heads, d)
-    cache = write_kv(cache, k, v, md.slot_mapping)
+    cache = attention.write(backend, cache, k, v, md.slot_mapping)
     o = attention.attend(backend, q, cache, md, sm_scale=cfg.attention_scale, window=window,
                          soft_cap=cfg.attn_logit_softcapping)
     o = sum_shards(matmul(o.reshape(t, hq), lp["wo"]))

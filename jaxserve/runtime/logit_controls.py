@@ -72,9 +72,12 @@ def entries_bucket(n: int) -> int:
     return h
 
 
-def build_controls(seqs: list, num_rows: int, vocab_size: int) -> LogitControls | None:
+def build_controls(seqs: list, num_rows: int, vocab_size: int,
+                   drafts: dict[int, list[int]] | None = None) -> LogitControls | None:
     """Host arrays of the controls of a step's sample rows (`seqs`: the sequence sampled at each
-    row, None for padding), padded to num_rows (the batch's R); None when no row has any."""
+    row, None for padding), padded to num_rows (the batch's R); None when no row has any.
+    drafts: {first row of a verification: its drafts}; its rows row + 1 .. row + len(drafts)
+    sample after each draft, and a grammar's masks there follow the drafts (fill_masks)."""
     live = [(row, s) for row, s in enumerate(seqs)
             if s is not None and not s.is_finished and s.sampling_params.has_logit_controls]
     if not live:
@@ -96,7 +99,10 @@ def build_controls(seqs: list, num_rows: int, vocab_size: int) -> LogitControls 
                     entries.setdefault((row, token), [0, 1.0, 0.0])
         for token, b in (p.logit_bias or {}).items():
             entries.setdefault((row, token), [0, 0.0, 0.0])[2] = b
-    fill_masks([(row, s) for row, s in live if s.request.grammar is not None], mask)
+    drafts = drafts or {}
+    after_drafts = {row + i for row, d in drafts.items() for i in range(1, len(d) + 1)}
+    fill_masks([(row, s, drafts.get(row, [])) for row, s in live
+                if s.request.grammar is not None and row not in after_drafts], mask)
     h = entries_bucket(len(entries))
     rows, tokens = np.full(h, num_rows, np.int32), np.zeros(h, np.int32)
     values = np.zeros((3, h), np.float32)
@@ -105,6 +111,16 @@ def build_controls(seqs: list, num_rows: int, vocab_size: int) -> LogitControls 
     return LogitControls(mask=mask, entry_rows=rows, entry_tokens=tokens,
                          output_counts=values[0], seen=values[1], bias=values[2],
                          presence=presence, frequency=frequency, repetition=repetition)
+
+
+def step_controls(plan, num_rows: int, vocab_size: int) -> LogitControls | None:
+    """build_controls for a StepPlan's sample rows (a finished sequence's rows as padding)."""
+    seqs, drafts = [], {}
+    for chunk in plan.chunks:
+        if chunk.draft_token_ids:
+            drafts[len(seqs)] = chunk.draft_token_ids
+        seqs += [None if chunk.seq.is_finished else seq for _, seq in chunk.sample_rows]
+    return build_controls(seqs, num_rows, vocab_size, drafts)
 
 
 def no_controls(num_rows: int, vocab_size: int, h: int = 0) -> LogitControls:

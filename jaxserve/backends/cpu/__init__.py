@@ -22,5 +22,12 @@ def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
     return out.astype(q.dtype)
 
 
-BACKEND = Backend(name="cpu", attention=attention, packed=True,
+def write_kv(cache, k, v, slot_mapping):
+    """This step's keys and values (f[T, Hkv, D]) into their slots in one custom call, written
+    in place (int8 quantized as kv_cache.quantize_kv)."""
+    return type(cache)(*kernels.write_kv(k, v, slot_mapping, cache.k, cache.v, cache.k_scale,
+                                         cache.v_scale))
+
+
+BACKEND = Backend(name="cpu", attention=attention, write_kv=write_kv, packed=True,
                   pack_params=packing.pack_params, argmax=kernels.argmax)

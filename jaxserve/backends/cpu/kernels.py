@@ -4,6 +4,9 @@
                       every page into a new buffer before reading it; this reads pages in place
                       through the page table, so each key and value is read once. Pages of
                       float32, bfloat16, or int8 with per-token scales, widened as read.
+  write_kv            (write_kv.cc) a step's keys and values into their slots, in place
+                      (the pages are aliased), int8 quantized as written: one call a layer
+                      where XLA's scatter and quantization compile to a dozen kernels.
   matmul_*            (matmul.cc) f32 and weight-only int8 matmuls against weights
                       packed in 48-column panels (`pack_panels`): a register-tiled GEMM that
                       streams each weight from memory once however many rows there are (a
@@ -44,12 +47,16 @@ import numpy as np
 
 # The library's translation units, and the header each includes.
 SOURCES = tuple(Path(__file__).with_name(n)
-                for n in ("paged_attention.cc", "matmul.cc", "matmul_bf16.cc", "argmax.cc"))
+                for n in ("paged_attention.cc", "write_kv.cc", "matmul.cc", "matmul_bf16.cc",
+                          "argmax.cc"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("parallel.h", "vec.h"))
 # FFI target name -> the handler symbol the sources export.
 _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_paged_attention_bf16": "JaxservePagedAttentionBf16",
             "jaxserve_paged_attention_int8": "JaxservePagedAttentionInt8",
+            "jaxserve_write_kv": "JaxserveWriteKv",
+            "jaxserve_write_kv_bf16": "JaxserveWriteKvBf16",
+            "jaxserve_write_kv_int8": "JaxserveWriteKvInt8",
             "jaxserve_matmul_f32": "JaxserveMatmulF32",
             "jaxserve_matmul_int8": "JaxserveMatmulInt8",
             "jaxserve_matmul_int4": "JaxserveMatmulInt4",
@@ -185,12 +192,13 @@ def amx_bf16_available() -> bool:
     return _load() is None and bool(_library.JaxserveAmxBf16Available())
 
 
-def _call(target: str, result, *args, **attrs):
-    """`result`: a jax.ShapeDtypeStruct, or a tuple of them for several outputs."""
+def _call(target: str, result, *args, aliases: dict | None = None, **attrs):
+    """`result`: a jax.ShapeDtypeStruct, or a tuple of them for several outputs; aliases:
+    {argument index: result index} of results written in place of their arguments."""
     reason = _load()
     if reason is not None:
         raise RuntimeError(f"CPU kernels unavailable: {reason}")
-    return jax.ffi.ffi_call(target, result)(*args, **attrs)
+    return jax.ffi.ffi_call(target, result, input_output_aliases=aliases)(*args, **attrs)
 
 
 def _f32(*shape) -> jax.ShapeDtypeStruct:
@@ -233,6 +241,28 @@ def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_
     return _call(target, _f32(*q.shape), q.astype(jnp.float32), k, v, *scales, i32(page_tables),
                  i32(seq_lens), i32(token_row), i32(positions), sm_scale=np.float32(sm_scale),
                  window=np.int64(window or 0), soft_cap=np.float32(soft_cap or 0.0))
+
+
+_WRITE_TARGETS = {jnp.dtype(jnp.float32): "jaxserve_write_kv",
+                  jnp.dtype(jnp.bfloat16): "jaxserve_write_kv_bf16",
+                  jnp.dtype(jnp.int8): "jaxserve_write_kv_int8"}
+
+
+def write_kv(k_new, v_new, slots, k, v, k_scale=None, v_scale=None):
+    """k_new, v_new f[T, Hkv, D] into pages k, v [Hkv, N, B, D] (float32, bfloat16, or int8
+    with scales f32[Hkv, N, B]) at slots i32[T] (page * B + offset) -> the pages (and scales),
+    written in place: they are the call's outputs, aliased to its inputs. A slot outside the
+    pool fails the call (a JaxRuntimeError) before anything is written."""
+    target = _WRITE_TARGETS.get(jnp.dtype(k.dtype))
+    if target is None or v.dtype != k.dtype or (k.dtype == jnp.int8) != (k_scale is not None):
+        raise ValueError(f"write_kv writes float32, bfloat16, or int8 pages with scales, not "
+                         f"k {k.dtype}, v {v.dtype}")
+    pages = (k, v) if k_scale is None else (k, v, k_scale, v_scale)
+    first = 3  # the pages' argument index: after k_new, v_new, slots
+    return _call(target, tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in pages),
+                 k_new.astype(jnp.float32), v_new.astype(jnp.float32),
+                 jnp.asarray(slots, jnp.int32), *pages,
+                 aliases={first + i: i for i in range(len(pages))})
 
 
 def pack_panels(w_out_in: np.ndarray) -> np.ndarray:
