@@ -10,7 +10,11 @@ S (1 + r_0 + ... + r_{k-1}) tokens; the k with the most tokens per second wins, 
 included. A step's cost is interpolated linearly between the token buckets timed (a step lands
 in a bucket by its tokens, which vary around the expectation, so tokens within a bucket are not
 free), extrapolated past the largest along the slope of the last two, and held flat below the
-smallest or past a lone one: optimism that tries such a step once, and so measures it.
+smallest or past a lone one: optimism that tries such a step once, and so measures it. The
+first step timed in each bucket of each kind is not counted: a shape's first run pays one-time
+costs (its sampling call's compile, first-touch allocations) that would otherwise mark
+verification as many times dearer than it is, and the probes that could correct it verify at
+other sizes.
 The acceptance counts start from a prior (PRIOR_DECODES decodes that drafted every position and
 had half accepted), so a few early decodes without a proposal do not end speculation; once
 plain decoding wins, one draft per sequence is tried again after FIRST_PROBE_INTERVAL (16)
@@ -37,6 +41,7 @@ class SpeculationControl:
         self.decay = decay
         # (speculative?) -> token bucket -> moving average of step wall times
         self.seconds: dict[bool, dict[int, float]] = {False: {}, True: {}}
+        self._first_seen: set[tuple[bool, int]] = set()  # (kind, bucket) run once, not counted
         self._plain_streak, self._probe_interval = 0, FIRST_PROBE_INTERVAL
 
     def observe(self, num_tokens: int, seconds: float, speculative: bool) -> None:
@@ -46,6 +51,9 @@ class SpeculationControl:
             return
         table = self.seconds[speculative]
         b = self._bucket(num_tokens)
+        if (speculative, b) not in self._first_seen:
+            self._first_seen.add((speculative, b))
+            return
         old = table.get(b)
         table[b] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
