@@ -364,6 +364,10 @@ def test_metrics_count_what_was_sent(server, engine, client):
     assert after["jaxserve:kv_referenced_pages"] == 0
     assert after["jaxserve:kv_cache_usage_perc"] == 0
     assert after["jaxserve:kv_total_pages"] == engine.num_pages - 1
+    stats = engine.stats()  # the memory gauges: what the runner holds on its device
+    assert after["jaxserve:weight_bytes"] == stats["weight_bytes"] > 0
+    assert after["jaxserve:kv_pool_bytes"] == stats["kv_pool_bytes"] > 0
+    assert after["jaxserve:draft_kv_pool_bytes"] == 0  # no draft model
     # Prefix caching is on (the default): each admission queries its whole prompt (counted in
     # tokens); a hit is whole pages short of the last token, and every prompt here is shorter
     # than one page plus one token, so none can hit.

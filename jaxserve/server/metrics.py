@@ -29,6 +29,13 @@ _GAUGES = (
     ("kv_total_pages", "total_pages", "Usable KV pages (the scratch page excluded)."),
     ("kv_peak_referenced_pages", "peak_referenced_pages", "Most KV pages referenced at once."),
     ("num_compilations", "compilations", "Jitted step compilations so far."),
+    ("weight_bytes", "weight_bytes", "Bytes of the model's weights on one device."),
+    ("kv_pool_bytes", "kv_pool_bytes", "Bytes of the KV pool on one device (scales included)."),
+    ("activation_peak_bytes", "activation_peak_bytes",
+     "The largest step's temporaries the memory plan reserved (0 without a plan)."),
+    ("draft_weight_bytes", "draft_weight_bytes", "Bytes of the draft model's weights."),
+    ("draft_kv_pool_bytes", "draft_kv_pool_bytes",
+     "Bytes of the draft model's KV pool (the target's page ids, the draft's shape)."),
 )
 _COUNTERS = (
     ("num_preemptions", "num_preempted_total", "Sequences preempted (recompute)."),
@@ -50,7 +57,7 @@ class _EngineStatsCollector:
     def collect(self):
         s = self.stats
         for name, key, help_ in _GAUGES:
-            yield GaugeMetricFamily(f"{self.prefix}:{name}", help_, value=float(s.get(key, 0)))
+            yield GaugeMetricFamily(f"{self.prefix}:{name}", help_, value=float(s.get(key) or 0))
         total = s.get("total_pages", 0)
         yield GaugeMetricFamily(f"{self.prefix}:kv_cache_usage_perc",
                                 "Fraction of KV pages referenced by live sequences (0-1).",
