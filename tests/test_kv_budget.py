@@ -315,3 +315,22 @@ def test_tensor_parallel_bytes_per_device():
     p = run_cli(*smol, "--tensor_parallel_size=2")
     assert p.returncode == 2 and "must divide the model's 3 KV heads" in p.stderr
     assert "per_device" not in json.loads(run_cli(*smol).stdout)
+
+
+@pytest.mark.slow
+def test_memory_plan_counts_a_draft_model():
+    """`--memory_budget_bytes` prints the plan the engine makes at start-up, speculation
+    included: with the target's own float32 weights as the draft model, the plan's weights
+    are twice the draft's, and each page holds the target's and the draft's KV."""
+    p = run_cli("--model=smollm2-135m", "--memory_budget_bytes=3221225472",
+                "--num_speculative_tokens=4", "--speculative_method=draft", "--max_num_seqs=4",
+                "--max_num_batched_tokens=64", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    plan = out["memory_plan"]
+    assert plan["weight_bytes"] == 2 * out["draft_weight_bytes"]
+    assert plan["page_bytes"] == 2 * (2 * 30 * 3 * 64 * 4) * 16  # SmolLM2-135M, float32
+    assert out["draft_kv_pool_bytes"] * 2 == plan["kv_pool_bytes"] == (
+        plan["num_pages"] * plan["page_bytes"])
+    assert plan["planned_bytes"] <= plan["budget_bytes"]
+    assert "the draft model's" in out["summary"]

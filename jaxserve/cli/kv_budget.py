@@ -18,7 +18,8 @@ import sys
 
 from absl import flags
 
-from jaxserve.config import KV_SCALAR_BYTES, MAX_SPECULATIVE_TOKENS, kv_slot_bytes
+from jaxserve.config import (DRAFT_QUANTIZATIONS, KV_SCALAR_BYTES, MAX_SPECULATIVE_TOKENS,
+                             SPECULATIVE_METHODS, kv_slot_bytes)
 from jaxserve.tools import architectures
 from jaxserve.tools import kv_budget as kvb
 
@@ -47,6 +48,13 @@ flags.DEFINE_integer("memory_budget_bytes", None, "Print the engine's memory pla
                      "under this budget per device (weights, measured activation peak and "
                      "runtime, KV pool) instead of the analysis: loads and compiles, serves "
                      "nothing.")
+flags.DEFINE_enum("speculative_method", None, SPECULATIVE_METHODS, "The plan's speculative "
+                  "decoding (with --num_speculative_tokens; default ngram): draft adds the draft "
+                  "model's weights and KV pool to the plan.")
+flags.DEFINE_string("speculative_model", None, "The plan's draft model (default: the target's "
+                    "own weights).")
+flags.DEFINE_enum("speculative_quantization", "none", DRAFT_QUANTIZATIONS,
+                  "The plan's draft weights: none or int8.")
 flags.DEFINE_integer("max_num_seqs", None, "The plan's engine option (default: the engine's).")
 flags.DEFINE_integer("max_num_batched_tokens", None, "The plan's engine option (default: the "
                      "engine's): it fixes the activation peak.")
@@ -254,11 +262,25 @@ def _memory_plan() -> dict:
                "kv_cache_dtype": FLAGS.kv_cache_dtype, "max_num_seqs": FLAGS.max_num_seqs,
                "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
                "tensor_parallel_size": FLAGS.tensor_parallel_size}
-    config = EngineConfig(model=FLAGS.model, memory_budget_bytes=FLAGS.memory_budget_bytes,
-                          **{k: v for k, v in options.items() if v is not None})
+    if FLAGS.num_speculative_tokens or FLAGS.speculative_method:
+        method = FLAGS.speculative_method or "ngram"
+        spec = {"method": method}
+        if FLAGS.num_speculative_tokens:
+            spec["num_speculative_tokens"] = FLAGS.num_speculative_tokens
+        if method == "draft":
+            spec.update(model=FLAGS.speculative_model, quantization=FLAGS.speculative_quantization)
+        options["speculative_config"] = spec
+    config = EngineConfig.from_options(model=FLAGS.model,
+                                       memory_budget_bytes=FLAGS.memory_budget_bytes,
+                                       **{k: v for k, v in options.items() if v is not None})
     engine = LLMEngine(config)
+    summary = engine.memory_plan.describe(engine.max_model_len)
+    draft = {k: v for k, v in engine.speculator.stats().items() if k.startswith("draft_")}
+    if "draft_weight_bytes" in draft:
+        summary += (f"; the weights include the draft model's {draft['draft_weight_bytes']} "
+                    f"bytes, and each page its draft KV")
     return {"memory_plan": engine.memory_plan.as_dict(), "max_model_len": engine.max_model_len,
-            "summary": engine.memory_plan.describe(engine.max_model_len)}
+            "summary": summary, **draft}
 
 
 def main(argv: list[str]) -> None:
