@@ -24,10 +24,12 @@ from jaxserve.config import ModelConfig
 from jaxserve.core.draft_kv import DraftKV
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan
+from jaxserve.core.structured_output import bitmask_words, fill_masks
 from jaxserve.model import llama
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.runtime.batch import build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.logit_controls import apply_mask
 from jaxserve.runtime.runner import ModelRunner
 
 
@@ -70,14 +72,17 @@ def _catch_up(params, pool, token_ids, md: AttentionMetadata, *, cfg: ModelConfi
     return pool
 
 
-def _propose(params, pool, token_ids, md: AttentionMetadata, logits_indices, num_drafts, *,
-             cfg: ModelConfig, backend: str, max_k: int):
+def _propose(params, pool, token_ids, md: AttentionMetadata, logits_indices, num_drafts,
+             first_mask, *, cfg: ModelConfig, backend: str, max_k: int):
     """One chunk per row ending in the row's last token (its logits at logits_indices i32[R])
-    gives each row's first draft; then decode steps, all rows at once, each feeding the previous
-    draft at the next position, until row r has num_drafts[r] (0: a padding row). Returns the
-    pool and the drafts i32[R, max_k] (those past a row's num_drafts are meaningless)."""
+    gives each row's first draft, among the tokens first_mask i32[R, ceil(V/32)] allows (a
+    grammar's next tokens; all ones for a row without one); then decode steps, all rows at
+    once, each feeding the previous draft at the next position, until row r has num_drafts[r]
+    (0: a padding row). Returns the pool and the drafts i32[R, max_k] (those past a row's
+    num_drafts are meaningless)."""
     pool, hidden = llama.forward(params, pool, token_ids, md, cfg=cfg, backend=backend)
-    first = _argmax(llama.logits(params, hidden[logits_indices], cfg), backend)
+    first = _argmax(apply_mask(llama.logits(params, hidden[logits_indices], cfg), first_mask),
+                    backend)
     r = logits_indices.shape[0]
     rows = jnp.arange(r, dtype=jnp.int32)
     last_pos = md.positions[logits_indices]
@@ -141,6 +146,9 @@ class DraftRunner:
         self._signatures: set = set()
         self.catch_up_seconds = 0.0  # of the latest proposal
 
+    def _all_allowed(self, rows: int) -> np.ndarray:
+        return np.full((rows, bitmask_words(self.model.cfg.vocab_size)), -1, np.int32)
+
     @property
     def compilations(self) -> int:
         return len(self._signatures)
@@ -176,11 +184,19 @@ class DraftRunner:
             tables[batch.attn.token_row[first], :len(pages)] = pages
         num_drafts = np.zeros(batch.logits_indices.shape[0], np.int32)
         num_drafts[:num_rows] = [len(c.draft_token_ids) for c in chunks]
+        # A grammar's row drafts its first token among those the grammar allows next (the
+        # later drafts follow the draft model alone: the verification's masks check them).
+        first_mask = self._all_allowed(num_drafts.shape[0])
+        try:
+            fill_masks([(i, c.seq, []) for i, c in enumerate(chunks)
+                        if c.seq.request.grammar is not None], first_mask)
+        except ValueError:  # a broken matcher: the step's own masks fail its request alone
+            first_mask = self._all_allowed(num_drafts.shape[0])
         self._signatures.add(("propose", batch.token_ids.shape[0], num_drafts.shape[0]))
         self.model.pool, drafts = self._propose(self.model.params, pool=self.model.pool,
                                                 token_ids=batch.token_ids, md=batch.attn,
                                                 logits_indices=batch.logits_indices,
-                                                num_drafts=num_drafts)
+                                                num_drafts=num_drafts, first_mask=first_mask)
         drafts = np.asarray(jax.device_get(drafts))
         out = []
         for i, chunk in enumerate(chunks):
@@ -229,7 +245,7 @@ class DraftRunner:
             self.model.pool, _ = self._propose(
                 self.model.params, pool=self.model.pool, token_ids=batch.token_ids,
                 md=batch.attn, logits_indices=batch.logits_indices,
-                num_drafts=np.zeros(rows, np.int32))
+                num_drafts=np.zeros(rows, np.int32), first_mask=self._all_allowed(rows))
             run += 1
         jax.block_until_ready(self.model.pool)
         return run

@@ -57,8 +57,15 @@ def apply_controls(logits, c: LogitControls):
         logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
         logits = logits - c.frequency[:, None] * counts - c.presence[:, None] * (counts > 0)
         logits = logits + dense(c.bias)
+    return apply_mask(logits, c.mask)
+
+
+def apply_mask(logits, mask):
+    """logits f32[R, V], mask i32[R, ceil(V/32)] (bit t % 32 of word t // 32: token t allowed)
+    -> the logits with disallowed tokens at -inf."""
+    r, v = logits.shape
     # Bits unpacked by a broadcast shift (a gather of words per token is slower on CPUs).
-    bits = (c.mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
     allowed = bits.reshape(r, -1)[:, :v]
     return jnp.where(allowed != 0, logits, -jnp.inf)
 
