@@ -126,6 +126,11 @@ def test_control_does_not_count_a_shapes_first_run():
     c.observe(9, 0.032, speculative=True)
     assert c.cost(9, True) == pytest.approx(0.032)
     assert c.choose(1, 100, [100] * 8, [50] * 8) == 8
+    c.observe(9, 0.60, speculative=True)  # a later stall counts as twice the average
+    assert c.cost(9, True) == pytest.approx(0.9 * 0.032 + 0.1 * 0.064)
+    for _ in range(30):  # a lasting change is followed
+        c.observe(9, 0.10, speculative=True)
+    assert c.cost(9, True) == pytest.approx(0.10, rel=0.05)
 
 
 def test_control_speculates_where_a_bigger_step_costs_little():

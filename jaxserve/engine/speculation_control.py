@@ -14,7 +14,9 @@ smallest or past a lone one: optimism that tries such a step once, and so measur
 first step timed in each bucket of each kind is not counted: a shape's first run pays one-time
 costs (its sampling call's compile, first-touch allocations) that would otherwise mark
 verification as many times dearer than it is, and the probes that could correct it verify at
-other sizes.
+other sizes. Later times count at most twice the bucket's average (a shape's sampling compiled
+late, a stall), so that one outlier moves it by a tenth at most; a lasting change still moves
+it within a few steps.
 The acceptance counts start from a prior (PRIOR_DECODES decodes that drafted every position and
 had half accepted), so a few early decodes without a proposal do not end speculation; once
 plain decoding wins, one draft per sequence is tried again after FIRST_PROBE_INTERVAL (16)
@@ -55,6 +57,8 @@ class SpeculationControl:
             self._first_seen.add((speculative, b))
             return
         old = table.get(b)
+        if old is not None:  # an outlier (a compile, a stall) moves the average by 10% at most
+            seconds = min(seconds, 2 * old)
         table[b] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
 
     def cost(self, num_tokens: float, speculative: bool) -> float | None:
