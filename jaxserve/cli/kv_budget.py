@@ -19,7 +19,7 @@ import sys
 from absl import flags
 
 from jaxserve.config import (DRAFT_QUANTIZATIONS, KV_SCALAR_BYTES, MAX_SPECULATIVE_TOKENS,
-                             SPECULATIVE_METHODS, kv_slot_bytes)
+                             QUANTIZATIONS, SPECULATIVE_METHODS, kv_slot_bytes)
 from jaxserve.tools import architectures
 from jaxserve.tools import kv_budget as kvb
 
@@ -55,6 +55,7 @@ flags.DEFINE_string("speculative_model", None, "The plan's draft model (default:
                     "own weights).")
 flags.DEFINE_enum("speculative_quantization", "none", DRAFT_QUANTIZATIONS,
                   "The plan's draft weights: none or int8.")
+flags.DEFINE_enum("quantization", None, QUANTIZATIONS, "The plan's weights (default: none).")
 flags.DEFINE_integer("max_num_seqs", None, "The plan's engine option (default: the engine's).")
 flags.DEFINE_integer("max_num_batched_tokens", None, "The plan's engine option (default: the "
                      "engine's): it fixes the activation peak.")
@@ -261,7 +262,8 @@ def _memory_plan() -> dict:
     options = {"page_size": page_sizes[0] if FLAGS["page_sizes"].present else None,
                "kv_cache_dtype": FLAGS.kv_cache_dtype, "max_num_seqs": FLAGS.max_num_seqs,
                "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
-               "tensor_parallel_size": FLAGS.tensor_parallel_size}
+               "tensor_parallel_size": FLAGS.tensor_parallel_size,
+               "quantization": FLAGS.quantization}
     if FLAGS.num_speculative_tokens or FLAGS.speculative_method:
         method = FLAGS.speculative_method or "ngram"
         spec = {"method": method}
