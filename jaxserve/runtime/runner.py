@@ -232,7 +232,7 @@ class ModelRunner:
         """Bytes of the weights and the KV pool, over all devices and on one (under tensor
         parallelism each device holds every page, for its KV heads; repeated heads count)."""
         pool_per_device = memory.bytes_on_device(self.pool)
-        return dict(kv_pool_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(self.pool)),
+        return dict(kv_pool_bytes=self.pool.nbytes,
                     weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params)),
                     kv_pool_bytes_per_device=pool_per_device,
                     kv_page_bytes_per_device=pool_per_device // self.num_pages,

@@ -198,10 +198,13 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float
     transpose, check and convert) each layer when it is asked for."""
     used: set[str] = set()
 
-    def take(name: str) -> np.ndarray:
+    def require(name: str) -> None:
         if name not in tensors:
             raise ValueError(f"missing tensor {name!r} in checkpoint")
         used.add(name)
+
+    def take(name: str) -> np.ndarray:
+        require(name)
         t = tensors[name]
         return np.asarray(t() if callable(t) else t)
 
@@ -238,9 +241,7 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float
         names = [f"model.layers.{i}.{suffix}" for i in range(L)]
         if lazy:
             for name in names:
-                if name not in tensors:
-                    raise ValueError(f"missing tensor {name!r} in checkpoint")
-            used.update(names)
+                require(name)
             layers[key] = LayerStack([functools.partial(layer, n, key, transpose) for n in names],
                                      (L, *expected[key]), dtype)
         else:

@@ -402,11 +402,13 @@ ffi::Error MatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<
   return ffi::Error::Success();
 }
 
-// Int8 (W = int8_t) or 4-bit levels (W = uint8_t) with their group scales and offsets.
-template <typename W, ffi::DataType kType>
+// Int8 (S8: int8_t levels) or 4-bit levels (U8: uint8_t, two a byte) with their group scales
+// and offsets.
+template <ffi::DataType kType>
 ffi::Error MatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<kType> q,
                          ffi::Buffer<ffi::F16> scale, ffi::Buffer<ffi::F16> offset,
                          ffi::ResultBuffer<ffi::F32> y) {
+  using W = ffi::NativeType<kType>;
   const auto xd = x.dimensions(), qd = q.dimensions();
   if (auto e = CheckShapes(xd, qd, y->dimensions(), kPerByte<W>); e.failure()) return e;
   for (const auto& d : {scale.dimensions(), offset.dimensions()}) {
@@ -415,10 +417,21 @@ ffi::Error MatmulGrouped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buf
       return ffi::Error::InvalidArgument("matmul: scale, offset [P, K / 32, 48] for q of K k");
     }
   }
-  RunMatmul<W>(pool, x.typed_data(), reinterpret_cast<const W*>(q.typed_data()),
-               scale.typed_data(), offset.typed_data(), y->typed_data(), xd[0], xd[1],
-               y->dimensions()[1]);
+  RunMatmul<W>(pool, x.typed_data(), q.typed_data(), scale.typed_data(), offset.typed_data(),
+               y->typed_data(), xd[0], xd[1], y->dimensions()[1]);
   return ffi::Error::Success();
+}
+
+// The grouped matmuls' arguments: x, the levels of kType, their scales and offsets.
+template <ffi::DataType kType>
+auto BindGrouped() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<kType>>()
+      .template Arg<ffi::Buffer<ffi::F16>>()  // scales
+      .template Arg<ffi::Buffer<ffi::F16>>()  // offsets
+      .template Ret<ffi::Buffer<ffi::F32>>();
 }
 
 }  // namespace
@@ -430,20 +443,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulF32, MatmulF32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, (MatmulGrouped<int8_t, ffi::S8>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt4, (MatmulGrouped<uint8_t, ffi::U8>),
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt8, MatmulGrouped<ffi::S8>, BindGrouped<ffi::S8>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulInt4, MatmulGrouped<ffi::U8>, BindGrouped<ffi::U8>());
