@@ -5,8 +5,10 @@
   python scripts/bench_speculative.py --speculative_method=draft --speculative_quantization=int8
                                      # self-speculation: the target's own weights in int8
 
-Workloads (configs/speculative_prompts.json): "grounded" prompts copy, edit or summarise text
-they contain (prompt lookup's case), "open" chat questions. For each workload and concurrency
+Workloads (configs/speculative_prompts.json): "grounded" prompts copy, edit or summarise a
+document of 100-200 words they contain (prompt lookup's case), "grounded_short" the same tasks
+on texts of 20-40 words (outputs of 10-100 tokens, where the prefill and the answer's opening
+words weigh more), "open" chat questions. For each workload and concurrency
 (requests in flight at once: the prompts repeated to fill it), each engine is warmed up, then
 runs the workload; reported are output tokens per second, the speed-up of speculation over
 plain decoding, acceptance (accepted / proposed drafts) and tokens per verification
@@ -35,8 +37,10 @@ flags.DEFINE_bool("speculative_adaptive", True, "Drafts per step from measured c
 flags.DEFINE_integer("prompt_lookup_min", 2, "Shortest n-gram matched.")
 flags.DEFINE_integer("prompt_lookup_max", 4, "Longest n-gram matched.")
 flags.DEFINE_list("concurrency", ["1", "64"], "Requests in flight at once.")
-flags.DEFINE_list("workloads", ["grounded", "open"], "Prompt sets of the config file.")
-flags.DEFINE_integer("max_tokens", 128, "Greedy output tokens per request (at most).")
+flags.DEFINE_list("workloads", ["grounded", "grounded_short", "open"],
+                  "Prompt sets of the config file.")
+flags.DEFINE_integer("max_tokens", 256, "Greedy output tokens per request (at most): the "
+                     "grounded documents run to 150-250 tokens.")
 flags.DEFINE_string("model", "smollm2-135m", "Model.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON.")
 
@@ -82,7 +86,7 @@ def main(argv):
           f"{'accepted':>10}{'tok/verif.':>11}{'identical':>11}")
     for concurrency in map(int, FLAGS.concurrency):
         options = dict(max_num_seqs=max(concurrency, 1), enable_prefix_caching=False,
-                       num_pages=max(64, concurrency * 24))
+                       num_pages=max(64, concurrency * 32))
         spec_config = {"method": FLAGS.speculative_method,
                        "num_speculative_tokens": FLAGS.num_speculative_tokens,
                        "adaptive": FLAGS.speculative_adaptive}

@@ -107,10 +107,10 @@ def test_counters_add_up(spec):
 def control(plain: dict, verifying: dict, max_k: int = 4) -> SpeculationControl:
     """Each bucket timed twice: first a shape's first run, slow and not counted, then as given."""
     c = SpeculationControl(max_k, (1, 2, 4, 8, 16, 32, 64, 128, 256))
-    for speculative, times in ((False, plain), (True, verifying)):
+    for is_verifying, times in ((False, plain), (True, verifying)):
         for tokens, seconds in times.items():
-            c.observe(tokens, 30 * seconds, speculative=speculative)
-            c.observe(tokens, seconds, speculative=speculative)
+            c.observe(tokens, 30 * seconds, verifying=is_verifying)
+            c.observe(tokens, seconds, verifying=is_verifying)
     return c
 
 
@@ -119,17 +119,17 @@ def test_control_does_not_count_a_shapes_first_run():
     plain decoding win at one stream for the rest of the run, since the probes that could
     correct it verify one draft, in another bucket."""
     c = SpeculationControl(8, (1, 2, 4, 8, 12, 16))
-    c.observe(1, 0.021, speculative=False)
-    c.observe(1, 0.021, speculative=False)
-    c.observe(9, 0.30, speculative=True)  # the first 9-token verification
+    c.observe(1, 0.021, verifying=False)
+    c.observe(1, 0.021, verifying=False)
+    c.observe(9, 0.30, verifying=True)  # the first 9-token verification
     assert c.cost(9, True) == pytest.approx(0.021)  # none counted: the plain time stands in
-    c.observe(9, 0.032, speculative=True)
+    c.observe(9, 0.032, verifying=True)
     assert c.cost(9, True) == pytest.approx(0.032)
     assert c.choose(1, 100, [100] * 8, [50] * 8) == 8
-    c.observe(9, 0.60, speculative=True)  # a later stall counts as twice the average
+    c.observe(9, 0.60, verifying=True)  # a later stall counts as twice the average
     assert c.cost(9, True) == pytest.approx(0.9 * 0.032 + 0.1 * 0.064)
     for _ in range(30):  # a lasting change is followed
-        c.observe(9, 0.10, speculative=True)
+        c.observe(9, 0.10, verifying=True)
     assert c.cost(9, True) == pytest.approx(0.10, rel=0.05)
 
 
@@ -145,9 +145,26 @@ def test_control_speculates_where_a_bigger_step_costs_little():
     assert control({1: 0.02}, {8: 0.02}).choose(1, 1000, [1000] * 4, [0] * 4) == 0
 
 
+def test_control_follows_a_change_in_acceptance():
+    """The scheduler's counts are the run's totals; the control weighs recent decodes: after
+    10000 decodes with 60% accepted, traffic whose drafts all fail ends speculation within a
+    few thousand decodes (the totals would still say 46% accepted after 3000)."""
+    c = control({1: 0.020}, {4: 0.022, 8: 0.026})
+    assert c.choose(1, 10000, [10000] * 4, [6000] * 4) == 4
+    picks = [c.choose(1, 10000 + n, [10000 + n] * 4, [6000] * 4) for n in range(1, 3001)]
+    assert picks.index(0) > 256  # a few hundred decodes are not enough to give up
+    assert 0 in picks
+
+
 def test_control_explores_then_probes_ever_less_often():
-    c = SpeculationControl(4, (1, 2, 4, 8))
-    assert c.choose(1, 0, [0] * 4, [0] * 4) == 4  # nothing timed yet: try it
+    c = SpeculationControl(4, (1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+    assert c.choose(1, 0, [0] * 4, [0] * 4) == 0  # plain decoding first, to time it
+    c.observe(512, 0.4, verifying=False)  # a prefill chunk: not a decode's price
+    c.observe(512, 0.4, verifying=False)
+    assert c.choose(1, 0, [0] * 4, [0] * 4) == 0
+    c.observe(1, 0.02, verifying=False)
+    c.observe(1, 0.02, verifying=False)
+    assert c.choose(1, 0, [0] * 4, [0] * 4) == 4  # verification not timed: try it
     c = control({64: 0.08, 128: 0.16}, {128: 0.165, 256: 0.33})
     picks = [c.choose(64, 1000, [1000] * 4, [600] * 4) for _ in range(16 + 32 + 64)]
     probes = [i for i, k in enumerate(picks) if k]
@@ -160,3 +177,20 @@ def test_control_cost_interpolates_and_extrapolates():
     assert c.cost(32, False) == pytest.approx(0.034)  # along the last slope
     assert c.cost(2, False) == pytest.approx(0.010)  # flat below the smallest
     assert control({}, {}).cost(4, False) is None
+
+
+def test_control_bounds_an_untimed_verification_by_plain_steps():
+    """Verifications timed only at one stream (memory-bound: 9 tokens cost 1.5x one) must not
+    promise a 64-row verification at that slope: plain steps of as many tokens (a batch's
+    decodes, prefill chunks) bound it, and plain decoding wins there."""
+    c = control({1: 0.020, 64: 0.080, 128: 0.150, 512: 0.55}, {16: 0.032})
+    assert c.cost(16, True) == pytest.approx(0.032)  # its own bucket, timed
+    assert c.cost(576, True) >= c.cost(576, False) > 0.55
+    assert c.choose(1, 1000, [1000] * 4, [600] * 4) == 4
+    assert c.choose(64, 1000, [1000] * 4, [600] * 4) == 0
+    # A draft model's steps make a verification 1.77x a plain step of its size at one stream;
+    # a 56-row verification, not timed, is priced at that ratio over plain's time there.
+    c = control({1: 0.019, 2: 0.020, 8: 0.026, 64: 0.072, 512: 0.37}, {8: 0.046})
+    assert c.cost(280, True) == pytest.approx(c.cost(280, False) * 0.046 / 0.026)
+    assert c.choose(1, 1000, [1000] * 4, [600] * 4) > 0
+    assert c.choose(56, 1000, [1000] * 4, [600] * 4) == 0

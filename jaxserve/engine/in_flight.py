@@ -25,3 +25,4 @@ class Launched:
     offsets: list[int]
     catch_up_seconds: float = 0.0  # the draft model's prefill of new prompts before it
     unsampled: StepBatch | None = None
+    verifying: bool = False  # planned to verify drafts (k > 0), whether or not any were found

@@ -259,7 +259,7 @@ class LLMEngine:
         if ahead and not self.scheduler.has_unfinished():
             self._settle()  # everything it computes was finished meanwhile: drop it now
         t3 = time.perf_counter()
-        self.speculator.observe(current.plan, t0, t3, current.catch_up_seconds)
+        self.speculator.observe(current, t0, t3)
         # Host work while a step ran on the device overlapped it: planning the next step while
         # `current` ran, and applying `current` while the next one runs.
         self.host_seconds += (t1 - t0) + (t3 - t2)
@@ -305,7 +305,8 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001
             raise StepFailed(f"the device step failed: {e!r}") from e
         return Launched(plan, out, num_rows, offsets, catch_up,
-                         unsampled=batch if later else None)
+                         unsampled=batch if later else None,
+                        verifying=self.scheduler.spec_k > 0)
 
     def _sample(self, launched: Launched) -> None:
         """Launch the deferred sampling of a step with its controls, now that the tokens before

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.step_plan import StepPlan
+from jaxserve.engine.in_flight import Launched
 from jaxserve.engine.speculation_control import SpeculationControl
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.draft import DraftRunner, check_draft_window, check_shared_vocabulary
@@ -78,16 +79,18 @@ class Speculator:
             chunk.draft_token_ids = drafts
         return self.drafter.catch_up_seconds
 
-    def observe(self, plan: StepPlan, started: float, ended: float, catch_up: float) -> None:
+    def observe(self, launched: Launched, started: float, ended: float) -> None:
         """A step's cost for the cost model: the interval between steps that follow each other
         (with async scheduling the device ran this one while the host finished the last), less
-        the draft model's catch-up."""
+        the draft model's catch-up. A step that chose drafts but found none is timed as a
+        verification: it too was planned after the last step's read-back, without the overlap
+        plain decoding keeps."""
         if self.control is None:
             return
         back_to_back = self._last_step_end is not None and started - self._last_step_end < 1e-3
-        self.control.observe(plan.num_tokens,
-                             ended - (self._last_step_end if back_to_back else started) - catch_up,
-                             any(c.draft_token_ids for c in plan.chunks))
+        seconds = ended - (self._last_step_end if back_to_back else started)
+        self.control.observe(launched.plan.num_tokens, seconds - launched.catch_up_seconds,
+                             verifying=launched.verifying)
         self._last_step_end = ended
 
     def reset(self) -> None:
@@ -123,6 +126,6 @@ class Speculator:
                          draft_weight_bytes=drafted["weight_bytes"])
         if self.control is not None:  # the cost model: seconds per token bucket timed
             stats["spec_step_seconds"] = {
-                kind: dict(sorted(self.control.seconds[speculative].items()))
-                for kind, speculative in (("plain", False), ("verifying", True))}
+                kind: dict(sorted(self.control.seconds[verifying].items()))
+                for kind, verifying in (("plain", False), ("verifying", True))}
         return stats
