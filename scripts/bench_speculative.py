@@ -1,6 +1,6 @@
 """Speculative decoding against plain decoding, in one run, greedy, on the default model.
 
-  python scripts/bench_speculative.py                                # k = 4, both workloads
+  python scripts/bench_speculative.py                                # k = 8, every workload
   python scripts/bench_speculative.py --num_speculative_tokens=8 --concurrency=1,64
   python scripts/bench_speculative.py --speculative_method=draft --speculative_quantization=int8
                                      # self-speculation: the target's own weights in int8
@@ -10,17 +10,25 @@ document of 100-200 words they contain (prompt lookup's case), "grounded_short" 
 on texts of 20-40 words (outputs of 10-100 tokens, where the prefill and the answer's opening
 words weigh more), "open" chat questions. For each workload and concurrency
 (requests in flight at once: the prompts repeated to fill it), each engine is warmed up, then
-runs the workload; reported are output tokens per second, the speed-up of speculation over
-plain decoding, acceptance (accepted / proposed drafts) and tokens per verification
-(accepted drafts + the target's own token), and whether the outputs were identical.
+the two run the workload in turn, --repeats times; reported are output tokens per second
+(medians), the speed-up of speculation over plain decoding (the median of the pairs' ratios:
+a pair shares its moment's load on a shared machine), the share of the speculative engine's steps that verified drafts (where the
+adaptive cost model stops speculating, the crossover, it falls to the rare probes), acceptance
+(accepted / proposed drafts) and tokens per verification (accepted drafts + the target's own
+token), and whether the outputs were identical.
+
+  python scripts/bench_speculative.py --workloads=grounded --concurrency=1,2,4,8,16,32
+                                     # the crossover: speed-up and steps verifying per batch
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import time
+from collections import Counter
 
 from absl import app, flags
 
@@ -41,6 +49,8 @@ flags.DEFINE_list("workloads", ["grounded", "grounded_short", "open"],
                   "Prompt sets of the config file.")
 flags.DEFINE_integer("max_tokens", 256, "Greedy output tokens per request (at most): the "
                      "grounded documents run to 150-250 tokens.")
+flags.DEFINE_integer("repeats", 3, "Plain and speculative runs per workload, alternating: "
+                     "tok/s are medians, the speed-up the median of the pairs' ratios.")
 flags.DEFINE_string("model", "smollm2-135m", "Model.")
 flags.DEFINE_string("json_out", None, "Write the results as JSON.")
 
@@ -64,7 +74,7 @@ def run(llm, prompts, concurrency: int) -> tuple[float, list, dict]:
     after = llm.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     spec = {k: after.get(k, 0) - before.get(k, 0)
-            for k in ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")}
+            for k in ("steps", "spec_verifying_steps", "spec_steps", "spec_draft_tokens", "spec_accepted_tokens")}
     return tokens / seconds, [o.outputs[0].token_ids for o in outs], spec
 
 
@@ -83,7 +93,7 @@ def main(argv):
     loaded = load_model(FLAGS.model)
     results = []
     print(f"{'workload':<10}{'conc.':>6}{'plain tok/s':>13}{'spec tok/s':>12}{'speed-up':>10}"
-          f"{'accepted':>10}{'tok/verif.':>11}{'identical':>11}")
+          f"{'verifying':>11}{'accepted':>10}{'tok/verif.':>11}{'identical':>11}")
     for concurrency in map(int, FLAGS.concurrency):
         options = dict(max_num_seqs=max(concurrency, 1), enable_prefix_caching=False,
                        num_pages=max(64, concurrency * 32))
@@ -104,19 +114,30 @@ def main(argv):
             prompts = workloads[name]
             for llm in engines.values():  # untimed: the chat shapes and prompt lengths
                 run(llm, prompts[:2], min(concurrency, 2))
-            plain, plain_out, _ = run(engines["plain"], prompts, concurrency)
-            spec, spec_out, counts = run(engines["spec"], prompts, concurrency)
+            # Plain and speculative runs alternate, `repeats` pairs: a pair shares the
+            # machine's load of its moment, so the median of the pairs' ratios is the speed-up.
+            pairs, counts, identical = [], Counter(), True
+            for _ in range(FLAGS.repeats):
+                plain, plain_out, _ = run(engines["plain"], prompts, concurrency)
+                spec, spec_out, spec_counts = run(engines["spec"], prompts, concurrency)
+                pairs.append((plain, spec))
+                counts.update(spec_counts)
+                identical &= plain_out == spec_out
+            plain, spec = (statistics.median(p[i] for p in pairs) for i in (0, 1))
             drafts = counts["spec_draft_tokens"]
             row = {"workload": name, "concurrency": concurrency, "plain_tok_s": plain,
-                   "spec_tok_s": spec, "speedup": spec / plain,
+                   "spec_tok_s": spec, "speedup": statistics.median(s / p for p, s in pairs),
+                   "pairs": pairs,
+                   "verifying_steps": counts["spec_verifying_steps"] / counts["steps"],
                    "acceptance_rate": counts["spec_accepted_tokens"] / drafts if drafts else 0.0,
                    "tokens_per_verification": ((counts["spec_accepted_tokens"]
                                                 + counts["spec_steps"]) / counts["spec_steps"]
                                                if counts["spec_steps"] else 0.0),
-                   "identical": plain_out == spec_out, **counts, **spec_config}
+                   "identical": identical, **counts, **spec_config}
             results.append(row)
-            print(f"{name:<10}{concurrency:>6}{plain:>13.1f}{spec:>12.1f}{spec / plain:>9.2f}x"
-                  f"{100 * row['acceptance_rate']:>9.0f}%{row['tokens_per_verification']:>11.2f}"
+            print(f"{name:<10}{concurrency:>6}{plain:>13.1f}{spec:>12.1f}{row['speedup']:>9.2f}x"
+                  f"{100 * row['verifying_steps']:>10.0f}%{100 * row['acceptance_rate']:>9.0f}%"
+                  f"{row['tokens_per_verification']:>11.2f}"
                   f"{str(row['identical']):>11}", flush=True)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:

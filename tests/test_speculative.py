@@ -99,6 +99,7 @@ def test_rejected_lookahead_returns_its_pages_and_accepted_drafts_advance():
     assert seq.output_token_ids == true[:9] and seq.num_computed_tokens == 11
     st = sched.stats()
     assert (st["spec_steps"], st["spec_draft_tokens"], st["spec_accepted_tokens"]) == (2, 12, 6)
+    assert st["spec_verifying_steps"] == 2  # one sequence: a step per verification
     assert st["spec_accepted_per_position"] == [1] * 6
     run_to_completion(sched, [], runner=runner)
     assert seq.output_token_ids == true

@@ -95,6 +95,9 @@ def test_counters_add_up(spec):
     assert len(st["spec_accepted_per_position"]) == k
     assert sum(st["spec_accepted_per_position"]) == st["spec_accepted_tokens"]
     assert st["spec_accepted_tokens"] <= st["spec_draft_tokens"] <= k * st["spec_steps"]
+    # A step verifies the drafts of one sequence or more.
+    assert st["spec_verifying_steps"] <= st["spec_steps"] <= 4 * st["spec_verifying_steps"]
+    assert st["spec_verifying_steps"] <= st["steps"]
     if speculates_always(spec):
         assert st["spec_accepted_tokens"] > 0
     # Acceptance at a position needs acceptance at every earlier one.

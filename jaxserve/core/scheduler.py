@@ -85,8 +85,8 @@ class Scheduler(StepResults):
         self.counters = dict(num_preempted_total=0, num_aborted_total=0, num_finished_total=0,
                              num_rejected_total=0, num_failed_total=0, prefix_cache_queries=0,
                              prefix_cache_hits=0, num_steps=0, num_cow_copies=0,
-                             num_scheduled_ahead=0, spec_steps=0, spec_draft_tokens=0,
-                             spec_accepted_tokens=0)
+                             num_scheduled_ahead=0, spec_steps=0, spec_verifying_steps=0,
+                             spec_draft_tokens=0, spec_accepted_tokens=0)
         spec = config.speculative_config
         self.proposer = Proposer(spec, max_model_len, config.page_size) if spec else None
         k = spec.num_speculative_tokens if spec else 0

@@ -94,11 +94,12 @@ class StepResults:
     def _settle_verifications(self, plan: StepPlan, accepted) -> None:
         """Count each verification's accepted drafts, and return the pages its rejected
         lookahead held wholly (the sequence keeps pages for its tokens, the last one included:
-        the next step writes its KV)."""
+        the next step writes its KV); a step with any verification counts once in
+        spec_verifying_steps."""
         kept = Counter(id(chunk) for _, _, chunk, _ in accepted)
-        for chunk in plan.chunks:
-            if not chunk.draft_token_ids or not kept[id(chunk)]:
-                continue
+        verified = [c for c in plan.chunks if c.draft_token_ids and kept[id(c)]]
+        self.counters["spec_verifying_steps"] += bool(verified)
+        for chunk in verified:
             drafted, taken = len(chunk.draft_token_ids), kept[id(chunk)] - 1
             self.counters["spec_steps"] += 1
             self.counters["spec_draft_tokens"] += drafted

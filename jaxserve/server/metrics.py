@@ -44,6 +44,8 @@ _COUNTERS = (
     ("num_engine_steps", "steps", "Engine steps run."),
     ("request_rejected", "num_rejected_total", "Requests the engine refused at admission."),
     ("spec_decode_num_drafts", "spec_steps", "Speculative verifications (a sequence's step)."),
+    ("spec_decode_num_verifying_steps", "spec_verifying_steps",
+     "Engine steps that verified drafts of any sequence."),
     ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Speculative tokens proposed."),
     ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Speculative tokens accepted."),
 )
