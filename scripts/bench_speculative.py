@@ -12,8 +12,9 @@ words weigh more), "open" chat questions. For each workload and concurrency
 (requests in flight at once: the prompts repeated to fill it), each engine is warmed up, then
 the two run the workload in turn, --repeats times; reported are output tokens per second
 (medians), the speed-up of speculation over plain decoding (the median of the pairs' ratios:
-a pair shares its moment's load on a shared machine), the share of the speculative engine's steps that verified drafts (where the
-adaptive cost model stops speculating, the crossover, it falls to the rare probes), acceptance
+a pair shares its moment's load on a shared machine), the share of the speculative engine's
+steps that verified drafts (where the adaptive cost model stops speculating, the crossover, it
+falls to the rare probes), acceptance
 (accepted / proposed drafts) and tokens per verification (accepted drafts + the target's own
 token), and whether the outputs were identical.
 
@@ -74,7 +75,8 @@ def run(llm, prompts, concurrency: int) -> tuple[float, list, dict]:
     after = llm.stats()
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     spec = {k: after.get(k, 0) - before.get(k, 0)
-            for k in ("steps", "spec_verifying_steps", "spec_steps", "spec_draft_tokens", "spec_accepted_tokens")}
+            for k in ("steps", "spec_verifying_steps", "spec_steps", "spec_draft_tokens",
+                      "spec_accepted_tokens")}
     return tokens / seconds, [o.outputs[0].token_ids for o in outs], spec
 
 
