@@ -14,11 +14,10 @@ the two run the workload in turn, --repeats times; reported are output tokens pe
 (medians), the speed-up of speculation over plain decoding (the median of the pairs' ratios:
 a pair shares its moment's load on a shared machine), the share of the speculative engine's
 steps that verified drafts (where the adaptive cost model stops speculating, the crossover, it
-falls to the rare probes), acceptance
-(accepted / proposed drafts) and tokens per verification (accepted drafts + the target's own
-token), and whether the outputs were identical.
+falls to the rare probes), acceptance (accepted / proposed drafts) and tokens per verification
+(accepted drafts + the target's own token), and whether the outputs were identical.
 
-  python scripts/bench_speculative.py --workloads=grounded --concurrency=1,2,4,8,16,32
+  python scripts/bench_speculative.py --workloads=grounded --concurrency=1,2,4,8,16,32,64
                                      # the crossover: speed-up and steps verifying per batch
 """
 
