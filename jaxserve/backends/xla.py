@@ -44,11 +44,17 @@ def _online_update(carry, s, v, valid=None):
 
 
 def _over_page_blocks(page_tables, seq_lens, first_key, pages_per_block: int, page_size: int,
-                      stats_shape: tuple, head_dim: int, block_fn):
+                      stats_shape: tuple, head_dim: int, block_fn, finish):
     """Runs block_fn(first_slot, pages i32[R, ppb], carry) -> carry over blocks of page-table
     columns, from the block holding key position first_key (i32: where sliding windows start)
     only as far as the longest row (dynamic trip counts: the table's width costs nothing, and
-    each visited page is read once). Returns the normalised accumulator."""
+    each visited page is read once). Returns finish(the normalised accumulator).
+
+    The finished output is a result of the loop, computed with each block (the last one's
+    kept), not after it: XLA's CPU backend fuses what follows the loop into the output
+    projection's matrix-vector loop, where indexing the [Hkv, R, Q, D] accumulator as the
+    projection's [R, Hq*D] input cost 5x the projection's own work per weight (scalar loads
+    and divisions by the head counts for every weight)."""
     width = page_tables.shape[1]
     ppb = min(pages_per_block, width)
     tables = jnp.pad(page_tables, ((0, 0), (0, -width % ppb)))  # page 0, masked by position
@@ -57,12 +63,13 @@ def _over_page_blocks(page_tables, seq_lens, first_key, pages_per_block: int, pa
 
     def body(j, carry):
         pages = jax.lax.dynamic_slice_in_dim(tables, j * ppb, ppb, axis=1)
-        return block_fn(j * block_slots, pages, carry)
+        m, l, acc = block_fn(j * block_slots, pages, carry[:3])
+        return m, l, acc, finish(acc / jnp.maximum(l, 1e-30)[..., None])
 
+    acc = jnp.zeros(stats_shape + (head_dim,), jnp.float32)  # no block visited: outputs 0
     init = (jnp.full(stats_shape, _MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-            jnp.zeros(stats_shape + (head_dim,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(first_key // block_slots, num_blocks, body, init)
-    return acc / jnp.maximum(l, 1e-30)[..., None]
+            acc, finish(acc))
+    return jax.lax.fori_loop(first_key // block_slots, num_blocks, body, init)[3]
 
 
 def _gather_block(cache, pages):
@@ -149,10 +156,13 @@ def _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, *,
     if window is not None:  # no query of these rows reads a key before this one
         lowest = q_pos[:, 0] - window + 1  # [R]: the first key of each row's earliest window
         first_key = jnp.maximum(0, jnp.min(jnp.where(seq_lens > 0, lowest, 0)))
+    def finish(out):  # [Hkv, R, Qb*G, D] -> [R*Qb, Hq*D], the output projection's rows
+        out = out.reshape(hkv, r, qb, g, d).transpose(1, 2, 0, 3, 4)
+        return out.reshape(r * qb, hq * d).astype(q.dtype)
+
     out = _over_page_blocks(page_tables, seq_lens, first_key, pages_per_block, page_size,
-                            (hkv, r, qb * g), d, block)  # [Hkv, R, Qb*G, D]
-    out = out.reshape(hkv, r, qb, g, d).transpose(1, 2, 0, 3, 4)
-    return out.reshape(r * qb, hq, d).astype(q.dtype)
+                            (hkv, r, qb * g), d, block, finish)
+    return out.reshape(r * qb, hq, d)
 
 
 def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
