@@ -5,6 +5,9 @@ at the longest row), and extreme logits against a float64 softmax."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -209,3 +212,21 @@ def test_extreme_logits_match_float64_softmax():
     np.testing.assert_allclose(out[:real], _dense_f64(q, cache, md, sm_scale), atol=5e-3,
                                rtol=5e-3)
     np.testing.assert_allclose(out[1, 0], np.asarray(cache.v)[0, page, slot], atol=1e-6)
+
+
+def test_decode_output_is_the_page_loops_result_reshaped():
+    """A decode step's attention output leaves the page loop in the output projection's
+    [rows, Hq*D] layout, and nothing but reshapes follows: XLA's CPU backend fuses whatever
+    follows the loop into the projection's matrix-vector loop, once per weight."""
+    rng = np.random.default_rng(1)
+    q, cache, md = _step(rng, 16, [5, 40], [], 3, 3, 64, width=4)
+    q = q[:2]  # the decode rows alone, as the engine's decode-only steps are
+    md = dataclasses.replace(md, positions=md.positions[:2], slot_mapping=md.slot_mapping[:2],
+                             token_row=md.token_row[:2])
+    jaxpr = jax.make_jaxpr(lambda q, cache: attend("xla", q, cache, md, sm_scale=0.125))(q, cache)
+    producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    eqn = producer[jaxpr.jaxpr.outvars[0]]
+    while eqn.primitive.name == "reshape":
+        eqn = producer[eqn.invars[0]]
+    assert eqn.primitive.name == "while"
+    assert eqn.outvars[-1].aval.shape == (q.shape[0], q.shape[1] * q.shape[2])

@@ -156,6 +156,7 @@ def _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, *,
     if window is not None:  # no query of these rows reads a key before this one
         lowest = q_pos[:, 0] - window + 1  # [R]: the first key of each row's earliest window
         first_key = jnp.maximum(0, jnp.min(jnp.where(seq_lens > 0, lowest, 0)))
+
     def finish(out):  # [Hkv, R, Qb*G, D] -> [R*Qb, Hq*D], the output projection's rows
         out = out.reshape(hkv, r, qb, g, d).transpose(1, 2, 0, 3, 4)
         return out.reshape(r * qb, hq * d).astype(q.dtype)
