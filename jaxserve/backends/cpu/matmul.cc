@@ -37,7 +37,6 @@ namespace {
 
 using jaxserve::vec::Broadcast;
 using jaxserve::vec::Fma;
-using jaxserve::vec::HalfToFloat;
 using jaxserve::vec::kLanes;
 using jaxserve::vec::Load;
 using jaxserve::vec::LoadFirst;
@@ -75,15 +74,6 @@ constexpr int64_t kPerByte = std::is_same_v<W, uint8_t> ? 2 : 1;
 // Elements of W in one panel of k_dim.
 template <typename W>
 constexpr int64_t PanelSize(int64_t k_dim) { return k_dim / kPerByte<W> * kPanel; }
-// Element i (k i / 48, column i % 48) of a panel, as float.
-template <typename W>
-float Level(const W* panel, int64_t i) {
-  if constexpr (kPerByte<W> == 2) {
-    return static_cast<float>(panel[i / (2 * kPanel) * kPanel + i % kPanel] >> (i / kPanel % 2 * 4) & 15);
-  } else {
-    return static_cast<float>(panel[i]);
-  }
-}
 // Register tiling. 16 lanes (32 registers): a row tile is 8 rows x one panel's 3 accumulators,
 // in one pass over k. 8 lanes (AVX2, 16 registers): a panel is six vectors and a pass holds at
 // most 12 accumulators: one row over two panels, two rows over one, up to four over half a
@@ -311,6 +301,34 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
   }
 }
 
+// One panel's levels (int8, or 4-bit two a byte) times its group scales plus its offsets
+// (f16 [K / 32, 48]) into out f32[K, 48], the panel's layout: a vector of levels a k and one
+// FMA each, as the dequantizing tiles compute them in registers.
+template <typename W>
+void DequantizePanel(const W* panel, const uint16_t* scale, const uint16_t* offset,
+                     int64_t k_dim, float* out) {
+  for (int64_t g = 0; g < k_dim / kGroup; ++g) {
+    Vec s[kVecs], o[kVecs];
+    for (int j = 0; j < kVecs; ++j) {
+      s[j] = LoadHalf(scale + g * kPanel + j * kLanes);
+      o[j] = LoadHalf(offset + g * kPanel + j * kLanes);
+    }
+    for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += kPerByte<W>) {
+      for (int j = 0; j < kVecs; ++j) {
+        float* at = out + k * kPanel + j * kLanes;
+        if constexpr (kPerByte<W> == 2) {
+          Vec lo, hi;
+          LoadNibbles(panel + k / 2 * kPanel + j * kLanes, lo, hi);
+          StoreFirst(at, Fma(lo, s[j], o[j]), kLanes);
+          StoreFirst(at + kPanel, Fma(hi, s[j], o[j]), kLanes);
+        } else {
+          StoreFirst(at, Fma(Load(panel + k * kPanel + j * kLanes), s[j], o[j]), kLanes);
+        }
+      }
+    }
+  }
+}
+
 // y = x @ w (int8: w dequantized by scale and offset) over the pool, a chunk of panels at a time.
 // `work` is rows x weight bytes: under 256 KB of it, handing work to another thread costs more
 // than it saves.
@@ -362,20 +380,11 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const W* w, const uint16_t
     }
     // Int8 past one row tile: dequantize each panel once into float32 for all the row tiles, in
     // a buffer each thread keeps across calls.
-    thread_local std::vector<float> converted, factors;
+    thread_local std::vector<float> converted;
     converted.resize(k_dim * kPanel);
-    factors.resize(2 * groups * kPanel);  // the panel's scales, then its offsets, as f32
     for (int64_t p = p0; p < p1; ++p) {
-      const W* panel = w + p * PanelSize<W>(k_dim);
-      for (int64_t i = 0; i < groups * kPanel; ++i) {
-        factors[i] = HalfToFloat(scale[p * groups * kPanel + i]);
-        factors[groups * kPanel + i] = HalfToFloat(offset[p * groups * kPanel + i]);
-      }
-      const float *s = factors.data(), *o = s + groups * kPanel;
-      for (int64_t i = 0; i < k_dim * kPanel; ++i) {
-        const int64_t at = i / (kGroup * kPanel) * kPanel + i % kPanel;
-        converted[i] = Level(panel, i) * s[at] + o[at];
-      }
+      DequantizePanel(w + p * PanelSize<W>(k_dim), scale + p * groups * kPanel,
+                      offset + p * groups * kPanel, k_dim, converted.data());
       PanelRows<float>(x, m, k_dim, converted.data(), 1, nullptr, nullptr, nullptr,
                        y + p * kPanel, n_dim, n_dim - p * kPanel);
     }
