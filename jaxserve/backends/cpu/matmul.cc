@@ -301,29 +301,23 @@ void PanelRows(const float* x, int64_t m, int64_t k_dim, const W* w, int64_t num
   }
 }
 
-// One panel's levels (int8, or 4-bit two a byte) times its group scales plus its offsets
-// (f16 [K / 32, 48]) into out f32[K, 48], the panel's layout: a vector of levels a k and one
-// FMA each, as the dequantizing tiles compute them in registers.
+// One panel's levels (int8, or 4-bit two a byte) times its group scales plus its offsets (f16
+// [K / 32, 48]) into f32 [K, 48]: one FMA a vector of levels, as the dequantizing tiles do.
 template <typename W>
 void DequantizePanel(const W* panel, const uint16_t* scale, const uint16_t* offset,
                      int64_t k_dim, float* out) {
-  for (int64_t g = 0; g < k_dim / kGroup; ++g) {
+  for (int64_t g = 0; g < k_dim / kGroup; ++g, scale += kPanel, offset += kPanel) {
     Vec s[kVecs], o[kVecs];
-    for (int j = 0; j < kVecs; ++j) {
-      s[j] = LoadHalf(scale + g * kPanel + j * kLanes);
-      o[j] = LoadHalf(offset + g * kPanel + j * kLanes);
-    }
+    for (int j = 0; j < kVecs; ++j)
+      s[j] = LoadHalf(scale + j * kLanes), o[j] = LoadHalf(offset + j * kLanes);
     for (int64_t k = g * kGroup; k < (g + 1) * kGroup; k += kPerByte<W>) {
       for (int j = 0; j < kVecs; ++j) {
         float* at = out + k * kPanel + j * kLanes;
-        if constexpr (kPerByte<W> == 2) {
-          Vec lo, hi;
-          LoadNibbles(panel + k / 2 * kPanel + j * kLanes, lo, hi);
-          StoreFirst(at, Fma(lo, s[j], o[j]), kLanes);
-          StoreFirst(at + kPanel, Fma(hi, s[j], o[j]), kLanes);
-        } else {
-          StoreFirst(at, Fma(Load(panel + k * kPanel + j * kLanes), s[j], o[j]), kLanes);
-        }
+        Vec lo, hi;  // the levels of k (and, 4-bit, of k + 1)
+        if constexpr (kPerByte<W> == 2) LoadNibbles(panel + k / 2 * kPanel + j * kLanes, lo, hi);
+        else lo = Load(panel + k * kPanel + j * kLanes);
+        StoreFirst(at, Fma(lo, s[j], o[j]), kLanes);
+        if constexpr (kPerByte<W> == 2) StoreFirst(at + kPanel, Fma(hi, s[j], o[j]), kLanes);
       }
     }
   }
