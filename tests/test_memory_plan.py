@@ -59,6 +59,14 @@ def test_a_budget_below_the_weights_and_one_step_names_the_minimum():
     assert minimum > 64 * MIB
 
 
+@pytest.mark.parametrize("name", ["memory_budget_bytes", "kv_cache_bytes"])
+def test_more_memory_than_the_device_holds_is_refused_before_allocating(name):
+    """1e15 bytes: a one-line ValueError naming the request and the memory there is (it was an
+    out-of-memory traceback from allocating the pool)."""
+    with pytest.raises(ValueError, match=rf"{name}={10**15} .* holds: {memory.capacity()} bytes"):
+        LLMEngine(EngineConfig(**{name: 10**15}), tiny_loaded())
+
+
 def test_num_pages_overrides_the_budget():
     engine = LLMEngine(EngineConfig(memory_budget_bytes=GIB, num_pages=40), wide_loaded())
     assert engine.memory_plan is None and engine.num_pages == 40

@@ -149,7 +149,15 @@ def plan(runner, buckets: Buckets, budget_bytes: int, held_before: int,
 
 def budget(config: EngineConfig, platform: str) -> int | None:
     """The budget per device in bytes, or None: no plan, the pool is sized by num_pages or
-    kv_cache_bytes (which override a budget) or, on CPU, by EngineConfig.resolve_num_pages."""
+    kv_cache_bytes (which override a budget) or, on CPU, by EngineConfig.resolve_num_pages.
+    A budget or a KV size larger than the device's memory is refused (ValueError) before
+    anything is allocated."""
+    capacity = memory.capacity()
+    for name in ("memory_budget_bytes", "kv_cache_bytes"):
+        value = getattr(config, name)
+        if value is not None and value > capacity:
+            raise ValueError(f"{name}={value} ({value / GIB:.1f} GiB) is more than a device here "
+                             f"holds: {capacity} bytes ({capacity / GIB:.1f} GiB)")
     if config.num_pages is not None or config.kv_cache_bytes is not None:
         return None
     if config.num_processes > 1:  # the plan is one process's: the default pool size instead
