@@ -32,7 +32,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[RequestOutput]:
         """Run every prompt through the scheduler together; one RequestOutput per prompt, in order.
-        All prompts are validated before any runs: a bad one raises ValueError and runs nothing.
+        All prompts are validated before any runs, as the server validates them: a bad one raises
+        ValueError (TypeError for a parameter that is not SamplingParams) naming its index, and
+        runs nothing.
         use_tqdm: a progress bar (default: when there is more than one prompt)."""
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -44,10 +46,14 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        for p in params:
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, not SamplingParams")
             p.validate()
             self.engine.check_params(p)  # logit_bias ids, the grammar (compiled and cached)
         tokenized = [self.engine.tokenize(p) for p in prompts]  # raises before anything is queued
+        for i, ((_, ids), p) in enumerate(zip(tokenized, params)):
+            self._check_context(i, len(ids), p)
         added: list[str] = []
         try:
             for (text, token_ids), p in zip(tokenized, params):
@@ -60,6 +66,15 @@ class LLM:
         if use_tqdm is None:  # a progress bar for more than one prompt, as vLLM shows
             use_tqdm = len(added) > 1
         return self._run(added, use_tqdm)
+
+    def _check_context(self, i: int, prompt_tokens: int, params: SamplingParams) -> None:
+        """The server's rule: an explicit max_tokens past the context is refused (None runs to
+        the context's end)."""
+        limit = self.engine.max_model_len
+        if params.max_tokens is not None and prompt_tokens + params.max_tokens > limit:
+            raise ValueError(f"prompt {i}: {prompt_tokens} tokens + max_tokens "
+                             f"{params.max_tokens} exceed max_model_len {limit}; lower "
+                             "max_tokens, or give None to generate up to the context's end")
 
     def chat(self, messages: Messages | list[Messages],
              sampling_params: SamplingParams | None = None,

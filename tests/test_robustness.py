@@ -77,6 +77,45 @@ def test_bad_prompts_are_refused_and_nothing_sticks(llm, reference, bad):
     assert_clean_and_working(llm, reference)
 
 
+@pytest.mark.parametrize("key", [" 12 ", "1_0", "\u0661\u0662", "-1", "0x1"])
+def test_logit_bias_keys_are_ascii_decimal_token_ids(llm, reference, key):
+    """Python's int() takes all of these; a token id is written in ASCII decimal digits."""
+    with pytest.raises(ValueError, match="logit_bias keys must be token ids") as e:
+        llm.generate(PROMPTS[:1], SamplingParams(logit_bias={key: 5.0}))
+    assert e.value.param == "logit_bias"
+    assert_clean_and_working(llm, reference)
+
+
+def test_max_tokens_past_the_context_is_refused_as_the_server_does(llm, reference):
+    """max_tokens=10**6 used to run to the context's end (minutes on the real model)."""
+    limit = llm.engine.max_model_len
+    with pytest.raises(ValueError, match=rf"prompt 1: .* exceed max_model_len {limit}"):
+        llm.generate(PROMPTS[:2], [GREEDY, SamplingParams(max_tokens=10**6)])
+    assert_clean_and_working(llm, reference)
+
+
+def test_a_parameter_that_is_not_sampling_params_names_its_index(llm, reference):
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] is NoneType"):
+        llm.generate(PROMPTS[:2], [GREEDY, None])
+    assert_clean_and_working(llm, reference)
+
+
+@pytest.mark.parametrize("params", [
+    dict(structured_outputs={"choice": ["yes", "no"]}),
+    dict(repetition_penalty=1e-38),
+], ids=["grammar", "tiny-repetition-penalty"])
+def test_logprobs_are_finite_and_masked_tokens_leave_the_top_lists(llm, params):
+    """A grammar masks all but a few tokens: top_logprobs=20 used to list masked tokens at -inf
+    (and a repetition penalty of 1e-38 overflowed logits to NaN logprobs), which no JSON holds."""
+    sp = SamplingParams(temperature=0, max_tokens=4, logprobs=20, prompt_logprobs=5, **params)
+    out = llm.generate(PROMPTS[:1], sp)[0]
+    entries = out.outputs[0].logprobs + [e for e in out.prompt_logprobs if e is not None]
+    assert entries and all(math.isfinite(lp) for e in entries for lp in e.values())
+    assert math.isfinite(out.outputs[0].cumulative_logprob)
+    if "structured_outputs" in params:  # only tokens the grammar allows are listed
+        assert all(len(e) < 20 for e in out.outputs[0].logprobs)
+
+
 def test_invalid_unicode_in_chat_is_refused(llm, reference):
     with pytest.raises(ValueError, match="not valid Unicode"):
         llm.chat([{"role": "user", "content": "hi \ud800"}], GREEDY)

@@ -7,10 +7,14 @@ hit; the engine passes those to Scheduler.update, which finishes the sequences."
 
 from __future__ import annotations
 
+import math
+
 from jaxserve.core.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxserve.core.sequence import Request, Sequence
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+LOGPROB_FLOOR = -9999.0  # a logprob that is not finite, in outputs (JSON has no -inf or NaN)
 
 
 class SequenceText:
@@ -83,10 +87,8 @@ class OutputProcessor:
         token = int(out.token_ids[row])
         k = seq.sampling_params.logprobs
         if k is not None:
-            entry = {int(t): float(lp) for t, lp in zip(out.top_ids[row][:k],
-                                                          out.top_logprobs[row])}
-            entry[token] = float(out.logprobs[row])
-            seq.output_logprobs.append(entry)
+            seq.output_logprobs.append(logprob_entry(token, out.logprobs[row], out.top_ids[row][:k],
+                                                     out.top_logprobs[row]))
         if seq.fork_index == 0:
             self._token_times.setdefault(seq.request.request_id, []).append(now)
         st = self._texts.get(seq.seq_id)
@@ -144,6 +146,15 @@ class OutputProcessor:
         self._token_times.pop(request.request_id, None)
 
 
+def logprob_entry(token: int, logprob, top_ids, top_logprobs) -> dict[int, float]:
+    """{token: its logprob, top token: logprob, ...}, finite only: a top token whose logprob is
+    -inf (masked by a grammar or a bias) is left out, and a token's own logprob that is not
+    finite (an overflowed logit) reads as LOGPROB_FLOOR, as vLLM's API does."""
+    entry = {int(t): float(lp) for t, lp in zip(top_ids, top_logprobs) if math.isfinite(lp)}
+    entry[int(token)] = float(logprob) if math.isfinite(logprob) else LOGPROB_FLOOR
+    return entry
+
+
 def _record_chunk_prompt_logprobs(chunk, first: int, k: int, out) -> None:
     seq, request = chunk.seq, chunk.seq.request
     if request.prompt_logprobs is None:
@@ -153,7 +164,6 @@ def _record_chunk_prompt_logprobs(chunk, first: int, k: int, out) -> None:
         if target >= seq.num_prompt_tokens or target < len(request.prompt_logprobs):
             continue  # past the prompt, or already recorded (recompute after preemption)
         i = first + p - chunk.start
-        entry = {int(t): float(lp) for t, lp in
-                 zip(out.prompt_top_ids[i][:k], out.prompt_top_logprobs[i][:k])}
-        entry[seq.token_ids[target]] = float(out.prompt_logprobs[i])
-        request.prompt_logprobs.append(entry)
+        request.prompt_logprobs.append(logprob_entry(
+            seq.token_ids[target], out.prompt_logprobs[i], out.prompt_top_ids[i][:k],
+            out.prompt_top_logprobs[i][:k]))

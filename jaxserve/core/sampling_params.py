@@ -16,6 +16,25 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token
 MAX_REPETITION_PENALTY = 10.0
 
 
+class InvalidParam(ValueError):
+    """A field out of its type or range; `param` names it (the API's error carries it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _token_key(key) -> int:
+    """A logit_bias key: an int, or a string of ASCII decimal digits as JSON object keys arrive
+    (Python's int() would also take " 12 ", "1_0" and other scripts' digits)."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    raise InvalidParam("logit_bias", f"logit_bias keys must be token ids (decimal integers), "
+                                     f"got {key!r}")
+
+
 @dataclasses.dataclass
 class SamplingParams:
     n: int = 1
@@ -45,10 +64,9 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.logit_bias:  # JSON object keys arrive as strings
-            try:
-                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
-            except (TypeError, ValueError, AttributeError):
-                raise ValueError("logit_bias maps token ids to biases") from None
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidParam("logit_bias", "logit_bias maps token ids to biases")
+            self.logit_bias = {_token_key(k): v for k, v in self.logit_bias.items()}
         self.logit_bias = self.logit_bias or None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -59,15 +77,17 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """ValueError unless every field is of its type and in range: integers that reach int32
-        arrays fit them, floats are finite (NaN and infinities are refused)."""
+        """InvalidParam (a ValueError naming the field) unless every field is of its type and in
+        range: integers that reach int32 arrays fit them, floats are finite (NaN and infinities
+        are refused)."""
         def integer(name, lo, hi=INT32_MAX, optional=False):
             value = getattr(self, name)
             if optional and value is None:
                 return
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) \
                     or not lo <= value <= hi:
-                raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}")
+                raise InvalidParam(name, f"{name} must be an integer in [{lo}, {hi}], got "
+                                         f"{value!r}")
 
         def real(name, lo, hi, lo_open=False):
             value = getattr(self, name)
@@ -75,7 +95,8 @@ class SamplingParams:
                     or not math.isfinite(value) or not (lo < value if lo_open else lo <= value) \
                     or value > hi:
                 interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
-                raise ValueError(f"{name} must be a finite number in {interval}, got {value!r}")
+                raise InvalidParam(name, f"{name} must be a finite number in {interval}, got "
+                                         f"{value!r}")
 
         integer("n", 1)
         real("temperature", 0.0, MAX_TEMPERATURE)
@@ -94,19 +115,23 @@ class SamplingParams:
             if not 0 <= token <= INT32_MAX or isinstance(bias, bool) \
                     or not isinstance(bias, numbers.Real) or not math.isfinite(bias) \
                     or abs(bias) > MAX_LOGIT_BIAS:
-                raise ValueError(f"logit_bias maps token ids >= 0 to finite biases in "
-                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
-                                 f"{token!r}: {bias!r}")
+                raise InvalidParam("logit_bias", f"logit_bias maps token ids >= 0 to finite "
+                                   f"biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got "
+                                   f"{token!r}: {bias!r}")
         if self.structured_outputs is not None and \
                 not isinstance(self.structured_outputs, StructuredOutputsParams):
-            raise ValueError("structured_outputs must be StructuredOutputsParams")
+            raise InvalidParam("structured_outputs",
+                               "structured_outputs must be StructuredOutputsParams")
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop strings must be non-empty strings")
+            raise InvalidParam("stop", "stop strings must be non-empty strings")
         for s in self.stop:
-            check_unicode(s, "a stop string")
+            try:
+                check_unicode(s, "a stop string")
+            except ValueError as e:
+                raise InvalidParam("stop", str(e)) from None
         if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
                    and 0 <= t <= INT32_MAX for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be non-negative integers")
+            raise InvalidParam("stop_token_ids", "stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:

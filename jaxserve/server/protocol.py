@@ -222,7 +222,7 @@ def parse_request(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:
     except StructuredRequestError as e:
         raise APIError(str(e), param=e.param, code=e.code) from None
     except (ValueError, TypeError) as e:  # text that is not Unicode, a value SamplingParams refuses
-        raise APIError(str(e), code="invalid_value") from None
+        raise APIError(str(e), param=getattr(e, "param", None), code="invalid_value") from None
 
 
 def _parse(kind: str, body: Any, ctx: ProtocolContext) -> ParsedRequest:

@@ -58,11 +58,7 @@ def logit_controls(body: dict) -> dict:
         if not isinstance(bias, dict):
             raise StructuredRequestError("'logit_bias' must map token ids to biases",
                                          "logit_bias", "invalid_type")
-        try:
-            out["logit_bias"] = {int(k): v for k, v in bias.items()}
-        except ValueError:
-            raise StructuredRequestError("'logit_bias' keys must be token ids", "logit_bias") \
-                from None
+        out["logit_bias"] = bias  # its keys and values are checked by SamplingParams
     return out
 
 
