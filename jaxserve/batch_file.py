@@ -7,14 +7,20 @@ per input line: {"id", "custom_id", "response": {"status_code", "request_id", "b
 A request the server would refuse gets its 4xx response; a line that is not a request at all
 (malformed JSON, missing fields, unknown url) gets `error` and no response. Nothing aborts the file.
 
-Resumable: lines whose custom_id already has a result in the output file are skipped. Results are
-appended as they finish (so an interrupted run keeps them), and the file is rewritten in input
-order at the end.
+Resumable, keyed by input line, not by custom_id: each result also carries `line` (1-based line
+number in the input file) and `line_sha256` (a fingerprint of that line's text), and a re-run skips
+every line whose (line, line_sha256) already has a result, so a finished result is never rewritten
+while its line is unchanged; an edited or moved line runs again, and results no longer matching a
+line are dropped. Every line whose custom_id appeared on an earlier line gets its own
+`duplicate_custom_id` error (a stored result is reused only if it agrees on that). Results are
+appended as they finish (an interrupted run keeps them; a line torn by a kill is ignored and run
+again), and the file is rewritten in input order at the end, one line per input line.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import uuid
@@ -57,9 +63,25 @@ def _api_error(custom_id, e: APIError) -> dict:
                                         "request_id": f"req_{uuid.uuid4().hex}", "body": e.body()})
 
 
-def read_results(path: str) -> dict[str, dict]:
-    """custom_id -> result line of an existing output file (unreadable lines are ignored)."""
-    done: dict[str, dict] = {}
+def _line_key(number: int, raw: str) -> tuple[int, str]:
+    """(1-based line number in the input, fingerprint of the line's text)."""
+    return number, hashlib.sha256(raw.strip().encode("utf-8")).hexdigest()[:16]
+
+
+def _keyed(result: dict, key: tuple[int, str]) -> dict:
+    # Two extra fields rather than a sidecar file: the output stays the whole resume state, so a
+    # kill cannot leave two files out of step, and readers of OpenAI's format ignore extra fields.
+    return {**result, "line": key[0], "line_sha256": key[1]}
+
+
+def _is_duplicate(result: dict) -> bool:
+    return (result.get("error") or {}).get("code") == "duplicate_custom_id"
+
+
+def read_results(path: str) -> dict[tuple[int, str], dict]:
+    """(line, line_sha256) -> result line of an existing output file; unreadable lines (one torn
+    by a kill, or written without line keys) are ignored, so their input lines run again."""
+    done: dict[tuple[int, str], dict] = {}
     if not os.path.exists(path):
         return done
     with open(path, encoding="utf-8") as f:
@@ -68,9 +90,21 @@ def read_results(path: str) -> dict[str, dict]:
                 result = json.loads(raw)
             except ValueError:
                 continue
-            if isinstance(result, dict) and isinstance(result.get("custom_id"), str):
-                done[result["custom_id"]] = result
+            if not isinstance(result, dict):
+                continue
+            key = (result.get("line"), result.get("line_sha256"))
+            if isinstance(key[0], int) and isinstance(key[1], str):
+                done.setdefault(key, result)  # a line's first result is final
     return done
+
+
+def _ends_mid_line(path: str) -> bool:
+    """Whether the file's last line was cut short (by a kill) before its newline."""
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return False
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
 
 
 def _parse_line(raw: str, ctx: ProtocolContext) -> tuple[str | None, ParsedRequest | dict]:
@@ -105,28 +139,30 @@ def run_batch(engine: LLMEngine, input_path: str, output_path: str, *,
     ctx = ctx or ProtocolContext.for_engine(engine)
     max_in_flight = max_in_flight or max(256, 4 * engine.config.max_num_seqs)
     with open(input_path, encoding="utf-8") as f:
-        raws = [raw for raw in f if raw.strip()]
+        lines = [(_line_key(n, raw), raw) for n, raw in enumerate(f, 1) if raw.strip()]
     done = read_results(output_path)
-    summary = BatchSummary(total=len(raws))
-    results: list[dict | None] = [None] * len(raws)
+    summary = BatchSummary(total=len(lines))
+    results: list[dict | None] = [None] * len(lines)
     todo: list[tuple[int, str, ParsedRequest]] = []
     seen: set[str] = set()
-    for i, raw in enumerate(raws):
+    for i, (key, raw) in enumerate(lines):
         cid, item = _parse_line(raw, ctx)
-        if cid is not None and cid in done:
-            results[i] = done[cid]
+        duplicate = cid is not None and cid in seen
+        if cid is not None:
+            seen.add(cid)
+        stored = done.get(key)
+        if stored is not None and _is_duplicate(stored) == duplicate:
+            results[i] = stored
             summary.skipped += 1
-        elif cid is not None and cid in seen:
-            results[i] = _line_error(cid, "duplicate_custom_id",
-                                     f"custom_id {cid!r} appears more than once in the input")
+        elif duplicate:
+            results[i] = _keyed(_line_error(cid, "duplicate_custom_id", f"custom_id {cid!r} "
+                                            "appears on an earlier line of the input"), key)
             summary.failed += 1
         elif isinstance(item, dict):
-            results[i] = item
+            results[i] = _keyed(item, key)
             summary.failed += 1
         else:
             todo.append((i, cid, item))
-        if cid is not None:
-            seen.add(cid)
 
     bar = None
     if progress:
@@ -134,12 +170,15 @@ def run_batch(engine: LLMEngine, input_path: str, output_path: str, *,
 
         bar = tqdm(total=len(todo), desc="batch", unit="req")
     os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+    torn = _ends_mid_line(output_path)
     with open(output_path, "a", encoding="utf-8") as sink:
+        if torn:  # end the torn line, or the next result would be glued onto it and lost
+            sink.write("\n")
+
         def emit(i: int, result: dict) -> None:
-            results[i] = result
-            if result["custom_id"] is not None:
-                sink.write(json.dumps(result) + "\n")
-                sink.flush()
+            results[i] = result = _keyed(result, lines[i][0])
+            sink.write(json.dumps(result) + "\n")
+            sink.flush()
             ok = result["error"] is None and result["response"]["status_code"] == 200
             summary.succeeded += ok
             summary.failed += not ok

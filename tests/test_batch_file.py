@@ -1,5 +1,6 @@
-"""Batch files: results in input order with per-line errors, resume skips finished lines, and
-temperature-0 outputs equal LLM.generate / LLM.chat on the same engine."""
+"""Batch files: results in input order with per-line errors, resume skips finished lines (keyed by
+line, so a duplicate custom_id never takes another line's result), and temperature-0 outputs equal
+LLM.generate / LLM.chat on the same engine."""
 
 from __future__ import annotations
 
@@ -102,6 +103,86 @@ def test_batch_resume_skips_done_lines(llm, tmp_path):
     assert results[:2] == done  # untouched (same ids: not recomputed)
     third = run_batch(llm.engine, str(inp), str(out))
     assert (third.succeeded, third.skipped) == (0, 4) and _lines(out) == results
+
+
+def test_batch_duplicate_id_rerun_rewrites_nothing(llm, tmp_path):
+    from jaxserve.batch_file import run_batch
+
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    _write(tmp_path / "in.jsonl", [
+        _request("a", "/v1/completions", {**body, "prompt": "One"}),
+        _request("b", "/v1/completions", {**body, "prompt": "Two"}),
+        _request("a", "/v1/completions", {**body, "prompt": "Three"}),
+    ])
+    inp, out = str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl")
+    first = run_batch(llm.engine, inp, out)
+    results = _lines(out)
+    assert (first.succeeded, first.failed) == (2, 1)
+    assert [r["response"]["status_code"] for r in results[:2]] == [200, 200]
+    assert results[2]["response"] is None
+    assert results[2]["error"]["code"] == "duplicate_custom_id"
+
+    second = run_batch(llm.engine, inp, out)  # the documented resume
+    assert (second.skipped, second.succeeded, second.failed) == (3, 0, 0)
+    assert _lines(out) == results  # line 1 keeps its 200, line 3 its own error
+
+
+class _Killed(Exception):
+    pass
+
+
+class _KilledAt:
+    """The shared engine, "killed" when asked for its (n+1)-th request. With one line in flight
+    at a time the engine is then idle, so the next test finds it clean."""
+
+    def __init__(self, engine, n):
+        self._engine, self._left = engine, n
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def add_request(self, prompt, params, **kw):
+        if self._left == 0:
+            raise _Killed
+        self._left -= 1
+        return self._engine.add_request(prompt, params, **kw)
+
+
+def test_batch_resume_after_kill_with_duplicate_id(llm, tmp_path):
+    from jaxserve.batch_file import run_batch
+
+    body = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    _write(tmp_path / "in.jsonl", [
+        _request("a", "/v1/completions", {**body, "prompt": "One"}),
+        _request("b", "/v1/completions", {**body, "prompt": "Two"}),
+        _request("a", "/v1/completions", {**body, "prompt": "Three"}),
+        _request("c", "/v1/completions", {**body, "prompt": "Four"}),
+    ])
+    inp, out = str(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
+    with pytest.raises(_Killed):  # lines 1 and 2 finish and are appended, then the kill
+        run_batch(_KilledAt(llm.engine, 2), inp, str(out), max_in_flight=1)
+    appended = out.read_text().splitlines()
+    assert len(appended) == 2
+    kept = json.loads(appended[0])
+    out.write_text(appended[0] + "\n" + appended[1][:40])  # line 2's write torn by the kill
+    with pytest.raises(_Killed):  # the resume reruns line 2, appends it, and is killed too
+        run_batch(_KilledAt(llm.engine, 1), inp, str(out), max_in_flight=1)
+    rerun = json.loads(out.read_text().splitlines()[-1])
+    assert rerun["custom_id"] == "b"
+
+    summary = run_batch(llm.engine, inp, str(out))
+    assert (summary.skipped, summary.succeeded, summary.failed) == (2, 1, 1)
+    results = _lines(out)
+    assert [r["custom_id"] for r in results] == ["a", "b", "a", "c"]
+    assert [r["line"] for r in results] == [1, 2, 3, 4]
+    assert results[:2] == [kept, rerun]  # finished before a kill: not rewritten
+    assert results[2]["response"] is None  # not a copy of line 1's response
+    assert results[2]["error"]["code"] == "duplicate_custom_id"
+    assert [r["response"]["status_code"] for r in results if r["response"]] == [200, 200, 200]
+    assert len({r["id"] for r in results}) == 4
+    run_batch(llm.engine, inp, str(out))
+    assert _lines(out) == results
+    assert llm.stats()["referenced_pages"] == 0 and llm.stats()["running"] == 0
 
 
 def test_batch_cli(default_model_path, tmp_path):
