@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.server import AsyncEngine, ServerConfig, build_app
+from jaxserve.server.app import read_api_keys, resolve_api_keys
 from serving import serve_app
 from tiny_model import failing_on, tiny_loaded
 
@@ -50,6 +51,13 @@ def locked_url(aengine):
     app = build_app(aengine, ServerConfig(api_keys=KEYS, served_model_names=(MODEL,)))
     with serve_app(app) as url:
         yield url
+
+
+def strict_json(text: str):
+    """json.loads that refuses NaN and Infinity, as every client's strict parser does."""
+    def refuse(literal):
+        raise ValueError(f"{literal} is not JSON")
+    return json.loads(text, parse_constant=refuse)
 
 
 def post(url, body=None, raw=None, path="/v1/completions", headers=None, client=httpx):
@@ -179,6 +187,91 @@ def test_tenants_share_no_prefix_cache_pages(url, locked_url):
     send("key-a")
     assert hits() > before  # alice: her own pages
     assert post(locked_url, body, headers={"Authorization": "Bearer key-c"}).status_code == 401
+
+
+# ------------------------------------------------------------------------------- keys
+@pytest.mark.parametrize("text", ["", "   \n\t\n", "# alice's key is below\n  # none\n\n"])
+def test_a_key_file_with_no_key_refuses_to_start(tmp_path, text):
+    """An empty key file used to start the server open: no authentication, nothing logged."""
+    path = tmp_path / "keys"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="holds no keys"):
+        resolve_api_keys(None, str(path), None)
+
+
+def test_key_files_keep_hashes_and_refuse_a_key_for_two_tenants(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text("# comment\nk#1 team#a\n  # indented comment\nk2 b\n")
+    assert read_api_keys(str(path)) == (("k#1", "team#a"), ("k2", "b"))
+    path.write_text("same alice\nsame bob\n")
+    with pytest.raises(ValueError, match="listed twice"):
+        ServerConfig(api_keys=resolve_api_keys(None, str(path), None))
+    with pytest.raises(ValueError, match="JAXSERVE_API_KEY is set but empty"):
+        resolve_api_keys(None, None, "  ")
+    assert resolve_api_keys(["k"], None, "env") == (("k", "key0"),)  # flags win over the env
+
+
+def test_serve_with_an_empty_key_file_exits_2_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    path = tmp_path / "keys"
+    path.write_text("# no keys yet\n")
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.cli.main", "serve",
+                           f"--api_key_file={path}"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "holds no keys" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_metrics_need_a_key_unless_the_operator_opens_them(aengine, locked_url):
+    assert httpx.get(locked_url + "/metrics").status_code == 401
+    r = httpx.get(locked_url + "/metrics", headers={"Authorization": "Bearer key-b"})
+    assert r.status_code == 200 and "jaxserve" in r.text
+    config = ServerConfig(api_keys=KEYS, served_model_names=(MODEL,), public_metrics=True)
+    with serve_app(build_app(aengine, config)) as open_url:
+        assert httpx.get(open_url + "/metrics").status_code == 200
+        assert httpx.get(open_url + "/debug/stats").status_code == 401
+
+
+# ------------------------------------------------------------------------------- bodies
+@pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
+                                 b'{"model": "tiny", "prompt": "hi", "stop": '
+                                 + b"[" * 1000 + b"]" * 1000 + b"}"],
+                         ids=["100000-deep", "1000-deep-in-a-field"])
+def test_deeply_nested_bodies_are_400(url, raw):
+    """They were a RecursionError: a 500 and a logged traceback."""
+    r = post(url, raw=raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "invalid_json" and "levels" in r.json()["error"]["message"]
+
+
+STRUCTURED_LOGPROBS = [
+    {"structured_outputs": {"choice": ["yes", "no"]}},
+    {"structured_outputs": {"regex": "[a-c]{3}"}},
+    {"response_format": {"type": "json_object"}},
+    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}}],
+     "tool_choice": "required"},
+    {"repetition_penalty": 1e-38},
+]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("extra", STRUCTURED_LOGPROBS,
+                         ids=["choice", "regex", "json", "tool", "repetition-penalty"])
+def test_logprobs_of_constrained_outputs_are_strict_json(url, extra, stream):
+    """Masked tokens were listed at -Infinity (a 500 'Out of range float values', or an SSE
+    chunk no strict parser reads); they leave the top lists and every number is finite."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "temperature": 0, "logprobs": True, "top_logprobs": 20, "stream": stream, **extra}
+    r = post(url, body, path="/v1/chat/completions")
+    assert r.status_code == 200, r.text
+    events = ([strict_json(line[6:]) for line in r.text.splitlines()
+               if line.startswith("data: {")] if stream else [strict_json(r.text)])
+    choices = [c for e in events for c in e["choices"]]
+    assert choices and not any("error" in e for e in events)
+    tops = [t for c in choices if c["logprobs"] for t in c["logprobs"]["content"]]
+    if "repetition_penalty" not in extra:  # the grammar allows fewer than 20 first tokens
+        assert len(tops[0]["top_logprobs"]) < 20
 
 
 # ------------------------------------------------------------------------------- fuzz

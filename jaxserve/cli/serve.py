@@ -15,12 +15,16 @@ from jaxserve.cli import engine_flags  # noqa: F401  (defines the engine flags)
 flags.DEFINE_string("host", "127.0.0.1", "Address to bind (loopback unless told otherwise).")
 flags.DEFINE_integer("port", 8000, "TCP port.")
 flags.DEFINE_multi_string("api_key", None,
-                          "Require 'Authorization: Bearer <key>' on /v1, /debug and the docs; "
-                          "repeat for several keys, each its own tenant (default: env "
+                          "Require 'Authorization: Bearer <key>' on /v1, /debug, /metrics and "
+                          "the docs; repeat for several keys, each its own tenant (default: env "
                           "JAXSERVE_API_KEY).")
 flags.DEFINE_string("api_key_file", None,
-                    "A file of 'key tenant' lines: each tenant's prefix-cache salt is derived "
-                    "from its name, so tenants share no cached pages.")
+                    "A file of 'key tenant' lines ('#' at a line's start: a comment): each "
+                    "tenant's prefix-cache salt is derived from its name, so tenants share no "
+                    "cached pages. A file with no key refuses to start.")
+flags.DEFINE_bool("public_metrics", False,
+                  "With keys, leave /metrics open (by default it needs a key too: it shows "
+                  "every tenant's traffic).")
 flags.DEFINE_float("shutdown_timeout", 30.0,
                    "On SIGINT/SIGTERM: stop accepting, let live requests finish for this many "
                    "seconds, then fail the rest with errors and exit 0. A second signal exits "
@@ -86,15 +90,13 @@ def main(argv):
     from jaxserve.engine import make_engine
     from jaxserve.engine.async_engine import AsyncEngine
     from jaxserve.server import ServerConfig, build_app
-    from jaxserve.server.app import read_api_keys
+    from jaxserve.server.app import resolve_api_keys
 
     try:
-        keys = [(k, f"key{i}") for i, k in enumerate(FLAGS.api_key or [])]
-        if FLAGS.api_key_file:
-            keys += read_api_keys(FLAGS.api_key_file)
-        env_key = os.environ.get("JAXSERVE_API_KEY")
+        keys = resolve_api_keys(FLAGS.api_key, FLAGS.api_key_file,
+                                os.environ.get("JAXSERVE_API_KEY"))
         server_config = ServerConfig(
-            api_key=env_key if env_key and not keys else None, api_keys=tuple(keys),
+            api_keys=keys, public_metrics=FLAGS.public_metrics,
             max_body_bytes=FLAGS.max_body_bytes, max_tokens_limit=FLAGS.max_tokens_limit,
             served_model_names=tuple(FLAGS.served_model_name) if FLAGS.served_model_name else None)
         engine = make_engine(EngineConfig.from_options(**engine_flags.engine_options()))

@@ -3,7 +3,8 @@
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
 stream=true), GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /debug/stats (JSON).
 Every error is OpenAI's shape {"error": {message, type, param, code}}. With an API key, /v1 and
-/debug need `Authorization: Bearer <key>` (compared in constant time).
+/debug, the docs and /metrics need `Authorization: Bearer <key>` (compared in constant time;
+`public_metrics` leaves /metrics open).
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import logging
 import time
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxserve.engine import DataParallelEngine, LLMEngine
 from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
+from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
 from jaxserve.server.responses import ResponseBuilder
@@ -39,15 +40,25 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     max_tokens_limit: int | None = None  # refuse larger max_tokens (None: the context bounds it)
     served_model_names: tuple[str, ...] | None = None  # default: the engine's model name
+    # With keys, /metrics needs one too (it shows every tenant's traffic; Prometheus scrapers
+    # send bearer tokens); True leaves it open for a scraper that cannot.
+    public_metrics: bool = False
 
     def __post_init__(self):
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        seen: dict[str, str] = {}
         for key, tenant in self.keys:
             if not key or not tenant:
                 raise ValueError("API keys and tenant names must not be empty")
+            if key != key.strip() or len(key.split()) != 1:
+                raise ValueError("an API key must not hold whitespace (it travels in a header)")
+            if key in seen:  # which tenant would it be? Refused rather than guessed
+                raise ValueError(f"an API key is listed twice (tenants {seen[key]!r} and "
+                                 f"{tenant!r})")
+            seen[key] = tenant
 
     @property
     def keys(self) -> tuple[tuple[str, str], ...]:
@@ -56,29 +67,51 @@ class ServerConfig:
 
 
 def read_api_keys(path: str) -> tuple[tuple[str, str], ...]:
-    """A file of `key tenant` lines (blank lines and # comments skipped)."""
+    """A file of `key tenant` lines; blank lines and lines whose first character (after leading
+    spaces) is `#` are skipped, so a key or tenant may hold `#`. A file with no key, or one that
+    lists a key twice, is refused: an empty file must never mean "no authentication"."""
     pairs = []
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
+            line = line.strip()
+            if not line or line.startswith("#"):
                 continue
             parts = line.split()
             if len(parts) != 2:
                 raise ValueError(f"{path}:{n}: expected 'key tenant', got {len(parts)} fields")
             pairs.append((parts[0], parts[1]))
+    if not pairs:
+        raise ValueError(f"api_key_file {path} holds no keys (an empty key file would leave the "
+                         "server open)")
     return tuple(pairs)
+
+
+def resolve_api_keys(flag_keys: list[str] | None, key_file: str | None,
+                     env_key: str | None) -> tuple[tuple[str, str], ...]:
+    """The (key, tenant) pairs a server requires, from --api_key (tenants key0, key1, ...),
+    --api_key_file and, when neither is given, JAXSERVE_API_KEY (tenant "default"). Empty means
+    no authentication: only when nothing asked for a key. A key source that was given but holds
+    no key raises ValueError, so a misconfigured server refuses to start rather than start open."""
+    keys = [(k, f"key{i}") for i, k in enumerate(flag_keys or [])]
+    if key_file:
+        keys += read_api_keys(key_file)
+    if env_key is not None and not keys:
+        if not env_key.strip():
+            raise ValueError("JAXSERVE_API_KEY is set but empty")
+        keys = [(env_key.strip(), "default")]
+    return tuple(keys)
 
 
 class _AuthMiddleware:
     """Pure ASGI (streams and disconnects pass through untouched). Puts the key's tenant in
     scope["state"]["tenant"]."""
 
-    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json")
+    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json", "/metrics")
 
-    def __init__(self, app, keys: tuple[tuple[str, str], ...]):
+    def __init__(self, app, keys: tuple[tuple[str, str], ...], public: tuple[str, ...] = ()):
         self.app = app
         self.keys = [(key.encode(), tenant) for key, tenant in keys]
+        self.protected = tuple(p for p in self.PROTECTED if p not in public)
 
     def _tenant(self, token: bytes) -> str | None:
         tenant = None
@@ -88,7 +121,7 @@ class _AuthMiddleware:
         return tenant
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(self.PROTECTED):
+        if scope["type"] == "http" and scope["path"].startswith(self.protected):
             header = dict(scope["headers"]).get(b"authorization", b"")
             scheme, _, token = header.partition(b" ")
             tenant = self._tenant(token.strip()) if scheme.lower() == b"bearer" else None
@@ -96,7 +129,7 @@ class _AuthMiddleware:
             if tenant is None:
                 err = APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                status=401, code="invalid_api_key")
-                response = JSONResponse(err.body(), status_code=401,
+                response = StrictJSONResponse(err.body(), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
@@ -166,12 +199,14 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         if owned:
             aengine.shutdown()
 
-    app = FastAPI(title="jaxserve", lifespan=lifespan)
+    app = FastAPI(title="jaxserve", lifespan=lifespan,
+                  default_response_class=StrictJSONResponse)
     app.state.engine = aengine
     app.state.metrics = metrics
     app.state.ctx = ctx
     if config.keys:
-        app.add_middleware(_AuthMiddleware, keys=config.keys)
+        app.add_middleware(_AuthMiddleware, keys=config.keys,
+                           public=("/metrics",) if config.public_metrics else ())
     base_salt = aengine.engine.config.cache_salt or ""
 
     def cache_salt(request: Request) -> str | None:
@@ -184,19 +219,20 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     async def api_error(request, e: APIError):
         metrics.http_rejected.labels(status=str(e.status)).inc()
         headers = {"Retry-After": "1"} if e.status == 503 else None
-        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+        return StrictJSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
         kind = "not_found" if e.status_code == 404 else "invalid_request_error"
-        return JSONResponse(APIError(str(e.detail), status=e.status_code, type=kind).body(),
-                            status_code=e.status_code)
+        return StrictJSONResponse(APIError(str(e.detail), status=e.status_code,
+                                           type=kind).body(), status_code=e.status_code)
 
     @app.exception_handler(Exception)
     async def internal_error(request, e: Exception):
         log.exception("internal error")
-        return JSONResponse(APIError(f"internal server error: {type(e).__name__}", status=500,
-                                     type="internal_error").body(), status_code=500)
+        return StrictJSONResponse(APIError(f"internal server error: {type(e).__name__}",
+                                           status=500, type="internal_error").body(),
+                                  status_code=500)
 
     async def read_json(request: Request):
         length = request.headers.get("content-length")
@@ -210,11 +246,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
             if size > config.max_body_bytes:
                 raise too_big
             data.append(chunk)
-        try:
-            return json.loads(b"".join(data))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise APIError(f"malformed JSON in the request body: {e}",
-                           code="invalid_json") from None
+        return parse_body(b"".join(data))
 
     async def submit(parsed, salt: str | None) -> RequestGroup:
         try:
@@ -236,11 +268,11 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                     if out.error is not None:
                         raise RequestFailed(out.error)
                     for chunk in builder.chunks(index, out):
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        yield f"data: {dumps(chunk)}\n\n"
                 if builder.p.include_usage:
-                    yield f"data: {json.dumps(builder.usage_chunk())}\n\n"
+                    yield f"data: {dumps(builder.usage_chunk())}\n\n"
             except Exception as e:  # noqa: BLE001 - answered in the stream
-                yield f"data: {json.dumps(_failure(e).body())}\n\n"
+                yield f"data: {dumps(_failure(e).body())}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             group.abort()
@@ -284,7 +316,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         if not work.done() or work.cancelled():
             return Response(status_code=499)  # the client went away
         try:
-            return JSONResponse(work.result())
+            return StrictJSONResponse(work.result())
         except Exception as e:  # noqa: BLE001 - an OpenAI-shaped error, never a bare 500
             raise _failure(e) from None
 
@@ -307,7 +339,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     async def live():
         """200 while the process and its engine loop are up."""
         if not aengine.alive:
-            return JSONResponse({"status": "dead", "error": repr(aengine.last_error)},
+            return StrictJSONResponse({"status": "dead", "error": repr(aengine.last_error)},
                                 status_code=503)
         return {"status": "live"}
 
@@ -317,7 +349,8 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         """200 when serving; 503 with the reason while warming up, draining or dead."""
         reason = aengine.readiness()
         if reason is not None:
-            return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
+            return StrictJSONResponse({"status": "unavailable", "reason": reason},
+                                      status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
