@@ -26,6 +26,7 @@ import os
 import uuid
 
 from jaxserve.engine import LLMEngine
+from jaxserve.server.json_io import dumps, parse_body
 from jaxserve.server.protocol import APIError, ParsedRequest, ProtocolContext, parse_request
 from jaxserve.server.responses import ResponseBuilder
 
@@ -110,9 +111,9 @@ def _ends_mid_line(path: str) -> bool:
 def _parse_line(raw: str, ctx: ProtocolContext) -> tuple[str | None, ParsedRequest | dict]:
     """(custom_id, parsed request) or (custom_id or None, an error result)."""
     try:
-        line = json.loads(raw)
-    except ValueError as e:
-        return None, _line_error(None, "invalid_json", f"malformed JSON: {e}")
+        line = parse_body(raw)  # the server's nesting limit: no RecursionError ends the file
+    except APIError as e:
+        return None, _line_error(None, "invalid_json", e.message)
     if not isinstance(line, dict):
         return None, _line_error(None, "invalid_request", "each line must be a JSON object")
     cid = line.get("custom_id")
@@ -177,7 +178,7 @@ def run_batch(engine: LLMEngine, input_path: str, output_path: str, *,
 
         def emit(i: int, result: dict) -> None:
             results[i] = result = _keyed(result, lines[i][0])
-            sink.write(json.dumps(result) + "\n")
+            sink.write(dumps(result) + "\n")
             sink.flush()
             ok = result["error"] is None and result["response"]["status_code"] == 200
             summary.succeeded += ok
@@ -227,6 +228,6 @@ def run_batch(engine: LLMEngine, input_path: str, output_path: str, *,
     tmp = output_path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for result in results:
-            f.write(json.dumps(result) + "\n")
+            f.write(dumps(result) + "\n")
     os.replace(tmp, output_path)
     return summary

@@ -56,13 +56,16 @@ def test_batch_order_errors_and_equality(llm, tmp_path):
                                           "max_tokens": 5, "temperature": 0, "stream": True,
                                           "unknown_field": 1}),
         _request("a", "/v1/completions", {"model": MODEL, "prompt": "dup"}),
+        "[" * 100_000 + "]" * 100_000,  # was a RecursionError that ended the whole file
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, lines)
     summary = run_batch(llm.engine, str(inp), str(out))
     results = _lines(out)
-    assert [r["custom_id"] for r in results] == ["a", None, "b", "c", "d", "e", "f", "a"]
-    assert (summary.total, summary.skipped, summary.succeeded, summary.failed) == (8, 0, 3, 5)
+    assert [r["custom_id"] for r in results] == ["a", None, "b", "c", "d", "e", "f", "a", None]
+    assert (summary.total, summary.skipped, summary.succeeded, summary.failed) == (9, 0, 3, 6)
+    assert results[8]["error"]["code"] == "invalid_json" and "levels" in results[8]["error"][
+        "message"]
 
     ok = {r["custom_id"]: r["response"]["body"] for r in results
           if r["response"] and r["response"]["status_code"] == 200}
