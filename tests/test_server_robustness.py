@@ -308,10 +308,88 @@ def test_fuzzed_bodies_never_get_a_5xx(url, body, chat):
         raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
     except (ValueError, OverflowError):
         return
-    r = post(url, raw=raw, path=path)
-    assert r.status_code < 500, (r.status_code, r.text, raw)
-    if r.status_code >= 400:
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    check_strict_response(post(url, raw=raw, path=path))
+
+
+# Bodies that reach generation with the logit controls combined: grammars (some that no output
+# matches, some the parser cannot serve), response formats, tools, logit_bias (keys Python's
+# int() would take), penalties down to 1e-38, with logprobs, streamed or not.
+SCHEMAS = st.sampled_from([
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    {"type": "string", "maxLength": 4}, {"type": "array", "items": {"type": "boolean"},
+                                         "maxItems": 2},
+    {"enum": ["x", "y"]}, {"$ref": "#"}, {}, {"type": "nonsense"}, 5, {"minimum": 1e400}])
+REGEXES = st.one_of(st.sampled_from(["[a-c]{1,3}", "[^\\s\\S]", "(", "a*", "\\d+",
+                                     "((a{100}){100}){200}", "[a-z]{0,2}x"]), TEXT)
+STRUCTURED = st.one_of(
+    st.fixed_dictionaries({"choice": st.lists(TEXT, max_size=4)}),
+    st.fixed_dictionaries({"regex": REGEXES}), st.fixed_dictionaries({"json": SCHEMAS}),
+    st.fixed_dictionaries({"grammar": st.sampled_from(['start: "a" | "b"', 'start: x\nx: "a" x',
+                                                       "nonsense ::", ""])}), VALUES)
+RESPONSE_FORMATS = st.one_of(
+    st.sampled_from([{"type": "json_object"}, {"type": "text"}, {"type": "json_schema"}]),
+    st.fixed_dictionaries({"type": st.just("json_schema"), "json_schema": st.fixed_dictionaries(
+        {"name": st.just("s"), "schema": SCHEMAS}, optional={"strict": st.booleans()})}), VALUES)
+TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"]), "parameters": SCHEMAS})})
+TOOL_CHOICES = st.one_of(st.sampled_from(["required", "auto", "none"]),
+                         st.just({"type": "function", "function": {"name": "f"}}), VALUES)
+# One output constraint a body (several at once are a 400 that would hide the rest), mostly
+# well formed, sometimes junk.
+CONSTRAINTS = st.one_of(
+    st.just({}), st.fixed_dictionaries({"structured_outputs": STRUCTURED}),
+    st.fixed_dictionaries({"response_format": RESPONSE_FORMATS}),
+    st.fixed_dictionaries({"tools": st.lists(TOOL, min_size=1, max_size=2) | VALUES,
+                           "tool_choice": TOOL_CHOICES}))
+LOGIT_BIAS = st.dictionaries(
+    st.one_of(st.integers(0, 600).map(str), st.sampled_from([" 12 ", "1_0", "\u0661\u0662"])),
+    st.one_of(st.floats(-150, 150), st.floats(-100, 100)), max_size=3)
+PENALTY = st.one_of(st.floats(-2, 2), st.sampled_from([1e-38, 10, 11]))
+CONTROLS = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "max_tokens": st.integers(1, 6), "temperature": st.sampled_from(
+        [0, 0.7])},
+    optional={"logit_bias": LOGIT_BIAS, "presence_penalty": PENALTY,
+              "frequency_penalty": PENALTY, "repetition_penalty": PENALTY,
+              "logprobs": st.integers(0, 21), "top_logprobs": st.integers(0, 21),
+              "stream": st.booleans(), "n": st.integers(1, 3), "echo": st.booleans(),
+              "seed": st.integers(0, 9)})
+CONTROL_BODIES = st.builds(lambda a, b: {**a, **b}, CONTROLS, CONSTRAINTS)
+
+
+def check_strict_response(r) -> None:
+    """No 5xx; every body, and every event of a stream, is strict JSON; a stream that started
+    ends with [DONE] and carries no error (a client error is refused before it starts)."""
+    assert r.status_code < 500, (r.status_code, r.text)
+    if r.status_code != 200 or not r.headers["content-type"].startswith("text/event-stream"):
+        body = strict_json(r.text)
+        if r.status_code >= 400:
+            assert set(body["error"]) == {"message", "type", "param", "code"}
+        return
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", r.text
+    for event in events[:-1]:
+        assert "error" not in strict_json(event), event
+
+
+@settings(max_examples=int(LONG_FUZZ or 60), derandomize=not LONG_FUZZ, deadline=None,
+          suppress_health_check=list(HealthCheck))
+@given(body=CONTROL_BODIES, chat=st.booleans())
+def test_fuzzed_logit_controls_give_strict_json_and_no_5xx(url, body, chat):
+    if chat:  # chat's logprobs is a switch, top_logprobs the count
+        body = {**body, "messages": [{"role": "user", "content": "hi"}]}
+        if "logprobs" in body:
+            body["logprobs"] = body.get("top_logprobs") is not None or body["logprobs"] > 0
+        body.pop("echo", None)
+        path = "/v1/chat/completions"
+    else:
+        body.pop("top_logprobs", None)
+        body = {**body, "prompt": "the cat"}
+        path = "/v1/completions"
+    try:
+        raw = json.dumps(body, allow_nan=True).encode("utf-8", "surrogatepass")
+    except (ValueError, OverflowError):
+        return
+    check_strict_response(post(url, raw=raw, path=path))
 
 
 def test_after_the_fuzz_nothing_leaked_and_neighbours_are_unchanged(url, reference):
