@@ -56,6 +56,41 @@ def test_model_imports_no_backend_and_core_no_runtime():
         assert not upward, f"core/{path.name} imports {upward}"
 
 
+def test_declared_dependencies_are_the_imported_ones():
+    """pyproject's core dependencies are all imported by the package and its kernels, and what
+    they import is declared: in the core, or in the bench extra (whose modules go through
+    jaxserve.tools.require first, so a missing one names the extra)."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def canonical(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[ ;]", name, 1)[0]).lower()
+
+    declared = {canonical(d) for d in project["dependencies"]}
+    extra = {canonical(d) for d in project["optional-dependencies"]["bench"]}
+    owners = importlib.metadata.packages_distributions()
+    imported = set()
+    for path in [*ROOT.glob("jaxserve/**/*.py"), *ROOT.glob("pallas_kernels/**/*.py")]:
+        for name in _imports(path):
+            top = name.split(".")[0]
+            if top in sys.stdlib_module_names or top in ("jaxserve", "pallas_kernels"):
+                continue
+            assert top in owners, f"{path.name} imports {top}, which no installed package provides"
+            imported.update(canonical(d) for d in owners[top])
+    assert not declared - imported, f"declared, never imported: {declared - imported}"
+    assert not imported - declared - extra, f"imported, not declared: {imported - declared}"
+
+
+def test_an_optional_dependency_that_is_missing_names_its_extra():
+    from jaxserve.tools import MissingExtra, require
+
+    with pytest.raises(MissingExtra, match=r"pip install 'jaxserve\[bench\]'"):
+        require("jaxserve_no_such_module")
+
+
 def test_no_source_file_over_450_lines():
     sources = [p for pattern in ("jaxserve/**/*.py", "pallas_kernels/**/*.py",
                                  "jaxserve/**/*.cc", "jaxserve/**/*.h")

@@ -42,7 +42,20 @@ def run(argv: list[str] | None = None) -> None:
         # before every answer. absl's --verbosity still shows it.
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
-    app.run(module.main, argv=[f"jaxserve {name}"] + argv[2:])
+    app.run(_with_extras(name, module.main), argv=[f"jaxserve {name}"] + argv[2:])
+
+
+def _with_extras(name: str, main):
+    """main, with a missing optional dependency reported in one line (exit 2)."""
+    from jaxserve.tools import MissingExtra
+
+    def run_main(argv):
+        try:
+            return main(argv)
+        except MissingExtra as e:
+            print(f"jaxserve {name}: {e}", file=sys.stderr)
+            return 2
+    return run_main
 
 
 if __name__ == "__main__":

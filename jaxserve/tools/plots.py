@@ -15,8 +15,9 @@ import os
 import sys
 from typing import Any, Sequence
 
-import matplotlib
+from jaxserve.tools import require
 
+matplotlib = require("matplotlib")
 if "matplotlib.pyplot" not in sys.modules:  # headless default; we never use pyplot ourselves
     matplotlib.use("Agg")
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402

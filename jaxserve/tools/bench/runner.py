@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import psutil
 
+from jaxserve.tools import require
 from jaxserve.tools.bench.workload import BenchRequest, WorkloadSpec
 
 STATUSES = ("completed", "rejected", "cancelled", "failed")
@@ -293,7 +294,7 @@ def run_http(url: str, workload: WorkloadSpec, *, vocab_size: int, model: str = 
              server_pid: int | None = None, timeout_s: float = 600.0,
              max_concurrency: int | None = None) -> RunResult:
     """Replay the workload against `url` (a base URL; /v1/completions is appended if missing)."""
-    import httpx
+    httpx = require("httpx")
 
     endpoint = url.rstrip("/")
     if not endpoint.endswith("/completions"):
