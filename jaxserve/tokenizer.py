@@ -283,13 +283,13 @@ def _compile_template(source: str):
 
 
 class IncrementalDetokenizer:
-    """Streams text for generated ids. `add(id)` returns the newly stable text: a delta is held
-    back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD) and released once the
-    sequence completes. The concatenation of deltas (plus `flush()`) equals
+    """Streams text for generated ids through tokenizers' DecodeStream: `add(id)` returns the
+    newly stable text (nothing while the ids end inside a UTF-8 sequence, all of it once the
+    sequence completes). The concatenation of deltas (plus `flush()`) equals
     `tokenizer.decode(generated_ids, skip_special_tokens)`.
 
-    The last few prompt ids are used as left context, so decoders that treat the start of a
-    sequence specially (e.g. stripping a leading space) behave as in the middle of a text.
+    The last few prompt ids prefill the stream as left context, so decoders that treat the start
+    of a sequence specially (e.g. stripping a leading space) behave as in the middle of a text.
     """
 
     _CONTEXT = 5
@@ -298,34 +298,23 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        ctx = list(prompt_ids)[-self._CONTEXT:]
-        self._ids: list[int] = ctx
-        self._prefix_offset = 0  # start of the context window re-decoded each step
-        self._read_offset = len(ctx)  # ids before this have been emitted
-        self._n_context = len(ctx)
+        self._stream = decoders.DecodeStream(
+            ids=[int(i) for i in list(prompt_ids)[-self._CONTEXT:]],
+            skip_special_tokens=skip_special_tokens)
+        self._generated: list[int] = []
         self.text = ""  # all text emitted so far
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
     def add(self, token_id: int) -> str:
-        self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            delta = new_text[len(prefix_text):]
-            self._prefix_offset = self._read_offset
-            self._read_offset = len(self._ids)
-            self.text += delta
-            return delta
-        return ""
+        self._generated.append(int(token_id))
+        delta = self._stream.step(self.tokenizer.backend, int(token_id)) or ""
+        self.text += delta
+        return delta
 
     def flush(self) -> str:
-        """Release whatever is held back (an incomplete sequence at the end of generation)."""
-        prefix_text = self._decode(self._ids[self._prefix_offset:self._read_offset])
-        new_text = self._decode(self._ids[self._prefix_offset:])
-        delta = new_text[len(prefix_text):]
-        self._prefix_offset = self._read_offset = len(self._ids)
+        """Release whatever is held back (an incomplete sequence at the end of generation, as
+        the replacement character): one full decode, once per sequence."""
+        full = self.tokenizer.decode(self._generated, skip_special_tokens=self.skip_special_tokens)
+        delta = full[len(self.text):] if full.startswith(self.text) else ""
         self.text += delta
         return delta
 
