@@ -1,8 +1,10 @@
 """Structured outputs and tool calls through the OpenAI client, on the tiny random model:
 sampled outputs (temperature 0.8-1.0, several seeds, n = 4) are valid for every request across
 a varied schema set, regexes and choice lists; forks, preemption and max_tokens mid-structure
-behave; tool calls come back in OpenAI's shape, streamed too; bad specs and fields other
-servers take (guided_json, ...) are 400s naming the problem."""
+behave; tool calls come back in OpenAI's shape, streamed too; bad specs, grammars the matcher
+cannot serve (a limit hit at the first token, no output matches) and fields other servers take
+(guided_json, ...) are 400s naming the problem; a matcher that fails mid-generation fails its
+request alone."""
 
 from __future__ import annotations
 
@@ -306,3 +308,96 @@ def test_chat_template_renders_tools_and_tool_results():
         "[tool get_weather][tool get_time]<user>time?|<assistant>(call get_time)|"
         "<tool>12:00#call_1|<assistant>")
     assert parsed.tool_call and parsed.params.structured_outputs is not None
+
+
+# Grammar admission: what the hostile-input round found (rows 3-5). Each is refused before it is
+# queued, with a message naming why: a matcher limit (GrammarLimits) hit at the first token, a
+# grammar too big to build, or a grammar that matches no output.
+_WORDS = [f"w{i:04d}x" for i in range(20000)]
+_BIG_SCHEMA = {"type": "object", "properties": {  # about 1 MB of JSON, 9000 properties
+    f"p{i}": {"type": "string", "description": "d" * 90} for i in range(9000)}}
+UNSERVABLE = {
+    "nested-repeats": (dict(regex="((a{100}){100}){200}"), "initial_lexer_fuel"),
+    "choice-2001": (dict(choice=_WORDS[:2001]), "max_items_in_row=2000"),
+    "lark-20k-alternatives": (dict(grammar="start: " + " | ".join(json.dumps(w) for w in _WORDS)),
+                              "max_items_in_row=2000"),
+    "schema-9000-properties": (dict(json=_BIG_SCHEMA), "initial_lexer_fuel=50000"),
+    "endless-recursion": (dict(grammar='start: x\nx: "a" x'), "step_max_items"),
+    "empty-class": (dict(regex=r"[^\s\S]"), "matches no output"),
+    "self-ref-schema": (dict(json={"$ref": "#"}), "matches no output"),
+    "ref-cycle": (dict(json={"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                             "$ref": "#/$defs/a"}), "matches no output"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNSERVABLE))
+def test_grammars_the_matcher_cannot_serve_are_refused_at_admission(engine, client, name):
+    """A 400 naming why through the server, a ValueError through the offline API; nothing
+    queued. (Before admission checked them: a 500 at the first token, or a 200 with an output
+    that does not match.)"""
+    fields, says = UNSERVABLE[name]
+    with pytest.raises(openai.BadRequestError, match=re.escape(says)):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=8,
+                                  extra_body={"structured_outputs": fields})
+    with pytest.raises(ValueError, match=re.escape(says)):
+        engine.add_request("x", SamplingParams(
+            max_tokens=8, structured_outputs=StructuredOutputsParams(**fields)))
+    assert not engine.has_unfinished()
+
+
+def test_a_burst_of_unservable_grammars_is_refused_and_a_neighbour_runs(client):
+    """16 concurrent requests with row 3's regex are 400s (admitted once: the refusal is
+    cached), and a request beside them completes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def hostile(_):
+        try:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body={
+                "structured_outputs": {"regex": "((a{100}){100}){200}"}})
+        except openai.BadRequestError as e:
+            return e.status_code
+        return 200
+
+    with ThreadPoolExecutor(17) as pool:
+        codes = pool.map(hostile, range(16))
+        neighbour = pool.submit(client.completions.create, model=MODEL, prompt="hello",
+                                max_tokens=16, temperature=0)
+        assert list(codes) == [400] * 16
+        assert neighbour.result().choices[0].finish_reason == "length"
+
+
+def test_a_matcher_that_fails_mid_generation_fails_its_request_alone():
+    """A grammar admitted (its first token is within the limits) whose matcher hits the row
+    limit at its third token, x after three one-byte terminals being a 2001-way choice: its
+    request fails alone with the limit named, counted in num_failed_total; a greedy neighbour's
+    tokens are those it gets alone, and no page is held afterwards."""
+    engine = LLMEngine(EngineConfig.from_options(num_pages=64, page_size=8, max_num_seqs=4,
+                                                 max_num_batched_tokens=64), tiny_loaded())
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    lark = ("start: /[ab]/ /[cd]/ /[ef]/ x\nx: "
+            + " | ".join(json.dumps(w) for w in _WORDS[:2001]))
+    late = SamplingParams(temperature=0, max_tokens=16,
+                          structured_outputs=StructuredOutputsParams(grammar=lark))
+
+    def run(*requests):
+        for request_id, params in requests:
+            engine.add_request({"prompt_token_ids": list(range(40, 60))}, params,
+                               request_id=request_id)
+        finals = {}
+        for _ in range(100):
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+            if not engine.has_unfinished():
+                return finals
+        raise AssertionError("the engine did not finish")
+
+    alone = run(("neighbour", greedy))["neighbour"].outputs[0].token_ids
+    failed_before = engine.stats()["num_failed_total"]
+    finals = run(("late", late), ("neighbour", greedy))
+    stats = engine.stats()
+    assert stats["num_failed_total"] == failed_before + 1
+    assert "max_items_in_row=2000" in finals["late"].error
+    assert len(finals["late"].outputs[0].token_ids) == 3
+    assert finals["neighbour"].error is None
+    assert finals["neighbour"].outputs[0].token_ids == alone
+    assert stats["referenced_pages"] == 0 and stats["running"] == stats["waiting"] == 0
+    engine.scheduler.check_invariants()

@@ -22,7 +22,7 @@ from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestMetrics, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.structured_output import GrammarCompiler
+from jaxserve.core.structured_output import GrammarCompiler, grammar_error
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.core.step_plan import StepPlan
@@ -132,8 +132,8 @@ class LLMEngine:
     # ----------------------------------------------------------------- requests
     @property
     def grammars(self) -> GrammarCompiler:
-        """Thread-safe: a server compiles (validates) a request's grammar in a worker thread
-        before add_request, which then finds it cached."""
+        """Thread-safe: a server admits (compiles, first mask, limits) a request's grammar in a
+        worker thread before add_request, which then finds it cached."""
         with self._grammars_lock:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(),
@@ -143,7 +143,8 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams):
         """ValueError unless the model can honour params: logit_bias ids within the vocabulary,
-        a valid structured output spec. Returns the compiled grammar (or None)."""
+        a structured output the matcher can serve (GrammarCompiler.compile: valid, matches
+        some output, within the limits at its first token). Returns the grammar (or None)."""
         vocab = self.model_config.vocab_size
         bad = [t for t in params.logit_bias or () if t >= vocab]
         if bad:
@@ -384,7 +385,19 @@ class LLMEngine:
             self._fail(request_id, error)
         changed = self.scheduler.update(plan, tokens, stops)
         self.num_steps += 1
-        return self._snapshots(changed, now)
+        results = self._snapshots(changed, now)
+        self._fail_broken_grammars(plan)
+        return results
+
+    def _fail_broken_grammars(self, plan: StepPlan) -> None:
+        """A sequence whose matcher erred on the token just applied (a grammar limit hit
+        mid-generation) fails its request alone, before a mask is filled from that state."""
+        if self._grammars is None:  # no grammar yet
+            return
+        for _, seq in plan.sample_rows:
+            error = None if seq.is_finished else grammar_error(seq, self._grammars.limits)
+            if error is not None:
+                self._fail(seq.request.request_id, error)
 
     def _settle(self) -> None:
         """Read back and apply the step in flight, if any (its sequences are all finished or

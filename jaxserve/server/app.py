@@ -287,8 +287,9 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         return builder.response(final)
 
     async def compile_grammar(parsed) -> None:
-        """Compile (validate) a structured output's grammar in a worker thread, off the engine's
-        step loop: add_request then finds it cached. An invalid one is a 400 naming it."""
+        """Admit a structured output's grammar (GrammarCompiler.compile: compile, first mask,
+        the matcher's limits) in a worker thread, off the engine's step loop: add_request then
+        finds it cached. One the matcher cannot serve is a 400 naming why."""
         spec = parsed.params.structured_outputs
         if spec is not None:
             try:
