@@ -449,7 +449,7 @@ def test_a_new_build_prunes_only_stale_builds(tmp_path):
 @needs_kernels
 def test_cpu_peaks_script_measures_the_fma_peak():
     """scripts/cpu_peaks.py builds and runs its loops and prints a positive rate a core and for
-    all cores (the README's peaks come from it)."""
+    all cores (docs/performance.md's peaks come from it)."""
     import re
     import subprocess
     import sys

@@ -174,7 +174,7 @@ def test_three_gib_on_the_default_model(default_loaded, cold_compilation_cache):
     holds at least 3.5x the pages of float32. An int8 page (its scales counted) takes 1/3.76 of
     a float32 page; the rest of the budget must then cost the two alike: on the CPU the
     compiled step shapes are device memory, and the backend's write_kv keeps int8's quantizing
-    writes out of them (the README's "Memory budget" gives the measured plans)."""
+    writes out of them (docs/memory.md gives the measured plans)."""
     budget = 3 * GIB
     plans = {}
     for kv in ("float32", "int8"):

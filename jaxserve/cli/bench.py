@@ -1,5 +1,5 @@
-"""`jaxserve bench`: a serving benchmark under a stated workload (DESIGN.md, "Serving evaluation
-protocol"), in-process against the engine or, with --url, against an OpenAI-compatible server.
+"""`jaxserve bench`: a serving benchmark under a stated workload (docs/design.md, "Serving
+evaluation protocol"), in-process against the engine or, with --url, against an OpenAI-compatible server.
 
   jaxserve bench --num_prompts=64 --request_rate=inf --input_len=128 --output_len=64 \\
       --json_out=bench.json --plot_dir=bench_plots --ablate=paging,scheduling

@@ -1,4 +1,5 @@
-"""`jaxserve kv_budget`: analytic KV-cache memory accounting (DESIGN.md, "KV memory accounting").
+"""`jaxserve kv_budget`: analytic KV-cache memory accounting (docs/design.md, "KV memory
+accounting").
 
 Architecture from --num_layers/--num_kv_heads/--head_dim/--dtype_bytes (or --kv_cache_dtype,
 which counts an int8 pool's scales too), or from --model (explicit flags override the model's

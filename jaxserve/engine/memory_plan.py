@@ -1,4 +1,4 @@
-"""The memory plan: one budget in, the KV pool's size out (DESIGN.md, "KV memory accounting").
+"""The memory plan: one budget in, the KV pool's size out (docs/design.md, "KV memory accounting").
 
     budget = weights + activation peak + runtime + margin + KV pool
 

@@ -1,4 +1,4 @@
-"""Analytic KV-cache memory accounting (DESIGN.md, "KV memory accounting").
+"""Analytic KV-cache memory accounting (docs/design.md, "KV memory accounting").
 
 Pure Python (fractions for exact means, no JAX, no numpy needed): what a set of requests costs in
 KV memory, and how much of what a policy allocates is tail waste.

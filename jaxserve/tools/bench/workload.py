@@ -1,7 +1,7 @@
 """Benchmark workloads: a frozen, seeded spec -> a list of requests with exact lengths.
 
-A workload states what DESIGN.md's evaluation protocol asks to publish: the arrival process, the
-prompt and output length distributions, shared-prefix groups and the stop condition (ignore_eos,
+A workload states what docs/design.md's evaluation protocol asks to publish: the arrival process,
+the prompt and output length distributions, shared-prefix groups and the stop condition (ignore_eos,
 so every request generates exactly its output length). Prompts are random token ids, so prompt
 lengths are exact and no tokenizer is involved.
 
