@@ -212,7 +212,7 @@ def test_runs_under_jit():
 def test_paths_lower_to_mosaic(path, dtype, pool):
     """Pallas -> Mosaic lowering for platform "tpu" runs without a TPU (jax.export): it catches
     ops with no Mosaic rule and illegal block shapes, and shows no host callback is left. Mosaic
-    compilation itself (layouts, VMEM limits) needs a TPU."""
+    compilation (layouts, shape casts, VMEM limits): tests/test_tpu_compile.py (libtpu)."""
     case = ragged_case(8, [(5, 5), (40, 8), (0, 0), (17, 1)], page_size=16, num_kv_heads=2,
                        group=4, head_dim=128, dtype=dtype)
     if pool == "int8":

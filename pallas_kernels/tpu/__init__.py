@@ -4,8 +4,9 @@
   validate_inputs          its input checks (shapes and dtypes; values too outside jit)
   TpuBlockSizes            tuning knobs, apart from numerics
 
-Run in Pallas interpret mode on CPU and lowered to Mosaic for "tpu"; never compiled by Mosaic nor
-timed. The same-signature reference is `pallas_kernels.reference.ref_ragged_paged_attention`.
+Run in Pallas interpret mode on CPU, and compiled by XLA and Mosaic for v5e and v6e topologies
+without a TPU (libtpu, tests/test_tpu_compile.py); never run on a TPU nor timed. The
+same-signature reference is `pallas_kernels.reference.ref_ragged_paged_attention`.
 """
 
 from pallas_kernels.tpu.attention import ragged_paged_attention

@@ -10,8 +10,9 @@ goes to the token-at-a-time kernel (decode_attention.py, one program per token a
 otherwise to the ragged blocked kernel (prefill_attention.py, one program per block_q tokens and
 KV head). Both are exact for every valid input; the rule only picks the one whose work fits.
 
-Neither kernel has been compiled by Mosaic, run on a TPU, or timed: they have run in Pallas TPU
-interpret mode on CPU and been lowered to Mosaic for platform "tpu" (jax.export, tested).
+Neither kernel has run on a TPU or been timed: they have run in Pallas TPU interpret mode on CPU
+and been compiled by XLA and Mosaic for v5e and v6e topologies on a CPU host (libtpu, tested
+over the option matrix in tests/test_tpu_compile.py).
 """
 
 from __future__ import annotations

@@ -17,13 +17,15 @@ int8 pages. The scales f32[Hkv, N, B] are viewed as f32[Hkv, N, 1, B] (`pool_ope
 page's scales are one [1, B] block copied exactly like its K/V block (whole tiled dims, only
 untiled dims indexed) into VMEM [2, pages_per_block, 1, B], double buffered alongside. After the
 wait a block is dequantized in VMEM as the reference does it, k = int8 * scale in float32 (one
-rounding), with the scales turned into a column f32[L, 1] that broadcasts along D; scores and
-the online softmax are then those of float pages. A NaN scale (garbage slot) only makes its own
-K/V row NaN: that key's score is dropped by the select in `masked_scores` and its V row by the
-select in `online_softmax_step`. Unverified on hardware: Mosaic compiling `scale_column`'s shape
-casts; the view may cost a relayout copy of the scale pool per call on TPU if XLA tiles
-[.., N, B] and [.., 1, B] differently (storing the scales as [Hkv, N, 1, B] avoids it); each
-[1, B] VMEM block is padded to a whole tile.
+rounding), with the scales turned into a column f32[L, 1] that broadcasts along D
+(`scale_column`: each page's [1, B] row transposed to [B, 1], the columns stacked along
+sublanes; Mosaic has no rule for folding [pages, B] lanes into one column by reshape); scores
+and the online softmax are then those of float pages. A NaN scale (garbage slot) only makes its
+own K/V row NaN: that key's score is dropped by the select in `masked_scores` and its V row by
+the select in `online_softmax_step`. Compiled by Mosaic for v5e and v6e (tests/
+test_tpu_compile.py), not run on a TPU: the view may cost a relayout copy of the scale pool per
+call on TPU if XLA tiles [.., N, B] and [.., 1, B] differently (storing the scales as
+[Hkv, N, 1, B] avoids it); each [1, B] VMEM block is padded to a whole tile.
 
 Sliding windows and soft-capping (keyword-only arguments of the entry point): both paths start
 their key-block loop at the block holding the earliest key any of their queries' windows reaches
@@ -96,11 +98,11 @@ def kv_scratch(pages_per_block: int, page_size: int, head_dim: int, dtype, *,
 
 
 def scale_column(buf, slot) -> jax.Array:
-    """f32[L, 1] scales of the block in `slot` of buf f32[2, pages, 1, B]. Written as steps Mosaic
-    has layout rules for: a [pages, B] load, each page's lanes to a column [pages, B, 1], pages
-    folded into sublanes (B a multiple of 8)."""
-    pages_per_block, _, page_size = buf.shape[1:]
-    return buf[slot, :, 0, :][:, :, None].reshape(pages_per_block * page_size, 1)
+    """f32[L, 1] scales of the block in `slot` of buf f32[2, pages, 1, B]: each page's [1, B]
+    row transposed to a [B, 1] column, the pages' columns stacked along sublanes. Exact (data
+    movement only)."""
+    pages_per_block = buf.shape[1]
+    return jnp.concatenate([buf[slot, i].T for i in range(pages_per_block)], axis=0)
 
 
 def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_head, pool, bufs,

@@ -14,8 +14,8 @@ int8 pages (k_scale/v_scale given) have their scale pages copied alongside and a
 in VMEM after the copy (common.py, "int8 pages").
 
 What has been run: Pallas TPU interpret mode on CPU (`pltpu.InterpretParams()`), jax 0.10.2, and
-Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU (tested). Nothing here has been
-compiled by the Mosaic/TPU compiler, run on a TPU, or timed. Known gaps for real hardware: one
+compiled by XLA and Mosaic for v5e and v6e topologies on a CPU host (libtpu; tests/
+test_tpu_compile.py). Nothing here has run on a TPU or been timed. Known gaps for real hardware: one
 DMA per page of one contiguous B*D block (e.g. 16 * 128 * 2 B = 4 KiB in bf16), so small pages
 mean many small copies; the pipeline restarts in every program (the next program's first block
 is not prefetched); G query rows per program leave the MXU mostly idle for small G; the reshape

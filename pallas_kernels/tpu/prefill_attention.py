@@ -16,8 +16,8 @@ int8 pages (k_scale/v_scale given) have their scale pages copied alongside and a
 in VMEM after the copy (common.py, "int8 pages").
 
 What has been run: Pallas TPU interpret mode on CPU (`pltpu.InterpretParams()`), jax 0.10.2, and
-Pallas -> Mosaic lowering for platform "tpu" via jax.export on CPU (tested). Nothing here has been
-compiled by the Mosaic/TPU compiler, run on a TPU, or timed. Known gaps for real hardware: one
+compiled by XLA and Mosaic for v5e and v6e topologies on a CPU host (libtpu; tests/
+test_tpu_compile.py). Nothing here has run on a TPU or been timed. Known gaps for real hardware: one
 DMA per page of one contiguous B*D block, so small pages mean many small copies; the pipeline
 drains at each row boundary (a row's first key block is not prefetched during the previous row's
 last); a query block spanning several rows computes every key block of each of them for all its

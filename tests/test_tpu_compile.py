@@ -1,0 +1,200 @@
+"""The TPU (Mosaic) ragged_paged_attention compiled for v5e and v6e without a TPU (libtpu's
+topologies, tests/tpu_topology.py): XLA and Mosaic run for the chip (layouts, shape casts, VMEM
+limits), nothing executes. Numerics are tests/test_tpu_kernels.py's (interpret mode).
+
+The option matrix is covered, not multiplied out: CASES holds every value of every option, and
+every pair that changes what Mosaic sees (KV dtype x head dim x path, KV dtype x page size,
+q dtype x KV dtype; windows and soft-capping on both paths and every KV dtype), checked by
+`test_cases_cover_the_matrix`; each case compiles for both generations (one topology each).
+Then, for SmolLM2-135M's shapes over a 4096-page pool: `compiled.memory_analysis()` (printed
+with -s), and whether the pool in XLA's default TPU layout reaches the kernel without a per-call
+copy (strict xfails where it does not: head dim 64, and int8 scales). Skipped where libtpu is
+not installed; about 20 s on two cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.tpu import TpuBlockSizes, ragged_paged_attention
+from pallas_kernels.tpu.attention import uses_decode_path
+from tpu_topology import TOPOLOGIES, abstract, compile_for, tpu_device
+
+BF16, F32, I8 = jnp.bfloat16, jnp.float32, jnp.int8
+_NAMES = {BF16: "bf16", F32: "f32", I8: "int8"}
+
+PAGES_PER_ROW = 8  # P: table width, so pages_per_block up to 4 is never clamped
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    path: str  # "decode": T == S rows of one token; "prefill": T > S (ragged blocked kernel)
+    q_dtype: object
+    kv_dtype: object  # int8 pages come with f32 scales
+    head_dim: int
+    kv_heads: int
+    group: int  # query heads per KV head
+    page_size: int
+    window: int | None = None
+    soft_cap: float | None = None
+    pages_per_block: int = 2
+    block_q: int = 16
+    num_pages: int = 64  # N
+
+    def __str__(self):
+        extra = (f"-w{self.window}" if self.window else "") + (
+            f"-cap{self.soft_cap:g}" if self.soft_cap else "")
+        return (f"{self.path}-q{_NAMES[self.q_dtype]}-kv{_NAMES[self.kv_dtype]}-d{self.head_dim}-"
+                f"{self.kv_heads}x{self.group}-B{self.page_size}-ppb{self.pages_per_block}{extra}")
+
+    def shapes(self):
+        """(num_tokens T, num_rows S): T == S takes the decode path, T > S the prefill path."""
+        return (8, 8) if self.path == "decode" else (48, 4)
+
+
+CASES = [  # per KV dtype: every head dim on both paths; page sizes, GQA and options spread
+    Case("decode", BF16, BF16, 64, 3, 3, 8, pages_per_block=4),
+    Case("prefill", BF16, BF16, 64, 1, 8, 16, window=128),
+    Case("decode", F32, BF16, 128, 8, 1, 32, soft_cap=30.0),
+    Case("prefill", BF16, BF16, 128, 2, 4, 64, pages_per_block=1, block_q=32),
+    Case("decode", BF16, BF16, 256, 1, 2, 16, window=100, soft_cap=50.0, pages_per_block=4),
+    Case("prefill", F32, BF16, 256, 2, 2, 8, soft_cap=30.0, pages_per_block=4, block_q=8),
+    Case("decode", F32, F32, 64, 2, 4, 32, window=64, pages_per_block=1),
+    Case("prefill", F32, F32, 64, 3, 3, 8, block_q=32),
+    Case("decode", BF16, F32, 128, 1, 1, 64),
+    Case("prefill", F32, F32, 128, 8, 4, 16, window=100, soft_cap=30.0, pages_per_block=4),
+    Case("decode", F32, F32, 256, 2, 8, 8, soft_cap=50.0, pages_per_block=3),
+    Case("prefill", BF16, F32, 256, 1, 4, 32),
+    Case("decode", BF16, I8, 64, 2, 4, 16),
+    Case("prefill", F32, I8, 64, 3, 3, 32, window=100, soft_cap=30.0),
+    Case("decode", F32, I8, 128, 1, 8, 8, window=64, pages_per_block=4),
+    Case("prefill", BF16, I8, 128, 2, 2, 64, soft_cap=50.0, pages_per_block=1, block_q=32),
+    Case("decode", BF16, I8, 256, 8, 1, 32, soft_cap=30.0),
+    Case("prefill", F32, I8, 256, 1, 1, 8, window=128, pages_per_block=4, block_q=8),
+]
+
+OPTIONS = {  # every value each option must take somewhere in CASES
+    "path": {"decode", "prefill"},
+    "q_dtype": {BF16, F32},
+    "kv_dtype": {BF16, F32, I8},
+    "head_dim": {64, 128, 256},
+    "kv_heads": {1, 2, 3, 8},
+    "group": {1, 2, 3, 4, 8},
+    "page_size": {8, 16, 32, 64},
+    "pages_per_block": {1, 2, 3, 4},
+    "block_q": {8, 16, 32},
+}
+
+
+def _pairs(cases, *fields):
+    return {tuple(getattr(c, f) for f in fields) for c in cases}
+
+
+def test_cases_cover_the_matrix():
+    for name, values in OPTIONS.items():
+        assert {getattr(c, name) for c in CASES} == values, name
+    full = lambda *fields: set(itertools.product(*(OPTIONS[f] for f in fields)))
+    assert _pairs(CASES, "kv_dtype", "head_dim", "path") == full("kv_dtype", "head_dim", "path")
+    assert _pairs(CASES, "kv_dtype", "page_size") == full("kv_dtype", "page_size")
+    assert _pairs(CASES, "q_dtype", "kv_dtype") == full("q_dtype", "kv_dtype")
+    for option in ("window", "soft_cap"):
+        with_option = [c for c in CASES if getattr(c, option) is not None]
+        assert _pairs(with_option, "kv_dtype", "path") == full("kv_dtype", "path"), option
+    assert any(c.window and c.soft_cap for c in CASES)
+
+
+def abstract_inputs(case: Case, device) -> dict:
+    """ragged_paged_attention's arrays as abstract values on `device` (head-major pool)."""
+    num_tokens, num_rows = case.shapes()
+    pool = (case.kv_heads, case.num_pages, case.page_size, case.head_dim)
+    args = dict(
+        q=abstract((num_tokens, case.kv_heads * case.group, case.head_dim), case.q_dtype, device),
+        k_pages=abstract(pool, case.kv_dtype, device),
+        v_pages=abstract(pool, case.kv_dtype, device),
+        page_tables=abstract((num_rows, PAGES_PER_ROW), jnp.int32, device),
+        seq_lens=abstract((num_rows,), jnp.int32, device),
+        query_start=abstract((num_rows + 1,), jnp.int32, device),
+    )
+    if case.kv_dtype == I8:
+        args["k_scale"] = args["v_scale"] = abstract(pool[:3], jnp.float32, device)
+    return args
+
+
+def compile_case(case: Case, device):
+    args = abstract_inputs(case, device)
+    attend = functools.partial(
+        ragged_paged_attention, sm_scale=case.head_dim ** -0.5, window=case.window,
+        soft_cap=case.soft_cap, interpret=False,
+        block_sizes=TpuBlockSizes(block_q=case.block_q, pages_per_block=case.pages_per_block))
+    return compile_for(lambda a: attend(**a), args)
+
+
+@pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
+def device(request):
+    """One topology per generation for the whole module."""
+    return tpu_device(request.param)
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_compiles(device, case):
+    num_tokens, num_rows = case.shapes()
+    assert uses_decode_path(num_tokens, num_rows) == (case.path == "decode")
+    compiled, seconds = compile_case(case, device)
+    print(f"\n{device.device_kind} {case}: {seconds:.2f} s")
+    out = compiled.out_info
+    assert out.shape == (num_tokens, case.kv_heads * case.group, case.head_dim)
+    assert out.dtype == case.q_dtype
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+# SmolLM2-135M's attention (3 KV heads, 9 query heads, head dim 64) over a 65536-token pool.
+MEMORY_CASE = dict(path="decode", q_dtype=BF16, head_dim=64, kv_heads=3, group=3, page_size=16,
+                   pages_per_block=4, num_pages=4096)
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=_NAMES.get)
+def test_memory_analysis(device, kv_dtype):
+    """Per-chip bytes of one compiled call (printed): arguments at least their logical size
+    (tiled layouts may pad), the output at least bf16[T, Hq, D], nothing aliased."""
+    case = Case(kv_dtype=kv_dtype, **MEMORY_CASE)
+    compiled, _ = compile_case(case, device)
+    stats = compiled.memory_analysis()
+    print(f"\n{device.device_kind} {case} N={case.num_pages}: {stats}")
+    logical = sum(int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize
+                  for a in abstract_inputs(case, device).values())
+    assert stats.argument_size_in_bytes >= logical
+    out = compiled.out_info
+    assert stats.output_size_in_bytes >= int(np.prod(out.shape)) * jnp.dtype(out.dtype).itemsize
+    assert stats.alias_size_in_bytes == 0
+
+
+def pool_copies(compiled, case: Case) -> int:
+    """Copies (relayouts) of whole pool or scale arrays in the compiled module."""
+    pool = f"{case.kv_heads},{case.num_pages},{case.page_size}"
+    return len(re.findall(rf"= \w+\[{pool}[,\d]*\]\{{[^}}]*\}} copy\(", compiled.as_text()))
+
+
+_RELAYOUT = ("XLA's default TPU layout of {} puts N minor (no lane padding) while the kernel takes "
+             "its pool operands row-major: every call relayouts them")
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim", [
+    (BF16, 128),
+    pytest.param(BF16, 64, marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError, reason=_RELAYOUT.format("bf16[Hkv, N, B, 64]"))),
+    pytest.param(I8, 128, marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError, reason=_RELAYOUT.format("the scales f32[Hkv, N, B]"))),
+], ids=lambda v: _NAMES.get(v, str(v)))
+def test_pool_is_not_copied_per_call(device, kv_dtype, head_dim):
+    """The pool in XLA's default layout for it reaches the kernel without a copy. Fails (xfail,
+    strict) where it does not: the pool layout redesign is to make these pass."""
+    case = Case(kv_dtype=kv_dtype, **dict(MEMORY_CASE, head_dim=head_dim))
+    compiled, _ = compile_case(case, device)
+    assert pool_copies(compiled, case) == 0
