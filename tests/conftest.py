@@ -8,6 +8,11 @@ import types
 
 import pytest
 
+# The test extra brings libtpu (to compile for TPU topologies without a TPU): on a host without
+# one, JAX would still probe it in every process (warnings, ~100 MB). Tests run on the CPU
+# unless JAX_PLATFORMS says otherwise; the topology lookups do not need the TPU platform.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
