@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
+import re
 import time
 
 import pytest
@@ -166,6 +167,61 @@ def test_docs_need_the_key(locked_url):
         assert httpx.get(locked_url + path).status_code == 401
         r = httpx.get(locked_url + path, headers={"Authorization": "Bearer key-a"})
         assert r.status_code == 200
+
+
+def test_openapi_shows_both_request_schemas(url):
+    """The pydantic request models are the documented bodies of both endpoints (the server
+    still reads and validates them itself, so its errors keep OpenAI's shape)."""
+    spec = httpx.get(url + "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, name, fields in [
+            ("/v1/completions", "CompletionRequest",
+             {"model", "prompt", "max_tokens", "echo", "logprobs", "temperature", "stop", "seed",
+              "structured_outputs", "stream_options"}),
+            ("/v1/chat/completions", "ChatCompletionRequest",
+             {"model", "messages", "max_tokens", "max_completion_tokens", "logprobs",
+              "top_logprobs", "tools", "tool_choice", "response_format", "logit_bias"})]:
+        body = spec["paths"][path]["post"]["requestBody"]
+        assert body["content"]["application/json"]["schema"] == {
+            "$ref": f"#/components/schemas/{name}"}
+        assert fields <= set(schemas[name]["properties"]), name
+    completion, chat = schemas["CompletionRequest"], schemas["ChatCompletionRequest"]
+    assert completion["required"] == ["prompt"] and chat["required"] == ["messages"]
+    temperature = completion["properties"]["temperature"]
+    assert (temperature["type"], temperature["minimum"], temperature["maximum"]) == ("number", 0, 2)
+    assert completion["properties"]["max_tokens"]["default"] == 16
+    assert schemas["Message"]["properties"]["role"]["enum"] == [
+        "system", "developer", "user", "assistant", "tool"]
+    assert "include_usage" in schemas["StreamOptions"]["properties"]
+    for ref in re.findall(r'"\$ref": "#/components/schemas/(\w+)"', json.dumps(spec)):
+        assert ref in schemas  # every part the schemas name is there
+    r = post(url, {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+             path="/v1/chat/completions")  # FastAPI's own 422 does not answer
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+
+
+@pytest.mark.parametrize("path,fields,param", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [
+        {"type": "function", "function": {"name": ""}}], "tool_choice": "required"},
+     "tools[0].function.name"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": 1},
+     "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"\u0661": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a", "rule": 1}},
+     "structured_outputs"),
+    ("/v1/completions", {"prompt": "x", "top_k": True}, "top_k"),
+    ("/v1/completions", {"prompt": "x", "seed": 1.0}, "seed"),
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a"}, "guided_regex"),
+    ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 3}, "best_of"),
+    ("/v1/completions", {"prompt": "x", "temperature": 10**400}, "temperature"),
+])
+def test_errors_name_the_field(url, path, fields, param):
+    r = post(url, {"model": MODEL, **fields}, path=path)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and set(r.json()["error"]) == {
+        "message", "type", "param", "code"}
 
 
 def test_tenants_share_no_prefix_cache_pages(url, locked_url):

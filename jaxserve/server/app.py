@@ -2,7 +2,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (JSON, or server-sent events with
 stream=true), GET /v1/models, GET /health, GET /metrics (Prometheus text), GET /debug/stats (JSON).
-Every error is OpenAI's shape {"error": {message, type, param, code}}. With an API key, /v1 and
+Every error is OpenAI's shape {"error": {message, type, param, code}}. Bodies are read by
+`parse_body` (size and nesting limits) and validated by the pydantic models of requests.py, which
+/openapi.json and /docs show as the request schemas. With an API key, /v1 and
 /debug, the docs and /metrics need `Authorization: Bearer <key>` (compared in constant time;
 `public_metrics` leaves /metrics open).
 """
@@ -26,6 +28,7 @@ from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverload
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
+from jaxserve.server.requests import openapi_schemas
 from jaxserve.server.responses import ResponseBuilder
 
 log = logging.getLogger("jaxserve.server")
@@ -321,13 +324,30 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         except Exception as e:  # noqa: BLE001 - an OpenAI-shaped error, never a bare 500
             raise _failure(e) from None
 
-    @app.post("/v1/completions")
+    def body_schema(name: str) -> dict:
+        """The route's request body in OpenAPI (read by `read_json`, validated by
+        parse_request, not by FastAPI: its errors keep OpenAI's shape)."""
+        return {"requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{name}"}}}}}
+
+    @app.post("/v1/completions", openapi_extra=body_schema("CompletionRequest"))
     async def completions(request: Request):
         return await serve("completion", request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request):
         return await serve("chat", request)
+
+    fastapi_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:  # FastAPI's, once, with the request models added
+            schema = fastapi_openapi()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(
+                openapi_schemas())
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.get("/v1/models")
     async def models():

@@ -1,169 +1,97 @@
-"""The OpenAI request fields that constrain or steer the output: `response_format` (json_object,
-json_schema), the extra body field `structured_outputs`, `tools` with `tool_choice`, and the
-logit controls (`logit_bias`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`);
-and tool calls read back from a constrained output. Fields of other servers that would change
-the output and that this one does not implement (`guided_json`, ...) are refused, never ignored.
-Host-only, no engine calls.
+"""The output constraint of a validated request (requests.py holds the fields' shapes): one of
+`response_format` (json_object, json_schema), the extra body field `structured_outputs`, or
+`tools` with a `tool_choice` that forces a call, as one StructuredOutputsParams; and tool calls
+read back from a constrained output. Host-only, no engine calls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 
 from jaxserve.core.structured_output import StructuredOutputsParams
-
-# Fields other servers accept that would change the output; here they are a 400.
-REFUSED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                  "guided_decoding_backend", "guided_whitespace_pattern", "guided_options_request",
-                  "structural_tag", "bad_words", "allowed_token_ids", "min_tokens",
-                  "logits_processors", "use_beam_search", "length_penalty", "functions",
-                  "function_call")
-STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+from jaxserve.server.requests import (ChatCompletionRequest, CompletionRequest, FieldError,
+                                      FunctionDefinition, ResponseFormat, StructuredOutputs)
 
 
-class StructuredRequestError(ValueError):
-    """A bad field: `param` names it (the caller turns it into a 400)."""
-
-    def __init__(self, message: str, param: str, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-def refuse_unsupported(body: dict) -> None:
-    for name in REFUSED_FIELDS:
-        if body.get(name) is not None:
-            hint = (" (use response_format or structured_outputs)"
-                    if name.startswith("guided_") else "")
-            raise StructuredRequestError(f"'{name}' is not supported by this server{hint}",
-                                         name, "unsupported_parameter")
+@dataclasses.dataclass(frozen=True)
+class OutputConstraint:
+    spec: StructuredOutputsParams | None  # what the output must match; None: free text
+    tool_call: bool = False  # the output is a call of an offered function
+    tools: list[dict] | None = None  # the functions offered, as the chat template takes them
 
 
-def logit_controls(body: dict) -> dict:
-    """SamplingParams keyword arguments of the logit controls present in the body (their
-    ranges are checked by SamplingParams)."""
-    out = {}
-    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = body.get(name)
-        if value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise StructuredRequestError(f"'{name}' must be a number, got {value!r}", name,
-                                             "invalid_type")
-            if name != "repetition_penalty" and not -2 <= value <= 2:  # OpenAI's range
-                raise StructuredRequestError(f"'{name}' must be in [-2, 2], got {value!r}", name,
-                                             "invalid_value")
-            out[name] = float(value)
-    bias = body.get("logit_bias")
-    if bias is not None:
-        if not isinstance(bias, dict):
-            raise StructuredRequestError("'logit_bias' must map token ids to biases",
-                                         "logit_bias", "invalid_type")
-        out["logit_bias"] = bias  # its keys and values are checked by SamplingParams
-    return out
-
-
-def _response_format(value) -> StructuredOutputsParams | None:
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object",
-                                                                "json_schema"):
-        raise StructuredRequestError("'response_format' must be an object with type 'text', "
-                                     "'json_object' or 'json_schema'", "response_format")
-    if value["type"] == "text":
+def _response_format(value: ResponseFormat) -> StructuredOutputsParams | None:
+    if value.type == "text":
         return None
-    if value["type"] == "json_object":
+    if value.type == "json_object":
         return StructuredOutputsParams(json_object=True)
-    spec = value.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise StructuredRequestError("'response_format.json_schema' must be an object with a "
-                                     "'schema' object", "response_format")
     # strict or not, the schema is enforced: the output is always valid against it.
-    return StructuredOutputsParams(json=spec.get("schema", {}))
+    return StructuredOutputsParams(json=value.json_schema.schema_)
 
 
-def _structured_field(value) -> StructuredOutputsParams:
-    if not isinstance(value, dict) or set(value) - set(STRUCTURED_KEYS):
-        raise StructuredRequestError(f"'structured_outputs' must be an object with one of "
-                                     f"{list(STRUCTURED_KEYS)}", "structured_outputs")
+def _structured_field(value: StructuredOutputs) -> StructuredOutputsParams:
     try:
-        return StructuredOutputsParams(**value)
-    except ValueError as e:
-        raise StructuredRequestError(str(e), "structured_outputs") from None
+        return StructuredOutputsParams(**value.model_dump(by_alias=True, exclude_unset=True))
+    except ValueError as e:  # not exactly one, JSON text that is not JSON, ...
+        raise FieldError(str(e), "structured_outputs") from None
+    except RecursionError:  # JSON text nested deeper than the C parser goes
+        raise FieldError("structured_outputs.json nests too deeply", "structured_outputs") \
+            from None
 
 
-def _tools(body: dict) -> list[dict]:
-    tools = body["tools"]
-    if not isinstance(tools, list) or not tools:
-        raise StructuredRequestError("'tools' must be a non-empty list", "tools")
-    out = []
-    for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" \
-                or not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
-                or not fn["name"] or not isinstance(fn.get("parameters", {}), dict):
-            raise StructuredRequestError(
-                f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., "
-                f"'parameters': <JSON schema>}}}}", f"tools[{i}]")
-        out.append(fn)
-    return out
+def _forced(functions: list[FunctionDefinition], choice) -> list[FunctionDefinition]:
+    """The functions that tool_choice forces a call of (none for 'none')."""
+    if choice is None or choice == "auto":
+        raise FieldError("tool_choice 'auto' needs a model-specific parser of tool calls in free "
+                         "text, which this server does not have: use tool_choice 'required', a "
+                         "named function or 'none'", "tool_choice", "unsupported_parameter")
+    if choice == "none":
+        return []
+    if choice == "required":
+        return functions
+    offered = [fn for fn in functions if fn.name == choice.function.name]
+    if not offered:
+        raise FieldError(f"tool_choice names {choice.function.name!r}, which is not in 'tools'",
+                         "tool_choice")
+    return offered
 
 
-def _call_schema(fn: dict) -> dict:
+def _call_schema(fn: FunctionDefinition) -> dict:
     """A call of one function: {"name": <its name>, "arguments": <its parameters>}."""
     return {"type": "object", "properties": {
-        "name": {"const": fn["name"]},
-        "arguments": fn.get("parameters") or {"type": "object"}},
+        "name": {"const": fn.name},
+        "arguments": fn.parameters or {"type": "object"}},
         "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def structured_spec(body: dict, kind: str) -> tuple[StructuredOutputsParams | None, bool,
-                                                   list[dict] | None]:
-    """(the body's output constraint, whether the output is a tool call, the tools offered as
-    the chat template takes them). At most one of response_format, structured_outputs and a
-    forced tool call constrains the output."""
+def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> OutputConstraint:
+    """At most one of response_format, structured_outputs and a forced tool call constrains the
+    output; FieldError otherwise, or for a tool_choice that names no offered function."""
     specs = []
-    if body.get("response_format") is not None:
-        spec = _response_format(body["response_format"])
+    if request.response_format is not None:
+        spec = _response_format(request.response_format)
         if spec is not None:
             specs.append(("response_format", spec))
-    if body.get("structured_outputs") is not None:
-        specs.append(("structured_outputs", _structured_field(body["structured_outputs"])))
-    tools = None
-    choice = body.get("tool_choice")
-    if body.get("tools") is not None and kind == "chat":
-        tools = _tools(body)
-        choice = "auto" if choice is None else choice
-        if choice == "auto":
-            raise StructuredRequestError(
-                "tool_choice 'auto' needs a model-specific parser of tool calls in free text, "
-                "which this server does not have: use tool_choice 'required', a named function "
-                "or 'none'", "tool_choice", "unsupported_parameter")
-        if choice == "required":
-            offered = tools
-        elif isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
-                choice.get("function"), dict):
-            name = choice["function"].get("name")
-            offered = [fn for fn in tools if fn["name"] == name]
-            if not offered:
-                raise StructuredRequestError(f"tool_choice names {name!r}, which is not in "
-                                             "'tools'", "tool_choice")
-        elif choice == "none":
-            offered = None
-        else:
-            raise StructuredRequestError("'tool_choice' must be 'none', 'auto', 'required' or "
-                                         "{'type': 'function', 'function': {'name': ...}}",
-                                         "tool_choice")
-        if offered:
-            schema = (_call_schema(offered[0]) if len(offered) == 1
-                      else {"anyOf": [_call_schema(fn) for fn in offered]})
+    if request.structured_outputs is not None:
+        specs.append(("structured_outputs", _structured_field(request.structured_outputs)))
+    tools = getattr(request, "tools", None)  # chat only
+    if tools is not None:
+        forced = _forced([tool.function for tool in tools], request.tool_choice)
+        if forced:
+            schema = (_call_schema(forced[0]) if len(forced) == 1
+                      else {"anyOf": [_call_schema(fn) for fn in forced]})
             specs.append(("tool_choice", StructuredOutputsParams(json=schema)))
-    elif body.get("tool_choice") is not None:
-        raise StructuredRequestError("'tool_choice' needs 'tools'", "tool_choice")
-    elif body.get("tools") is not None:
-        raise StructuredRequestError("'tools' are for chat completions", "tools")
+    elif getattr(request, "tool_choice", None) is not None:
+        raise FieldError("'tool_choice' needs 'tools'", "tool_choice")
     if len(specs) > 1:
-        raise StructuredRequestError(f"only one of {[name for name, _ in specs]} may constrain "
-                                     "the output", specs[1][0])
-    forced = any(name == "tool_choice" for name, _ in specs)
-    return (specs[0][1] if specs else None), forced, tools
+        raise FieldError(f"only one of {[name for name, _ in specs]} may constrain the output",
+                         specs[1][0])
+    return OutputConstraint(
+        spec=specs[0][1] if specs else None,
+        tool_call=any(name == "tool_choice" for name, _ in specs),
+        tools=[tool.function.model_dump(exclude_unset=True) for tool in tools] if tools else None)
 
 
 def tool_call(text: str) -> dict | None:
