@@ -336,9 +336,10 @@ def test_grammars_the_matcher_cannot_serve_are_refused_at_admission(engine, clie
     queued. (Before admission checked them: a 500 at the first token, or a 200 with an output
     that does not match.)"""
     fields, says = UNSERVABLE[name]
-    with pytest.raises(openai.BadRequestError, match=re.escape(says)):
+    with pytest.raises(openai.BadRequestError, match=re.escape(says)) as e:
         client.completions.create(model=MODEL, prompt="x", max_tokens=8,
                                   extra_body={"structured_outputs": fields})
+    assert e.value.param == "structured_outputs"  # the field it came from
     with pytest.raises(ValueError, match=re.escape(says)):
         engine.add_request("x", SamplingParams(
             max_tokens=8, structured_outputs=StructuredOutputsParams(**fields)))

@@ -298,8 +298,8 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
             try:
                 await asyncio.to_thread(aengine.engine.grammars.compile, spec)
             except ValueError as e:
-                param = "tool_choice" if parsed.tool_call else "response_format"
-                raise APIError(str(e), param=param, code="invalid_value") from None
+                raise APIError(str(e), param=parsed.constraint_field,
+                               code="invalid_value") from None
 
     async def serve(kind: str, request: Request):
         parsed = parse_request(kind, await read_json(request), ctx)

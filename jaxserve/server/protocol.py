@@ -65,6 +65,7 @@ class ParsedRequest:
     hide_generated: bool = False  # echo with max_tokens=0: one token is generated, not returned
     num_logprobs: int | None = None  # top logprobs per token to return; None: no logprobs
     tool_call: bool = False  # chat: the output is constrained to a call of the offered tools
+    constraint_field: str | None = None  # the field that constrains the output, if any
 
 
 # ------------------------------------------------------------------------------- parse
@@ -174,4 +175,4 @@ def _parsed(request: CompletionRequest | ChatCompletionRequest,
         kind=request.KIND, model=model, prompts=prompts, params=params, stream=request.stream,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         echo=echo, hide_generated=hide_generated, num_logprobs=num_logprobs,
-        tool_call=constraint.tool_call)
+        tool_call=constraint.tool_call, constraint_field=constraint.field)

@@ -18,6 +18,7 @@ from jaxserve.server.requests import (ChatCompletionRequest, CompletionRequest, 
 @dataclasses.dataclass(frozen=True)
 class OutputConstraint:
     spec: StructuredOutputsParams | None  # what the output must match; None: free text
+    field: str | None = None  # the body's field it came from (an error about it names it)
     tool_call: bool = False  # the output is a call of an offered function
     tools: list[dict] | None = None  # the functions offered, as the chat template takes them
 
@@ -89,7 +90,7 @@ def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> Out
         raise FieldError(f"only one of {[name for name, _ in specs]} may constrain the output",
                          specs[1][0])
     return OutputConstraint(
-        spec=specs[0][1] if specs else None,
+        spec=specs[0][1] if specs else None, field=specs[0][0] if specs else None,
         tool_call=any(name == "tool_choice" for name, _ in specs),
         tools=[tool.function.model_dump(exclude_unset=True) for tool in tools] if tools else None)
 
