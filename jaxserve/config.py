@@ -148,6 +148,13 @@ class ModelConfig:
             + (self.num_heads * d) * h + 3 * h * self.intermediate_size
         return 2.0 * (self.num_layers * per_layer + h * self.vocab_size)
 
+    def attention_flops_per_key(self) -> float:
+        """Attention FLOPs one query token spends per key it attends (scores and weighted values,
+        2 per multiply-add, every query head) in the layers that attend the whole context; every
+        layer when all are windowed (their context then stops at the window)."""
+        full = sum(self.layer_window(i) is None for i in range(self.num_layers))
+        return 4.0 * self.num_heads * self.head_dim * (full or self.num_layers)
+
     def fingerprint_fields(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -281,6 +288,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # Chunked prefill weighs a chunk's context: each token of a prefill chunk counts
+    # 1 + c / prefill_keys_per_token against max_num_batched_tokens, c = the tokens before the
+    # chunk (every one of its tokens attends them all), so a chunk deep into a long prompt is cut
+    # shorter and a step costs about what a max_num_batched_tokens chunk at a prompt's start
+    # does. The value is the keys whose attention costs as much as one token's weight matmuls.
+    # None: from the model's arithmetic and the attention backend's speed
+    # (resolved_prefill_keys_per_token); 0: tokens alone count. Decode rows count one each.
+    prefill_keys_per_token: int | None = None
     scheduling: str = "iteration"
     scheduling_policy: str = "fcfs"
     # Plan and launch the next decode step before reading back this one's tokens (engine.step).
@@ -344,6 +359,8 @@ class EngineConfig:
         check(self.max_num_batched_tokens >= self.max_num_seqs,
               f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
               f"({self.max_num_seqs}) so every running sequence can decode each step")
+        check(self.prefill_keys_per_token is None or self.prefill_keys_per_token >= 0,
+              f"prefill_keys_per_token must be >= 0 or None, got {self.prefill_keys_per_token}")
         check(0.0 <= self.watermark < 1.0, f"watermark must be in [0, 1), got {self.watermark}")
         for name in ("tensor_parallel_size", "data_parallel_size"):
             n = getattr(self, name)
@@ -382,6 +399,15 @@ class EngineConfig:
         if kv == "auto":
             raise ValueError("dtype 'auto' is resolved per device (backends.resolve_dtype) first")
         return kv
+
+    def resolved_prefill_keys_per_token(self, model: ModelConfig, attention_cost: float) -> int:
+        """prefill_keys_per_token, None resolved: the model's weight FLOPs per token over its
+        attention FLOPs per key, divided by attention_cost (how many times longer a FLOP of the
+        attention backend takes than one of its matmuls, backends.Backend.attention_cost)."""
+        if self.prefill_keys_per_token is not None:
+            return self.prefill_keys_per_token
+        keys = model.flops_per_token() / (model.attention_flops_per_key() * attention_cost)
+        return max(1, round(keys))
 
     def kv_bytes_per_token(self, model: ModelConfig) -> int:
         """One token's KV bytes over all layers, scales included."""

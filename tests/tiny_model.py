@@ -30,9 +30,11 @@ def tiny_tokenizer() -> Tokenizer:
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=[eos], chat_template=CHAT_TEMPLATE)
 
 
-def tiny_loaded(seed: int = 0, vocab_size: int = 320, max_len: int = 256) -> LoadedModel:
+def tiny_loaded(seed: int = 0, vocab_size: int = 320, max_len: int = 256, *, h: int = 32,
+                inter: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                d: int = 8) -> LoadedModel:
+    """h: hidden size, inter: MLP width, heads and kv_heads of head dim d."""
     tokenizer = tiny_tokenizer()
-    h, inter, layers, heads, kv_heads, d = 32, 64, 2, 4, 2, 8
     cfg = ModelConfig(vocab_size=vocab_size, hidden_size=h, intermediate_size=inter,
                       num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=d,
                       max_position_embeddings=max_len, tie_word_embeddings=True,

@@ -49,6 +49,10 @@ class Backend:
     pack_params: Callable | None = None
     # logits f32[R, V] -> (ids i32[R], max f32[R]), lowest index among ties; None: lax.top_k.
     argmax: Callable | None = None
+    # How many times longer a FLOP of this attention takes than a FLOP of the weight matmuls,
+    # for prefill chunks deep into a long context (measured: docs/performance-history.md); the
+    # scheduler weighs a chunk's context by it (EngineConfig.prefill_keys_per_token).
+    attention_cost: float = 1.0
 
 
 def get(name: str) -> Backend:

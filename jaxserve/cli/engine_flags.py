@@ -40,6 +40,10 @@ flags.DEFINE_integer("max_num_seqs", _D.max_num_seqs, "Most sequences per step."
 flags.DEFINE_integer("max_num_batched_tokens", _D.max_num_batched_tokens, "Most tokens per step.")
 flags.DEFINE_bool("enable_prefix_caching", _D.enable_prefix_caching, "Share full prompt pages.")
 flags.DEFINE_bool("enable_chunked_prefill", _D.enable_chunked_prefill, "Split long prompts.")
+flags.DEFINE_integer("prefill_keys_per_token", None,
+                     "A prefill chunk's token at context c counts 1 + c / this against "
+                     "--max_num_batched_tokens (deep chunks are shorter); default: from the "
+                     "model and attention backend; 0: tokens alone count.")
 flags.DEFINE_enum("scheduling", _D.scheduling, SCHEDULING_POLICIES,
                   "iteration: continuous batching; static: request-level batching (ablation).")
 flags.DEFINE_enum("scheduling_policy", _D.scheduling_policy, PRIORITY_POLICIES, "Queue order.")
@@ -83,7 +87,8 @@ flags.DEFINE_bool("speculative_adaptive", _S.adaptive,
 FLAGS = flags.FLAGS
 _NAMES = ("model", "dtype", "kv_cache_dtype", "quantization", "attention_backend", "pallas_kernels",
           "page_size", "memory_budget_bytes", "memory_utilization", "num_pages", "kv_cache_bytes", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-          "enable_prefix_caching", "enable_chunked_prefill", "scheduling", "scheduling_policy",
+          "enable_prefix_caching", "enable_chunked_prefill", "prefill_keys_per_token",
+          "scheduling", "scheduling_policy",
           "async_scheduling", "huge_pages", "watermark", "cache_salt", "seed", "max_waiting",
           "tensor_parallel_size", "data_parallel_size", "coordinator_address", "num_processes",
           "process_id", "distributed_timeout_s")

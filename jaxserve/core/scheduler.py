@@ -11,6 +11,11 @@ Policies:
   (chunks need not be page-aligned); without it a prompt is scheduled whole or not at all (a prompt
   longer than max_num_batched_tokens is rejected; only a preempted sequence recomputing more than
   max_num_batched_tokens tokens is split).
+- Context cost (chunked prefill): every token of a prefill chunk attends the c tokens before the
+  chunk, so it counts 1 + c / prefill_keys_per_token against the budget (c within the window
+  when every layer is windowed): a chunk deep into a long prompt is shorter, and a step costs
+  about what a max_num_batched_tokens chunk at a prompt's start does, so the streams decoding
+  beside a long prompt keep their pace. The first prefill chunk of a step gets a token at least.
 - Order: running sequences and admission follow arrival (add_request order) under "fcfs", and
   (request.priority, arrival) under "priority" (lower priority value first).
 - Admission: a waiting sequence is admitted only if its next chunk's pages (after prefix-cache hits)
@@ -72,6 +77,11 @@ class Scheduler(StepResults):
         # kv_window (ModelConfig.kv_window): pages before every layer's window are released.
         self.kv = KVManager(self.pool, self.page_size, self.cache, window=kv_window)
         self.watermark_pages = int(config.watermark * self.pool.num_usable)
+        # The engine resolves None (EngineConfig.resolved_prefill_keys_per_token); here it is off.
+        self.keys_per_token = ((config.prefill_keys_per_token or 0)
+                               if config.enable_chunked_prefill else 0)
+        self.kv_window = kv_window
+        self._spent = 0.0  # the budget that schedule()'s plan so far takes
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._requests: dict[str, Request] = {}  # live (unfinished) requests
@@ -147,6 +157,7 @@ class Scheduler(StepResults):
     def schedule(self) -> StepPlan:
         cfg = self.config
         plan = StepPlan()
+        self._spent = 0.0  # _schedule_chunk adds each chunk's share
         budget = cfg.max_num_batched_tokens
         self.running.sort(key=self._order_key)
         anything_running = bool(self.running)
@@ -164,11 +175,12 @@ class Scheduler(StepResults):
                 # with each earlier draft (a grammar's masks follow the drafts: fill_masks).
                 if self.spec_k and not seq.sampling_params.has_penalties:
                     drafts = self.proposer.drafts(
-                        seq, min(self.spec_k, budget - plan.num_tokens - decodes_left - 1))
+                        seq, min(self.spec_k, int(budget - self._spent) - decodes_left - 1))
                     self.spec_opportunities += 1
                 n = 1 + len(drafts)
             else:
-                n = self._chunk_len(seq, seq.num_computed_tokens, budget - plan.num_tokens - decodes_left)
+                n = self._chunk_len(seq, seq.num_computed_tokens,
+                                    budget - self._spent - decodes_left, plan)
                 if n == 0:
                     continue
             while self.kv.pages_needed(seq, n) > self.pool.num_available:
@@ -195,15 +207,15 @@ class Scheduler(StepResults):
                 self._schedule_chunk(seq, n, plan, drafts)
 
         if cfg.scheduling == "iteration":
-            while not plan.preempted and self.waiting and plan.num_tokens < budget:
-                if not self._admit_one(plan, budget - plan.num_tokens):
+            while not plan.preempted and self.waiting and self._spent < budget:
+                if not self._admit_one(plan, budget - self._spent):
                     break
         elif not anything_running:
             # Static (request-level) batching: once the previous batch has drained, admit a whole
             # new batch up to max_num_seqs; members beyond this step's token budget are admitted
             # without a chunk and prefilled in later steps. Nothing joins until it drains again.
             while self.waiting:
-                if not self._admit_one(plan, budget - plan.num_tokens, allow_empty=True):
+                if not self._admit_one(plan, budget - self._spent, allow_empty=True):
                     break
 
         plan.chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first
@@ -270,7 +282,7 @@ class Scheduler(StepResults):
         salt = seq.request.cache_salt if seq.request.cache_salt is not None else self.config.cache_salt
         hit = self.kv.find_prefix(seq, salt)
         hit_tokens = len(hit[0]) * self.page_size
-        n = self._chunk_len(seq, hit_tokens, budget_left) if budget_left > 0 else 0
+        n = self._chunk_len(seq, hit_tokens, budget_left, plan) if budget_left > 0 else 0
         if n == 0 and not allow_empty:
             return False
         # A static batch reserves room for each member's whole prompt before admitting more.
@@ -324,6 +336,8 @@ class Scheduler(StepResults):
                     self._in_flight[child.seq_id] += 1
                     chunk.sample_seqs.append(child)
         plan.chunks.append(chunk)
+        # Decode and verification chunks count a token each; a prefill chunk its context too.
+        self._spent += n if chunk.is_decode or drafts else n * self._token_cost(start)
 
     # ---- state changes -------------------------------------------------------------------------
     def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None) -> None:
@@ -385,13 +399,26 @@ class Scheduler(StepResults):
         return (seq.num_tokens - seq.num_computed_tokens == 1
                 and seq.num_computed_tokens >= seq.num_prompt_tokens)
 
-    def _chunk_len(self, seq: Sequence, start: int, budget_left: int) -> int:
+    def _chunk_len(self, seq: Sequence, start: int, budget_left: float, plan: StepPlan) -> int:
+        """Tokens of seq's prefill chunk from `start` within budget_left (context cost counted);
+        a token at least when the plan has no prefill chunk yet and any budget is left."""
         remaining = seq.num_tokens - start
-        if remaining <= budget_left:
+        fits = int(budget_left / self._token_cost(start))
+        if fits == 0 and budget_left >= 1 and all(c.is_decode or c.draft_token_ids
+                                                  for c in plan.chunks):
+            fits = 1
+        if remaining <= fits:
             return remaining
         if self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens:
-            return max(budget_left, 0)
+            return max(fits, 0)
         return 0
+
+    def _token_cost(self, start: int) -> float:
+        """What one token of a prefill chunk from `start` counts against the budget."""
+        if not self.keys_per_token:
+            return 1.0
+        context = start if self.kv_window is None else min(start, self.kv_window)
+        return 1.0 + context / self.keys_per_token
 
     def _fit_chunk(self, seq: Sequence, n: int) -> int:
         """A shorter prefill chunk whose new pages are available now (0 if none or not allowed)."""

@@ -72,6 +72,9 @@ class LLMEngine:
             pallas_kernels=config.pallas_kernels, head_dim=loaded.config.head_dim,
             page_size=config.page_size, tensor_parallel_size=config.tensor_parallel_size)
         backend = backends.get(self.backend)
+        config = dataclasses.replace(config, prefill_keys_per_token=(
+            config.resolved_prefill_keys_per_token(loaded.config, backend.attention_cost)))
+        self.config = config
         self.buckets = Buckets.for_engine(
             config.max_num_seqs, config.max_num_batched_tokens,
             math.ceil(self.max_model_len / config.page_size),

@@ -29,5 +29,7 @@ def write_kv(cache, k, v, slot_mapping):
                                          cache.v_scale))
 
 
+# attention_cost: a (token, key) pair of a 512-token chunk deep into SmolLM2-135M's context
+# took 4x the time per FLOP of its matmuls (docs/performance-history.md, 2026-12-06).
 BACKEND = Backend(name="cpu", attention=attention, write_kv=write_kv, packed=True,
-                  pack_params=packing.pack_params, argmax=kernels.argmax)
+                  pack_params=packing.pack_params, argmax=kernels.argmax, attention_cost=4.0)
