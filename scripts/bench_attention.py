@@ -87,7 +87,10 @@ def case(num_seqs: int, context: int, tokens_per_seq: int):
 def time_all_layers(q, pool, md, backend: str = "xla") -> float:
     import jax
 
+    from jaxserve import backends
     from jaxserve.model import attention
+
+    backend = backends.get(backend)
 
     def step(q, pool, md):  # layers unrolled, as in the model
         acc = q * 0

@@ -163,7 +163,7 @@ def parity(args) -> dict:
                         else:
                             close_calls += 1
                         break  # later tokens follow a different prefix
-            result[engine.backend] = {"sequences": len(prompts), "mismatched": mismatched,
+            result[engine.backend.name] = {"sequences": len(prompts), "mismatched": mismatched,
                                       "diverged_at_a_near_tie": close_calls}
     finally:
         jax.config.update("jax_default_matmul_precision", None)
@@ -220,7 +220,7 @@ def throughput(args) -> dict:
     engine = _engine(loaded, max_num_seqs=max(levels), max_num_batched_tokens=2048,
                      num_pages=1 + max(levels) * -(-(in_len + out_len) // 16))
     rng = np.random.default_rng(2)
-    result = {"backend": engine.backend, "dtype": engine.config.dtype}
+    result = {"backend": engine.backend.name, "dtype": engine.config.dtype}
     for n in levels:
         prompts = [[int(t) for t in rng.integers(3, loaded.config.vocab_size, in_len)]
                    for _ in range(n)]

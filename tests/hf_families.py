@@ -111,8 +111,12 @@ class StepLogits:
         from jaxserve.runtime.batch import Buckets
         from jaxserve.runtime.runner import ModelRunner
 
-        self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=page_size)
-        self.page_size, self.backend = page_size, backend
+        from jaxserve import backends
+
+        self.backend = backends.get(backend)
+        self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=page_size,
+                                  backend=self.backend)
+        self.page_size = page_size
         self.buckets = Buckets.for_engine(8, 128, 32)
 
     def step(self, plan) -> np.ndarray:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxserve import backends
 from jaxserve.config import ModelConfig
 from jaxserve.runtime.batch import build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
@@ -49,7 +50,7 @@ def test_engine_step_lowers_for_the_accelerator(loaded, backend, platform, confi
     page_size = 16
     params = loaded.params if config is CONFIG else _with_sandwich_norms(loaded.params)
     runner = ModelRunner(config, params, num_pages=64, page_size=page_size,
-                         dtype="bfloat16", backend=backend)
+                         dtype="bfloat16", backend=backends.get(backend))
     buckets = Buckets.for_engine(8, 64, CONFIG.max_position_embeddings // page_size,
                                  query_block=1, packed=True)
     # A packed step of decode rows and prefill chunks together (the largest token bucket).
@@ -57,7 +58,7 @@ def test_engine_step_lowers_for_the_accelerator(loaded, backend, platform, confi
     batch, _, _ = build_batch(warmup_plan(shape, buckets, page_size), buckets, page_size)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     feed = jnp.zeros(2 * buckets.seqs[-1], jnp.int32)
-    lowered = _jitted_step(config, backend, runner.mesh).trace(
+    lowered = _jitted_step(config, runner.backend, runner.mesh).trace(
         runner.params, pool=runner.pool, batch=dataclasses.replace(batch, sampling=None),
         feed=feed).lower(
             lowering_platforms=(platform,))

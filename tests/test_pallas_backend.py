@@ -22,7 +22,7 @@ def _generate(loaded, backend, prompts, params, **options):
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    return [done[i] for i in ids], engine.backend
+    return [done[i] for i in ids], engine.backend.name
 
 
 @pytest.mark.parametrize("family", ["tpu", "gpu"])

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve import backends
 from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.runtime.sampling import GREEDY, RANDOM, SamplingMetadata, sample
 
@@ -40,7 +41,8 @@ def logits() -> np.ndarray:
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("k", [0, 1, 5])
 def test_greedy_ids_and_logprobs_match_numpy(logits, k, backend):
-    ids, chosen, top_ids, top_lp = sample(jnp.asarray(logits), _metadata(6, GREEDY, k), backend)
+    ids, chosen, top_ids, top_lp = sample(jnp.asarray(logits), _metadata(6, GREEDY, k),
+                                          backends.get(backend))
     expected = _log_softmax(logits)
     np.testing.assert_array_equal(np.asarray(ids), logits.argmax(-1))
     assert int(ids[1]) == 17 and int(ids[2]) == 0
@@ -56,6 +58,7 @@ def test_greedy_ids_and_logprobs_match_numpy(logits, k, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_logprobs_mode_samples_the_same_tokens(logits, backend):
+    backend = backends.get(backend)
     with_lp = sample(jnp.asarray(logits), _metadata(6, GREEDY, 0), backend)
     without = sample(jnp.asarray(logits), _metadata(6, GREEDY, -1), backend)
     np.testing.assert_array_equal(np.asarray(without[0]), np.asarray(with_lp[0]))

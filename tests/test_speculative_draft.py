@@ -36,8 +36,10 @@ def one_layer_draft():
 
 
 def make_llm(spec=None, draft=None, **options) -> LLM:
-    options = {**dict(num_pages=96, page_size=8, max_num_seqs=4, max_num_batched_tokens=64),
-               **options}
+    # Chunks count their tokens alone (prefill_keys_per_token=0): the pool's pressure and the
+    # preemptions it forces are what these tests set up.
+    options = {**dict(num_pages=96, page_size=8, max_num_seqs=4, max_num_batched_tokens=64,
+                      prefill_keys_per_token=0), **options}
     config = EngineConfig.from_options(speculative_config=spec, **options)
     return LLM.from_engine(LLMEngine(config, tiny_loaded(), draft_loaded=draft))
 

@@ -66,12 +66,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         draft = load_draft(config, loaded, draft_loaded)
-        self.backend = backends.resolve(
+        # The backend is chosen here, once, and passed down as an object.
+        self.backend = backend = backends.get(backends.resolve(
             config.attention_backend, config.dtype, config.quantization,
             kv_cache_dtype=config.kv_cache_dtype,
             pallas_kernels=config.pallas_kernels, head_dim=loaded.config.head_dim,
-            page_size=config.page_size, tensor_parallel_size=config.tensor_parallel_size)
-        backend = backends.get(self.backend)
+            page_size=config.page_size, tensor_parallel_size=config.tensor_parallel_size))
         config = dataclasses.replace(config, prefill_keys_per_token=(
             config.resolved_prefill_keys_per_token(loaded.config, backend.attention_cost)))
         self.config = config
@@ -89,7 +89,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.config, loaded.params, num_pages=num_pages,
                                   page_size=config.page_size, dtype=config.dtype,
                                   kv_cache_dtype=config.kv_cache_dtype,
-                                  backend=self.backend, quantization=config.quantization,
+                                  backend=backend, quantization=config.quantization,
                                   max_sample_rows=self.buckets.max_sample_rows,
                                   huge_pages=config.huge_pages, mesh=mesh)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
@@ -101,7 +101,7 @@ class LLMEngine:
             kv_window=loaded.config.kv_window)
         self.scheduler = scheduler(num_pages=num_pages)
         self.speculator = Speculator(config, self.scheduler, self.buckets, draft,
-                                     num_pages=num_pages, backend=self.backend, mesh=mesh)
+                                     num_pages=num_pages, backend=backend, mesh=mesh)
         self.memory_plan = None
         if budget is not None:
             drafter = self.speculator.drafter

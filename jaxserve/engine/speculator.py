@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from jax.sharding import Mesh
 
+from jaxserve.backends import Backend
 from jaxserve.config import EngineConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.step_plan import StepPlan
@@ -36,7 +37,7 @@ def load_draft(config: EngineConfig, loaded: LoadedModel,
 
 class Speculator:
     def __init__(self, config: EngineConfig, scheduler: Scheduler, buckets: Buckets,
-                 draft: LoadedModel | None, *, num_pages: int, backend: str, mesh: Mesh):
+                 draft: LoadedModel | None, *, num_pages: int, backend: Backend, mesh: Mesh):
         """mesh: the target's replica devices; a draft model runs whole on the first (it is
         small: sharding it would add two all-reduces a layer to each of its k steps)."""
         spec = config.speculative_config

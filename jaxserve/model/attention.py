@@ -8,9 +8,10 @@ Hq query heads, Hkv KV heads, G = Hq // Hkv, D head dim.
 
 from __future__ import annotations
 
+from typing import Callable, Protocol
+
 import jax
 
-from jaxserve import backends
 from jaxserve.model.kv_cache import KVCache, write_kv
 from jaxserve.pytree import pytree_dataclass, static_field
 
@@ -32,16 +33,23 @@ class AttentionMetadata:
     query_block: int = static_field(default=1)
 
 
-def write(backend: str, cache: KVCache, k, v, slot_mapping) -> KVCache:
+class AttentionBackend(Protocol):
+    """What the model needs of a backend (jaxserve.backends.Backend is one), passed down as an
+    object: the model looks nothing up."""
+
+    attention: Callable  # (q, cache, md, *, sm_scale, window, soft_cap) -> f[T, Hq, D]
+    write_kv: Callable | None  # (cache, k, v, slot_mapping) -> cache; None: kv_cache.write_kv
+
+
+def write(backend: AttentionBackend, cache: KVCache, k, v, slot_mapping) -> KVCache:
     """This step's keys and values (f[T, Hkv, D]) into one layer's cache at their slots, by the
     backend's own write where it has one."""
-    return (backends.get(backend).write_kv or write_kv)(cache, k, v, slot_mapping)
+    return (backend.write_kv or write_kv)(cache, k, v, slot_mapping)
 
 
-def attend(backend: str, q, cache: KVCache, md: AttentionMetadata, sm_scale: float, *,
-           window: int | None = None, soft_cap: float | None = None):
+def attend(backend: AttentionBackend, q, cache: KVCache, md: AttentionMetadata,
+           sm_scale: float, *, window: int | None = None, soft_cap: float | None = None):
     """q f[T, Hq, D] -> f[T, Hq, D] over one layer's cache; this step's KV must already be
     written to it. window: a query at position p attends keys at positions > p - window only;
     soft_cap: scores (scaled by sm_scale) become soft_cap * tanh(score / soft_cap)."""
-    return backends.get(backend).attention(q, cache, md, sm_scale=sm_scale, window=window,
-                                           soft_cap=soft_cap)
+    return backend.attention(q, cache, md, sm_scale=sm_scale, window=window, soft_cap=soft_cap)

@@ -104,7 +104,7 @@ def head_params(params: dict) -> dict:
     return out
 
 
-def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, rope, window, x,
+def _layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: AttentionMetadata, rope, window, x,
            cache: KVCache, lp, sum_shards):
     t = x.shape[0]
     d = cfg.head_dim
@@ -138,7 +138,7 @@ def _layer(cfg: ModelConfig, backend: str, md: AttentionMetadata, rope, window, 
 
 
 def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=None, *,
-            cfg: ModelConfig, backend: str):
+            cfg: ModelConfig, backend: attention.AttentionBackend):
     """token_ids i32[T] -> (pool with this step's KV written, final hidden states f[T, H]).
 
     Under tensor parallelism (jaxserve/runtime/sharding.py) this runs on one device's shards:

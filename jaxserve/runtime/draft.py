@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve import backends
+from jaxserve.backends import Backend
 from jaxserve.config import ModelConfig
 from jaxserve.core.draft_kv import DraftKV
 from jaxserve.core.sequence import Sequence
@@ -61,19 +61,20 @@ def check_draft_window(target_cfg: ModelConfig, draft_cfg: ModelConfig) -> None:
                          "weights (--speculative_model unset) or the ngram method")
 
 
-def _argmax(logits, backend: str):
-    fast = backends.get(backend).argmax
+def _argmax(logits, backend: Backend):
+    fast = backend.argmax
     return fast(logits)[0] if fast is not None else jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-def _catch_up(params, pool, token_ids, md: AttentionMetadata, *, cfg: ModelConfig, backend: str):
+def _catch_up(params, pool, token_ids, md: AttentionMetadata, *, cfg: ModelConfig,
+              backend: Backend):
     """Draft KV for a batch of chunks, nothing sampled."""
     pool, _ = llama.forward(params, pool, token_ids, md, cfg=cfg, backend=backend)
     return pool
 
 
 def _propose(params, pool, token_ids, md: AttentionMetadata, logits_indices, num_drafts,
-             first_mask, *, cfg: ModelConfig, backend: str, max_k: int):
+             first_mask, *, cfg: ModelConfig, backend: Backend, max_k: int):
     """One chunk per row ending in the row's last token (its logits at logits_indices i32[R])
     gives each row's first draft, among the tokens first_mask i32[R, ceil(V/32)] allows (a
     grammar's next tokens; all ones for a row without one); then decode steps, all rows at
@@ -109,7 +110,7 @@ def _propose(params, pool, token_ids, md: AttentionMetadata, logits_indices, num
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(cfg: ModelConfig, backend: str, max_k: int):
+def _jitted(cfg: ModelConfig, backend: Backend, max_k: int):
     catch_up = jax.jit(functools.partial(_catch_up, cfg=cfg, backend=backend),
                        donate_argnames=("pool",))
     propose = jax.jit(functools.partial(_propose, cfg=cfg, backend=backend, max_k=max_k),
@@ -133,7 +134,8 @@ class DraftRunner:
 
     def __init__(self, cfg: ModelConfig, params: dict, draft_kv: DraftKV, *, buckets: Buckets,
                  page_size: int, num_pages: int, max_tokens: int, max_k: int, dtype: str,
-                 kv_cache_dtype: str, backend: str, quantization: str, huge_pages: bool = False,
+                 kv_cache_dtype: str, backend: Backend, quantization: str,
+                 huge_pages: bool = False,
                  mesh=None):
         """mesh: one device (default the first), where the draft's params and pool live."""
         self.model = ModelRunner(cfg, params, num_pages=num_pages, page_size=page_size,

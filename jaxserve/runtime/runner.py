@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve import backends
+from jaxserve.backends import Backend
 from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
@@ -34,7 +34,8 @@ from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime import distributed, sharding
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
-from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata, sample
+from jaxserve.runtime.sampling import (FILTERED, GREEDY, RANDOM, XLA, SamplingMetadata,
+                                       sample)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "int8": jnp.int8}  # int8: KV pages only
@@ -66,7 +67,7 @@ def _copy_pages(pool: KVPool, src, dst) -> KVPool:
     return jax.tree_util.tree_map(copy, pool)
 
 
-def _model(cfg: ModelConfig, backend: str, mesh: Mesh):
+def _model(cfg: ModelConfig, backend: Backend, mesh: Mesh):
     """(params, pool, token_ids, md) -> (pool, hidden) on the mesh's tp devices."""
     tp = sharding.tp_size(mesh)
     if tp == 1:
@@ -76,7 +77,7 @@ def _model(cfg: ModelConfig, backend: str, mesh: Mesh):
     return sharding.tensor_parallel_forward(per_device, mesh)
 
 
-def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: str,
+def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: Backend,
           mesh: Mesh):
     # Tokens sampled by the previous step (still in flight when this one was planned) come in
     # as `feed`, the previous step's padded sample ids, and go out the same way.
@@ -96,7 +97,7 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
 
 @functools.partial(jax.jit, static_argnames=("backend", "feed_size"))
 def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
-                 backend: str, feed_size: int):
+                 backend: Backend, feed_size: int):
     """A step's sampling, its own small jitted call chained after the step on the device: the
     sampling modes and logit controls multiply only its compiles, not the model step's. Returns
     (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
@@ -108,7 +109,7 @@ def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | N
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, backend: str, mesh: Mesh):
+def _jitted_step(cfg: ModelConfig, backend: Backend, mesh: Mesh):
     return jax.jit(functools.partial(_step, cfg=cfg, backend=backend, mesh=mesh),
                    donate_argnames=("pool",))
 
@@ -145,12 +146,12 @@ def _signature(batch) -> tuple:
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
 
 
-def prepare_params(params: dict, quantization: str, backend: str):
+def prepare_params(params: dict, quantization: str, backend: Backend):
     """The loaders' params -> what the step runs, as host numpy: (the leaves outside the
     layers, an iterator of the layers), quantized, in the execution layout and packed for the
     backend's matmul. The layers are made one at a time as they are placed, so the host holds
     one beyond the loaders' copy (a lazy load's: none)."""
-    pack = backends.get(backend).pack_params or (lambda tree: tree)
+    pack = backend.pack_params or (lambda tree: tree)
     stacked = params["layers"]
     layers = (pack({"layers": [llama.fuse_layer(quantize_layer(llama.layer_of(stacked, i),
                                                                 quantization))]})["layers"][0]
@@ -162,7 +163,7 @@ def prepare_params(params: dict, quantization: str, backend: str):
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
                  dtype: str = "float32", kv_cache_dtype: str | None = None,
-                 backend: str = "xla", quantization: str = "none",
+                 backend: Backend = XLA, quantization: str = "none",
                  max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None):
         """mesh: this runner's ("dp", "tp") devices, one row (sharding.replica_mesh); default
         the first device."""
@@ -189,13 +190,13 @@ class ModelRunner:
         self.huge_page_bytes = collapse_into_huge_pages(
             jax.tree_util.tree_leaves(self.params)) if huge_pages else 0
 
-    def _place(self, params, quantization: str, backend: str) -> dict:
+    def _place(self, params, quantization: str, backend: Backend) -> dict:
         """The loaders' host params on this runner's devices; an unread orbax checkpoint
         (weights.orbax_io.OrbaxParams) is restored straight into the shardings, unless its
         weights must first be quantized or packed on the host."""
         if hasattr(params, "restore"):
             # float weights are packed on the host only by the cpu backend (its panels)
-            if quantization == "none" and backend != "cpu":
+            if quantization == "none" and backend.pack_params is None:
                 return sharding.restore_params(params, self.cfg, self.mesh, self.dtype)
             params = params.numpy()
         return sharding.place_params(*prepare_params(params, quantization, backend), self.cfg,

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxserve import backends
+from jaxserve.backends import Backend
+from jaxserve.backends.xla import BACKEND as XLA
 from jaxserve.pytree import pytree_dataclass, static_field
 
 GREEDY, RANDOM, FILTERED = "greedy", "random", "filtered"  # static sampling modes
@@ -49,9 +50,9 @@ def _filter(logits, md: SamplingMetadata):
     return jnp.take_along_axis(masked_sorted, inverse, axis=-1)
 
 
-def _top(logits, num_top: int, backend: str):
+def _top(logits, num_top: int, backend: Backend):
     """The num_top >= 1 largest logits and their ids per row (lowest index among ties)."""
-    argmax = backends.get(backend).argmax
+    argmax = backend.argmax
     if num_top == 1 and argmax is not None:
         ids, top = argmax(logits)
         return top[:, None], ids[:, None]
@@ -59,7 +60,7 @@ def _top(logits, num_top: int, backend: str):
     return top_logits, top_ids.astype(jnp.int32)
 
 
-def sample(logits, md: SamplingMetadata, backend: str = "xla"):
+def sample(logits, md: SamplingMetadata, backend: Backend = XLA):
     """logits f32[R, V] -> (token ids i32[R], chosen logprob f32[R], top ids i32[R, K],
     top logprobs f32[R, K]). Logprobs are of the model's distribution before filtering; all zeros
     when md.num_top_logprobs < 0.

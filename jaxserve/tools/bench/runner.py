@@ -222,7 +222,7 @@ def run_engine(engine, workload: WorkloadSpec, *, requests: list[BenchRequest] |
            for key in ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")},
         "num_pages": engine.num_pages, "page_size": page_size,
         "kv_pool_bytes": stats["kv_pool_bytes"], "weight_bytes": stats["weight_bytes"],
-        "config": dataclasses.asdict(engine.config), "backend": engine.backend,
+        "config": dataclasses.asdict(engine.config), "backend": engine.backend.name,
         "max_model_len": engine.max_model_len,
     }
     return RunResult(list(records.values()), duration, timeline, info, mode="engine")
