@@ -166,16 +166,17 @@ def offline(loaded, num_prompts: int, max_num_seqs: int, quantization: str = "no
     drain(engine)
     warm = {"seconds": time.perf_counter() - t, "compilations": engine.stats()["compilations"]}
     compiled = engine.stats()["compilations"]
-    host0, dev0 = engine.host_seconds, engine.device_seconds
-    over0, steps0 = engine.host_overlapped_seconds, engine.num_steps
+    pipe = engine.pipeline
+    host0, dev0 = pipe.host_seconds, pipe.device_seconds
+    over0, steps0 = pipe.host_overlapped_seconds, pipe.num_steps
     t = time.perf_counter()
     submit()
     outs = drain(engine)
     wall = time.perf_counter() - t
     assert all(len(o.outputs[0].token_ids) == FLAGS.output_len for o in outs.values())
     tokens = num_prompts * (FLAGS.input_len + FLAGS.output_len)
-    host, dev = engine.host_seconds - host0, engine.device_seconds - dev0
-    overlapped, steps = engine.host_overlapped_seconds - over0, engine.num_steps - steps0
+    host, dev = pipe.host_seconds - host0, pipe.device_seconds - dev0
+    overlapped, steps = pipe.host_overlapped_seconds - over0, pipe.num_steps - steps0
     return {"wall_s": wall, "total_tokens_per_s": tokens / wall,
             "output_tokens_per_s": num_prompts * FLAGS.output_len / wall, "steps": steps,
             "host_ms_per_step": 1e3 * host / steps, "step_ms": 1e3 * wall / steps,

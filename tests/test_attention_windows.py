@@ -16,6 +16,7 @@ import pytest
 
 from attention_cases import (F64_TOL, TOL, assert_close, call, mixed_rows, quantize_case,
                              ragged_case, scales)
+from jaxserve import backends
 from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.model.attention import AttentionMetadata, attend
 from jaxserve.model.kv_cache import KVCache
@@ -87,8 +88,9 @@ def test_engine_backends_match_float64(backend, window, soft_cap):
         # garbage slots is not a select), page 0 read as zeros
         case.update({name: jnp.nan_to_num(case[name]) for name in ("k_pages", "v_pages")})
     scale = 1 / 8
-    out = attend(backend, case["q"], KVCache(k=case["k_pages"], v=case["v_pages"]),
-                 _metadata(case), scale, window=window, soft_cap=soft_cap)
+    out = attend(backends.get(backend), case["q"],
+                 KVCache(k=case["k_pages"], v=case["v_pages"]), _metadata(case), scale,
+                 window=window, soft_cap=soft_cap)
     real = int(case["query_start"][-1])  # padding tokens' outputs are discarded
     assert_close(out[:real], _oracle(case, scale, window, soft_cap)[:real], F64_TOL)
 
@@ -102,7 +104,7 @@ def test_engine_backends_read_int8_pages_in_windows(backend):
     case = quantize_case(_released_case(8, mixed_rows(8, long=60), group=3))
     cache = KVCache(k=case["k_pages"], v=case["v_pages"], k_scale=case["k_scale"],
                     v_scale=case["v_scale"])
-    out = attend(backend, case["q"], cache, _metadata(case), 1 / 8, window=WINDOW,
+    out = attend(backends.get(backend), case["q"], cache, _metadata(case), 1 / 8, window=WINDOW,
                  soft_cap=SOFT_CAP)
     real = int(case["query_start"][-1])
     assert_close(out[:real], _oracle(case, 1 / 8, WINDOW, SOFT_CAP)[:real], F64_TOL)

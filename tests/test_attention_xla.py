@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxserve.backends.xla import BACKEND as XLA
 from jaxserve.model.attention import AttentionMetadata, attend
 from jaxserve.model.kv_cache import KVCache, quantize_kv
 from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
@@ -63,7 +64,7 @@ def test_xla_path_matches_references(page_size, hkv, g, d, kv_dtype):
     q, cache, md = _step(rng, b, decode_lens, prefill, hkv, g, d, width=12)
     if kv_dtype == "int8":
         cache = _quantized(cache)
-    out = np.asarray(attend("xla", q, cache, md, sm_scale=d ** -0.5))
+    out = np.asarray(attend(XLA, q, cache, md, sm_scale=d ** -0.5))
     sd = len(decode_lens)
     scales = dict(k_scale=cache.k_scale, v_scale=cache.v_scale)
     ref_decode = ref_paged_decode_attention(q[:sd], cache.k, cache.v, md.page_tables[:sd],
@@ -82,7 +83,7 @@ def test_decode_only_and_prefill_only_steps():
     rng = np.random.default_rng(0)
     for decode_lens, prefill in (([3, 40, 17], []), ([], [(9, 30), (4, 4)])):
         q, cache, md = _step(rng, 8, decode_lens, prefill, 3, 3, 16, width=8)
-        out = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
+        out = np.asarray(attend(XLA, q, cache, md, sm_scale=0.25))
         if decode_lens:
             ref = ref_paged_decode_attention(q[:3], cache.k, cache.v, md.page_tables,
                                              md.seq_lens, sm_scale=0.25)
@@ -118,8 +119,8 @@ def test_aligned_prefill_layout_matches_packed_reference(query_block):
         seq_lens=md.seq_lens, query_start=md.query_start,
         token_row=jnp.asarray(np.asarray(row_of, np.int32)), num_decode=sd,
         query_block=query_block)
-    out = np.asarray(attend("xla", jnp.asarray(q_aligned), cache, aligned, sm_scale=0.25))
-    packed = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
+    out = np.asarray(attend(XLA, jnp.asarray(q_aligned), cache, aligned, sm_scale=0.25))
+    packed = np.asarray(attend(XLA, q, cache, md, sm_scale=0.25))
     real = index >= 0
     np.testing.assert_allclose(out[real], packed[index[real]], atol=2e-5, rtol=2e-5)
     ref = ref_ragged_paged_attention(q[sd:], cache.k, cache.v, md.page_tables[sd:],
@@ -140,13 +141,13 @@ def test_row_chunks_and_page_blocks_match_references(monkeypatch, rows_per_chunk
     rng = np.random.default_rng(rows_per_chunk)
     decode_lens = [1, 7, 8, 9, 33, 2, 16]
     q, cache, md = _step(rng, 8, decode_lens, [], 3, 3, 16, width=6)
-    out = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
+    out = np.asarray(attend(XLA, q, cache, md, sm_scale=0.25))
     ref = ref_paged_decode_attention(q[:7], cache.k, cache.v, md.page_tables, md.seq_lens,
                                      sm_scale=0.25)
     np.testing.assert_allclose(out[:7], np.asarray(ref), atol=2e-5, rtol=2e-5)
     # Prefill rows of one query each: chunks of rows through the prefill branch.
     q, cache, md = _step(rng, 8, [], [(1, n) for n in decode_lens], 3, 3, 16, width=6)
-    out = np.asarray(attend("xla", q, cache, md, sm_scale=0.25))
+    out = np.asarray(attend(XLA, q, cache, md, sm_scale=0.25))
     ref = ref_ragged_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                        md.query_start, sm_scale=0.25)
     np.testing.assert_allclose(out[:7], np.asarray(ref)[:7], atol=2e-5, rtol=2e-5)
@@ -198,7 +199,7 @@ def test_extreme_logits_match_float64_softmax():
     with np.errstate(over="ignore"):
         assert np.isinf(np.exp(np.float32(abs(score))))  # a naive softmax overflows
 
-    out = np.asarray(attend("xla", q, cache, md, sm_scale=sm_scale))
+    out = np.asarray(attend(XLA, q, cache, md, sm_scale=sm_scale))
     sd, real = len(decode_lens), int(md.query_start[-1])
     ref_decode = ref_paged_decode_attention(q[:sd], cache.k, cache.v, md.page_tables[:sd],
                                             md.seq_lens[:sd], sm_scale=sm_scale)
@@ -223,7 +224,7 @@ def test_decode_output_is_the_page_loops_result_reshaped():
     q = q[:2]  # the decode rows alone, as the engine's decode-only steps are
     md = dataclasses.replace(md, positions=md.positions[:2], slot_mapping=md.slot_mapping[:2],
                              token_row=md.token_row[:2])
-    jaxpr = jax.make_jaxpr(lambda q, cache: attend("xla", q, cache, md, sm_scale=0.125))(q, cache)
+    jaxpr = jax.make_jaxpr(lambda q, cache: attend(XLA, q, cache, md, sm_scale=0.125))(q, cache)
     producer = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     eqn = producer[jaxpr.jaxpr.outvars[0]]
     while eqn.primitive.name == "reshape":

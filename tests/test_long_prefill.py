@@ -23,7 +23,7 @@ from tiny_model import tiny_loaded
 
 
 def _cost(sched, plan) -> float:
-    return sum(c.num_tokens * (1 if c.is_decode else 1 + c.start / sched.keys_per_token)
+    return sum(c.num_tokens * (1 if c.is_decode else 1 + c.start / sched.budget.keys_per_token)
                for c in plan.chunks)
 
 
@@ -74,7 +74,7 @@ def test_random_workloads_stay_exact_and_within_the_budget(seed):
     for plan in res.plans:  # over the budget only by the one token a step's prefill may take
         first = next((c for c in plan.chunks if not c.is_decode), None)
         floor = first is not None and first.num_tokens == 1
-        slack = 1 + first.start / sched.keys_per_token if floor else 0
+        slack = 1 + first.start / sched.budget.keys_per_token if floor else 0
         assert _cost(sched, plan) <= cfg["max_num_batched_tokens"] + slack + 1e-9
 
 
@@ -85,12 +85,12 @@ def test_engine_resolves_the_context_cost_from_the_model_and_backend():
                                                  attention_backend="xla"), loaded)
     cfg = loaded.config
     want = round(cfg.flops_per_token() / (4 * cfg.num_heads * cfg.head_dim * cfg.num_layers))
-    assert engine.config.prefill_keys_per_token == engine.scheduler.keys_per_token == want
+    assert engine.config.prefill_keys_per_token == engine.scheduler.budget.keys_per_token == want
     pinned = LLMEngine(EngineConfig.from_options(num_pages=8, max_num_seqs=2,
                                                  max_num_batched_tokens=32,
                                                  attention_backend="xla",
                                                  prefill_keys_per_token=0), loaded)
-    assert pinned.scheduler.keys_per_token == 0
+    assert pinned.scheduler.budget.keys_per_token == 0
 
 
 # ---- timed: a neighbour's gaps beside a long prompt ---------------------------------------------
@@ -115,7 +115,7 @@ async def _neighbour_gaps(aengine: AsyncEngine) -> tuple[list[float], list[float
     streaming = asyncio.ensure_future(stream())
 
     async def phase(prompts: list[list[int]]) -> tuple[list[float], int]:
-        steps = engine.num_steps
+        steps = engine.pipeline.num_steps
         while len(arrivals) < 3:
             await asyncio.sleep(0.005)
         start = time.perf_counter()
@@ -125,7 +125,7 @@ async def _neighbour_gaps(aengine: AsyncEngine) -> tuple[list[float], list[float
             pass
         end = time.perf_counter()
         during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > start and a < end]
-        return during, engine.num_steps - steps
+        return during, engine.pipeline.num_steps - steps
 
     try:
         # Token ids over the whole vocabulary so no prompt shares a page with another.

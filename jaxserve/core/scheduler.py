@@ -11,11 +11,9 @@ Policies:
   (chunks need not be page-aligned); without it a prompt is scheduled whole or not at all (a prompt
   longer than max_num_batched_tokens is rejected; only a preempted sequence recomputing more than
   max_num_batched_tokens tokens is split).
-- Context cost (chunked prefill): every token of a prefill chunk attends the c tokens before the
-  chunk, so it counts 1 + c / prefill_keys_per_token against the budget (c within the window
-  when every layer is windowed): a chunk deep into a long prompt is shorter, and a step costs
-  about what a max_num_batched_tokens chunk at a prompt's start does, so the streams decoding
-  beside a long prompt keep their pace. The first prefill chunk of a step gets a token at least.
+- Context cost (chunked prefill): a prefill chunk's tokens count their context too (StepBudget),
+  so a chunk deep into a long prompt is shorter. The first prefill chunk of a step gets a token
+  at least.
 - Order: running sequences and admission follow arrival (add_request order) under "fcfs", and
   (request.priority, arrival) under "priority" (lower priority value first).
 - Admission: a waiting sequence is admitted only if its next chunk's pages (after prefix-cache hits)
@@ -59,6 +57,7 @@ from jaxserve.core.page_pool import PagePool
 from jaxserve.core.prefix_cache import PrefixCache
 from jaxserve.core.sequence import Request, Sequence, SequenceStatus
 from jaxserve.core.speculation import Proposer
+from jaxserve.core.step_budget import StepBudget
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan
 from jaxserve.core.step_results import StepResults
 
@@ -78,10 +77,9 @@ class Scheduler(StepResults):
         self.kv = KVManager(self.pool, self.page_size, self.cache, window=kv_window)
         self.watermark_pages = int(config.watermark * self.pool.num_usable)
         # The engine resolves None (EngineConfig.resolved_prefill_keys_per_token); here it is off.
-        self.keys_per_token = ((config.prefill_keys_per_token or 0)
-                               if config.enable_chunked_prefill else 0)
-        self.kv_window = kv_window
-        self._spent = 0.0  # the budget that schedule()'s plan so far takes
+        self.budget = StepBudget(config.max_num_batched_tokens,
+                                 (config.prefill_keys_per_token or 0)
+                                 if config.enable_chunked_prefill else 0, kv_window)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._requests: dict[str, Request] = {}  # live (unfinished) requests
@@ -157,8 +155,8 @@ class Scheduler(StepResults):
     def schedule(self) -> StepPlan:
         cfg = self.config
         plan = StepPlan()
-        self._spent = 0.0  # _schedule_chunk adds each chunk's share
-        budget = cfg.max_num_batched_tokens
+        budget = self.budget
+        budget.reset()  # _schedule_chunk spends each chunk's share
         self.running.sort(key=self._order_key)
         anything_running = bool(self.running)
         queue = [s for s in self.running if not self._in_flight[s.seq_id]]
@@ -175,12 +173,12 @@ class Scheduler(StepResults):
                 # with each earlier draft (a grammar's masks follow the drafts: fill_masks).
                 if self.spec_k and not seq.sampling_params.has_penalties:
                     drafts = self.proposer.drafts(
-                        seq, min(self.spec_k, int(budget - self._spent) - decodes_left - 1))
+                        seq, min(self.spec_k, int(budget.left) - decodes_left - 1))
                     self.spec_opportunities += 1
                 n = 1 + len(drafts)
             else:
                 n = self._chunk_len(seq, seq.num_computed_tokens,
-                                    budget - self._spent - decodes_left, plan)
+                                    budget.left - decodes_left, plan)
                 if n == 0:
                     continue
             while self.kv.pages_needed(seq, n) > self.pool.num_available:
@@ -207,15 +205,15 @@ class Scheduler(StepResults):
                 self._schedule_chunk(seq, n, plan, drafts)
 
         if cfg.scheduling == "iteration":
-            while not plan.preempted and self.waiting and self._spent < budget:
-                if not self._admit_one(plan, budget - self._spent):
+            while not plan.preempted and self.waiting and budget.left > 0:
+                if not self._admit_one(plan, budget.left):
                     break
         elif not anything_running:
             # Static (request-level) batching: once the previous batch has drained, admit a whole
             # new batch up to max_num_seqs; members beyond this step's token budget are admitted
             # without a chunk and prefilled in later steps. Nothing joins until it drains again.
             while self.waiting:
-                if not self._admit_one(plan, budget - self._spent, allow_empty=True):
+                if not self._admit_one(plan, budget.left, allow_empty=True):
                     break
 
         plan.chunks.sort(key=lambda c: not c.is_decode)  # stable: decodes first
@@ -272,7 +270,7 @@ class Scheduler(StepResults):
         self.counters["num_scheduled_ahead"] += 1
         return nxt
 
-    def _admit_one(self, plan: StepPlan, budget_left: int, allow_empty: bool = False) -> bool:
+    def _admit_one(self, plan: StepPlan, budget_left: float, allow_empty: bool = False) -> bool:
         """Admit the head waiting sequence with its first chunk; False if it does not fit now.
         With allow_empty, a sequence for which no budget is left is admitted without a chunk."""
         seq = self._head_waiting()
@@ -337,7 +335,7 @@ class Scheduler(StepResults):
                     chunk.sample_seqs.append(child)
         plan.chunks.append(chunk)
         # Decode and verification chunks count a token each; a prefill chunk its context too.
-        self._spent += n if chunk.is_decode or drafts else n * self._token_cost(start)
+        self.budget.spend(start, n, prefill=not (chunk.is_decode or drafts))
 
     # ---- state changes -------------------------------------------------------------------------
     def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None) -> None:
@@ -403,7 +401,7 @@ class Scheduler(StepResults):
         """Tokens of seq's prefill chunk from `start` within budget_left (context cost counted);
         a token at least when the plan has no prefill chunk yet and any budget is left."""
         remaining = seq.num_tokens - start
-        fits = int(budget_left / self._token_cost(start))
+        fits = self.budget.tokens_within(start, budget_left)
         if fits == 0 and budget_left >= 1 and all(c.is_decode or c.draft_token_ids
                                                   for c in plan.chunks):
             fits = 1
@@ -412,13 +410,6 @@ class Scheduler(StepResults):
         if self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens:
             return max(fits, 0)
         return 0
-
-    def _token_cost(self, start: int) -> float:
-        """What one token of a prefill chunk from `start` counts against the budget."""
-        if not self.keys_per_token:
-            return 1.0
-        context = start if self.kv_window is None else min(start, self.kv_window)
-        return 1.0 + context / self.keys_per_token
 
     def _fit_chunk(self, seq: Sequence, n: int) -> int:
         """A shorter prefill chunk whose new pages are available now (0 if none or not allowed)."""

@@ -1,6 +1,8 @@
-"""LLMEngine: add_request / abort / step. Each step: the scheduler plans, the batch builder pads,
-the runner executes one jitted call, the output processor reads the tokens and the scheduler
-applies them."""
+"""LLMEngine, the engine's front: add_request / abort / step over one model replica. It builds
+the parts once (backend, runner, memory plan, scheduler, speculator) and keeps the request
+table (requests.py); each step is the step pipeline's (step_pipeline.py: the scheduler plans,
+the batch builder pads, the runner executes one jitted call, the output processor reads the
+tokens and the scheduler applies them)."""
 
 from __future__ import annotations
 
@@ -20,20 +22,17 @@ from jaxserve import backends
 from jaxserve.config import EngineConfig
 from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
-from jaxserve.core.outputs import RequestMetrics, RequestOutput
+from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.structured_output import GrammarCompiler, grammar_error
+from jaxserve.core.structured_output import GrammarCompiler
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
-from jaxserve.core.step_plan import StepPlan
 from jaxserve.engine import memory_plan
-from jaxserve.engine.in_flight import Launched, StepFailed
+from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.speculator import Speculator, load_draft
+from jaxserve.engine.step_pipeline import StepPipeline
 from jaxserve.runtime import memory, sharding
-from jaxserve.runtime.batch import build_batch, page_copies
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.distributed import PeerLostError
-from jaxserve.runtime.logit_controls import step_controls
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
@@ -114,23 +113,18 @@ class LLMEngine:
             self.scheduler = scheduler(num_pages=self.runner.num_pages)  # the planned pool
             self.speculator.attach(self.scheduler)
         self.num_pages = self.runner.num_pages
-        self._in_flight: Launched | None = None  # the step on the device, not yet fetched
-        self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
-        self._failed: list[Request] = []  # failed on their own since the last step() returned
         self.outputs = OutputProcessor(self.tokenizer)
+        self.requests = RequestTable(self.scheduler, self.outputs)
+        self.pipeline = StepPipeline(
+            config, self.buckets, self.scheduler, self.runner, self.speculator, self.outputs,
+            self.requests, loaded.config.vocab_size,
+            grammar_limits=lambda: self._grammars.limits if self._grammars else None)
         # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
         self._eos_token_ids = eos
-        self._requests: dict[str, tuple[Request, str | None]] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
-        self.num_steps = 0
-        # Wall time of step() split into host work (schedule, build, dispatch, outputs) and waiting
-        # for the device; host_overlapped_seconds is the host work done while a step ran.
-        self.host_seconds = 0.0
-        self.host_overlapped_seconds = 0.0
-        self.device_seconds = 0.0
 
     # ----------------------------------------------------------------- requests
     @property
@@ -176,19 +170,14 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
-        self._requests[request.request_id] = (request, text)
+        self.requests.add(request, text)
         return request
 
     def abort(self, request_id: str) -> bool:
-        entry = self._requests.pop(request_id, None)
+        self.requests.remove(request_id)
         aborted = self.scheduler.abort(request_id)
-        if entry is not None:
-            self.outputs.release(entry[0])
         if not self.scheduler.has_unfinished():
-            try:
-                self._settle()
-            except StepFailed as e:
-                self._recover(e)
+            self.pipeline.drain()
         return aborted
 
     def has_unfinished(self) -> bool:
@@ -219,213 +208,9 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns a snapshot of every request that progressed or failed.
-
-        With async_scheduling the next step is planned and launched before this one's tokens are
-        read back (Scheduler.schedule_next: when nothing waits and every running sequence
-        decodes), so the host's planning, batch building and dispatch overlap the device.
-
-        A request whose own row cannot be built or processed fails alone (finish_reason
-        "error", RequestOutput.error). A failing device step fails the requests whose KV it
-        held, and the engine goes on with a fresh pool (`_recover`)."""
-        try:
-            results = self._step()
-        except StepFailed as e:
-            self._recover(e)
-            results = []
-        if self._failed:
-            results += self._snapshots(self._failed, time.monotonic())
-            self._failed = []
-        return results
-
-    def _step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        if self._in_flight is None:
-            self.speculator.choose()
-            plan = self.scheduler.schedule()
-            if plan.is_empty:  # still reported: requests schedule() finished (outgrew the pool)
-                return self._snapshots(self.scheduler.update(plan, []), time.monotonic())
-            self._in_flight = self._launch(plan)
-        t_launched = time.perf_counter()
-        current = self._in_flight
-        self._in_flight = None
-        if self.config.async_scheduling and not self.speculator.choose():
-            plan = self.scheduler.schedule_next(current.plan)
-            if plan is not None:
-                self._in_flight = self._launch(plan, after=current.out)
-        t1 = time.perf_counter()
-        out = self._fetch(current)
-        t2 = time.perf_counter()
-        results = self._apply(current, out)
-        if self._in_flight is not None and self._in_flight.unsampled is not None:
-            self._sample(self._in_flight)  # its controls follow from the tokens just applied
-        ahead = self._in_flight is not None
-        if ahead and not self.scheduler.has_unfinished():
-            self._settle()  # everything it computes was finished meanwhile: drop it now
-        t3 = time.perf_counter()
-        self.speculator.observe(current, t0, t3)
-        # Host work while a step ran on the device overlapped it: planning the next step while
-        # `current` ran, and applying `current` while the next one runs.
-        self.host_seconds += (t1 - t0) + (t3 - t2)
-        self.host_overlapped_seconds += (t1 - t_launched) + ((t3 - t2) if ahead else 0.0)
-        self.device_seconds += t2 - t1
-        return results
-
-    def _controls(self, plan: StepPlan, num_rows: int):
-        return step_controls(plan, num_rows, self.model_config.vocab_size)
-
-    def _build(self, plan: StepPlan, ahead: bool = False):
-        """The plan's padded batch, real sample rows, chunk offsets and logit controls. A plan
-        made `ahead` of the previous step's tokens with a row whose controls depend on them
-        (a grammar, penalties) has its controls built later (controls "later")."""
-        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
-        if ahead and any(seq.sampling_params.needs_previous_token for _, seq in plan.sample_rows):
-            return batch, num_rows, offsets, "later"
-        return batch, num_rows, offsets, self._controls(plan, batch.logits_indices.shape[0])
-
-    def _launch(self, plan: StepPlan, after=None) -> Launched:
-        """Build and dispatch a plan. Planned ahead of the previous step's read-back with rows
-        whose controls need that step's tokens, only its forward pass goes out now: its
-        sampling follows once those tokens are applied (`_sample`), so the device computes the
-        forward pass while the host reads the previous step and fills the masks."""
-        self._unapplied.append(plan)
-        ahead = after is not None
-        try:
-            catch_up = self.speculator.propose(plan)
-        except Exception as e:  # noqa: BLE001 - the draft pool was donated to the failed call
-            raise StepFailed(f"the draft model's step failed: {e!r}") from e
-        try:
-            batch, num_rows, offsets, controls = self._build(plan, ahead)
-        except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
-            self._fail_unbuildable(plan, e)
-            batch, num_rows, offsets, controls = self._build(plan, ahead)
-        later = isinstance(controls, str)
-        copies = page_copies(plan.copies, self.buckets) if plan.copies else None
-        try:
-            out = self.runner.dispatch(batch, copies, after, None if later else controls,
-                                       sample=not later)
-        except PeerLostError:  # another process is gone: nothing to recover here
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise StepFailed(f"the device step failed: {e!r}") from e
-        return Launched(plan, out, num_rows, offsets, catch_up,
-                         unsampled=batch if later else None,
-                        verifying=self.scheduler.spec_k > 0)
-
-    def _sample(self, launched: Launched) -> None:
-        """Launch the deferred sampling of a step with its controls, now that the tokens before
-        it are applied; a request whose controls cannot be built fails alone."""
-        batch, launched.unsampled = launched.unsampled, None
-        r = batch.logits_indices.shape[0]
-        try:
-            controls = self._controls(launched.plan, r)
-        except Exception as e:  # noqa: BLE001
-            self._fail_unbuildable(launched.plan, e)
-            controls = self._controls(launched.plan, r)
-        try:
-            self.runner.sample(launched.out, batch.sampling, controls)
-        except PeerLostError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise StepFailed(f"the device step failed: {e!r}") from e
-
-    def _fetch(self, launched: Launched):
-        if launched.unsampled is not None:
-            self._sample(launched)
-        try:
-            return self.runner.fetch(launched.out, launched.num_rows)
-        except Exception as e:  # noqa: BLE001
-            raise StepFailed(f"the device step failed: {e!r}") from e
-
-    def _fail(self, request_id: str, error: str) -> None:
-        entry = self._requests.get(request_id)
-        if self.scheduler.abort(request_id, error) and entry is not None:
-            log.warning("request %s failed: %s", request_id, error)
-            self._failed.append(entry[0])
-
-    def _fail_unbuildable(self, plan: StepPlan, error: Exception) -> None:
-        """build_batch raised: fail the requests whose chunks fail alone (their rows are then
-        padding, build_batch skips finished sequences); StepFailed if none does."""
-        culprits = []
-        for chunk in plan.chunks:
-            try:
-                self._build(StepPlan(chunks=[chunk]))
-            except Exception as e:  # noqa: BLE001
-                culprits.append((chunk.seq.request.request_id, e))
-        if not culprits:
-            raise StepFailed(f"building the step's batch failed: {error!r}") from error
-        for request_id, e in culprits:
-            self._fail(request_id, f"building its batch row failed: {e!r}")
-
-    def _recover(self, failure: StepFailed) -> None:
-        """After a failed step: every request whose KV was in the pool fails with the cause,
-        plans in flight are applied with their tokens dropped, and the runner gets a fresh pool
-        (the prefix cache is emptied with it: the pool donated to a failed step is gone)."""
-        cause = str(failure)
-        log.error("%s; failing the running requests and starting a fresh KV pool "
-                  "(the prefix cache is emptied)", cause)
-        failed = self.scheduler.drop_kv(cause)
-        self._failed += [r for r in failed if r.request_id in self._requests]
-        for plan in self._unapplied:
-            self.scheduler.update(plan, [0] * len(plan.sample_rows))
-        self._unapplied, self._in_flight = [], None
-        self.runner.reset_pool()
-        self.speculator.reset()
-
-    def _apply(self, launched: Launched, out) -> list[RequestOutput]:
-        """The output processor reads the step's rows first (logprobs, text, stop strings), then
-        the scheduler applies them with the stop strings found."""
-        plan = launched.plan
-        self._unapplied.remove(plan)
-        errors = {}
-        if out.prompt_logprobs is not None:
-            errors = self.outputs.record_prompt_logprobs(plan, launched.offsets, out)
-        now = time.monotonic()
-        tokens = [int(t) for t in out.token_ids]
-        stops, row_errors = self.outputs.process(self.scheduler.accepted_rows(plan, tokens), out,
-                                                 now)
-        for request_id, error in {**errors, **row_errors}.items():
-            self._fail(request_id, error)
-        changed = self.scheduler.update(plan, tokens, stops)
-        self.num_steps += 1
-        results = self._snapshots(changed, now)
-        self._fail_broken_grammars(plan)
-        return results
-
-    def _fail_broken_grammars(self, plan: StepPlan) -> None:
-        """A sequence whose matcher erred on the token just applied (a grammar limit hit
-        mid-generation) fails its request alone, before a mask is filled from that state."""
-        if self._grammars is None:  # no grammar yet
-            return
-        for _, seq in plan.sample_rows:
-            error = None if seq.is_finished else grammar_error(seq, self._grammars.limits)
-            if error is not None:
-                self._fail(seq.request.request_id, error)
-
-    def _settle(self) -> None:
-        """Read back and apply the step in flight, if any (its sequences are all finished or
-        aborted, so its tokens are dropped): afterwards no plan is outstanding."""
-        if self._in_flight is not None:
-            launched, self._in_flight = self._in_flight, None
-            self._apply(launched, self._fetch(launched))
-
-    def _snapshots(self, changed: list[Request], now: float) -> list[RequestOutput]:
-        results = []
-        for request in changed:
-            if request.is_finished and request.finished_time is None:
-                request.finished_time = now
-            entry = self._requests.get(request.request_id)
-            try:
-                results.append(self.outputs.snapshot(request, entry[1] if entry else None))
-            except Exception as e:  # noqa: BLE001 - fails this request alone
-                self.scheduler.abort(request.request_id, f"building its output failed: {e!r}")
-                results.append(RequestOutput(
-                    request.request_id, None, list(request.prompt_token_ids), [], finished=True,
-                    metrics=RequestMetrics(request.arrival_time), error=request.error))
-            if request.is_finished:
-                self._requests.pop(request.request_id, None)
-                self.outputs.release(request)
-        return results
+        """Run one iteration (StepPipeline: plan, build, dispatch, sample, fetch, apply); returns
+        a snapshot of every request that progressed or failed."""
+        return self.pipeline.step()
 
     # ----------------------------------------------------------------- compilation
     def warmup(self, full: bool = False) -> dict:
@@ -452,9 +237,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
-        stats.update(compilations=self.compilations, steps=self.num_steps,
-                     host_seconds=self.host_seconds, device_seconds=self.device_seconds,
-                     host_overlapped_seconds=self.host_overlapped_seconds,
+        stats.update(compilations=self.compilations, **self.pipeline.stats(),
                      activation_peak_bytes=(self.memory_plan.activation_peak_bytes
                                             if self.memory_plan else None),
                      tensor_parallel_size=self.config.tensor_parallel_size,
