@@ -2,7 +2,7 @@
 tests/test_robustness.py): hypothesis-generated request bodies against the server on the tiny
 random model, then the fault injections, with many more examples than CI runs.
 
-  python scripts/fuzz_server.py                  # 5000 fuzzed bodies
+  python scripts/fuzz_server.py                  # 5000 fuzzed bodies of each strategy
   python scripts/fuzz_server.py --examples=20000
 
 Prints the run's size and duration; the tests assert no 5xx for a client error, neighbours'
