@@ -1,8 +1,8 @@
 """The engine's whole step, as an accelerator would run it, lowers on this CPU-only jaxlib: with
 the GPU backend for "cuda" (the Triton kernel call in the module) and with the TPU backend for
 "tpu" (a Mosaic call), bf16 weights and pool, no host callback anywhere. Lowering proves the
-kernels and the step trace and lower for the platform; compiling and timing them needs the
-device (scripts/device_check.py)."""
+kernels and the step trace and lower for the platform; for TPU the step also compiles
+(tests/test_tpu_step_compile.py), and timing needs the device (scripts/device_check.py)."""
 
 from __future__ import annotations
 
