@@ -5,6 +5,7 @@ with the default model's tokenizer."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -40,13 +41,21 @@ BACKENDS = ["xla", "cpu"]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_full_warmup_then_traffic_compiles_nothing(default_loaded, backend):
+def test_full_warmup_then_traffic_compiles_nothing(default_loaded, backend, caplog):
     loaded = tiny_loaded(default_loaded.tokenizer)
-    engine = LLMEngine(EngineConfig.from_options(num_pages=80, max_num_seqs=4,
-                                                 max_num_batched_tokens=32, page_size=8,
-                                                 attention_backend=backend), loaded)
-    report = engine.warmup(full=True)
+    with caplog.at_level(logging.INFO, logger="jaxserve.engine"):
+        engine = LLMEngine(EngineConfig.from_options(num_pages=80, max_num_seqs=4,
+                                                     max_num_batched_tokens=32, page_size=8,
+                                                     attention_backend=backend), loaded)
+        report = engine.warmup(full=True)
     assert report["compilations"] == engine.stats()["compilations"] > 0
+    # The start-up timeline: a line for each shape (compiled, or loaded from JAX's cache).
+    shapes = [r.message for r in caplog.records if r.message.startswith("start-up: step of")]
+    assert len(shapes) == report["shapes"] - len(engine.buckets.copies)
+    assert all(" compiled in " in m or " loaded from the compilation cache " in m
+               for m in shapes), shapes
+    stats = engine.stats()
+    assert report["seconds"] < stats["start_seconds"] < stats["process_start_seconds"]
     rng = np.random.default_rng(1)
     for i in range(12):  # mixed lengths: decode, chunked prefill and mixed steps all occur
         prompt = [int(t) for t in rng.integers(3, 1000, int(rng.integers(1, 70)))]

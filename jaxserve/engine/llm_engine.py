@@ -30,6 +30,7 @@ from jaxserve.core.sequence import Request
 from jaxserve.engine import memory_plan
 from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.speculator import Speculator, load_draft
+from jaxserve.engine.startup import StartupTimeline
 from jaxserve.engine.step_pipeline import StepPipeline
 from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.buckets import Buckets
@@ -50,10 +51,13 @@ class LLMEngine:
         target's own weights when that is None or the target's name); mesh: the replica's
         devices (sharding.replica_mesh), for a data-parallel front; default the first
         tensor_parallel_size devices."""
+        self.startup = StartupTimeline()
         config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
         config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
         self.config = config
-        loaded = loaded or load_model(config.model, dtype=config.dtype, lazy=True)
+        if loaded is None:
+            with self.startup.phase("load the model"):
+                loaded = load_model(config.model, dtype=config.dtype, lazy=True)
         self.model_config = loaded.config
         sharding.check_fits(loaded.config, config.tensor_parallel_size, config.quantization)
         if mesh is None:
@@ -85,12 +89,13 @@ class LLMEngine:
         # With a budget, a probe pool of PROBE_PAGES until the plan has measured the rest.
         num_pages = PROBE_PAGES if budget is not None else config.resolve_num_pages(
             loaded.config, self.max_model_len, draft=draft.config if draft else None)
-        self.runner = ModelRunner(loaded.config, loaded.params, num_pages=num_pages,
-                                  page_size=config.page_size, dtype=config.dtype,
-                                  kv_cache_dtype=config.kv_cache_dtype,
-                                  backend=backend, quantization=config.quantization,
-                                  max_sample_rows=self.buckets.max_sample_rows,
-                                  huge_pages=config.huge_pages, mesh=mesh)
+        with self.startup.phase("place the weights"):
+            self.runner = ModelRunner(loaded.config, loaded.params, num_pages=num_pages,
+                                      page_size=config.page_size, dtype=config.dtype,
+                                      kv_cache_dtype=config.kv_cache_dtype,
+                                      backend=backend, quantization=config.quantization,
+                                      max_sample_rows=self.buckets.max_sample_rows,
+                                      huge_pages=config.huge_pages, mesh=mesh)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         scheduler = functools.partial(
             Scheduler, config, max_model_len=self.max_model_len, eos_token_ids=eos,
@@ -104,11 +109,12 @@ class LLMEngine:
         self.memory_plan = None
         if budget is not None:
             drafter = self.speculator.drafter
-            self.memory_plan = memory_plan.plan(
-                self.runner, self.buckets, budget, held_before,
-                compiled_shapes=self.runner.warmup_count(self.buckets)
-                + self.speculator.warmup_count(),
-                draft=drafter.model if drafter else None)
+            with self.startup.phase("plan memory"):
+                self.memory_plan = memory_plan.plan(
+                    self.runner, self.buckets, budget, held_before,
+                    compiled_shapes=self.runner.warmup_count(self.buckets)
+                    + self.speculator.warmup_count(),
+                    draft=drafter.model if drafter else None)
             log.info("%s", self.memory_plan.describe(self.max_model_len))
             self.scheduler = scheduler(num_pages=self.runner.num_pages)  # the planned pool
             self.speculator.attach(self.scheduler)
@@ -125,6 +131,7 @@ class LLMEngine:
         self._eos_token_ids = eos
         self._ids = itertools.count()
         self._rng = np.random.default_rng(config.seed)
+        self.startup.built()
 
     # ----------------------------------------------------------------- requests
     @property
@@ -219,10 +226,13 @@ class LLMEngine:
         every combination the scheduler can produce) and the copy-on-write copies. No request
         state changes. Returns counts and seconds."""
         t0, before = time.perf_counter(), self.compilations
-        shapes = self.runner.warmup(self.buckets, full)
-        shapes += self.speculator.warmup()
-        return {"shapes": shapes, "compilations": self.compilations - before,
-                "seconds": time.perf_counter() - t0}
+        shapes = self.runner.warmup(self.buckets, full, on_shape=self.startup.shape_timer())
+        if self.speculator.warmup_count():
+            with self.startup.phase("compile the draft model's calls"):
+                shapes += self.speculator.warmup()
+        seconds = time.perf_counter() - t0
+        self.startup.ready(seconds)
+        return {"shapes": shapes, "compilations": self.compilations - before, "seconds": seconds}
 
     # ----------------------------------------------------------------- introspection
     @property
@@ -238,6 +248,7 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
         stats.update(compilations=self.compilations, **self.pipeline.stats(),
+                     **self.startup.stats(),
                      activation_peak_bytes=(self.memory_plan.activation_peak_bytes
                                             if self.memory_plan else None),
                      tensor_parallel_size=self.config.tensor_parallel_size,

@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -352,15 +354,26 @@ class ModelRunner:
         """How many shapes `warmup` compiles (steps and copies), without compiling them."""
         return sum(1 for _ in self._warmup_batches(buckets, full)) + len(buckets.copies)
 
-    def warmup(self, buckets: Buckets, full: bool = False) -> int:
+    def warmup(self, buckets: Buckets, full: bool = False,
+               on_shape: Callable[[str, float], None] | None = None) -> int:
         """Compile the step shapes of Buckets.step_shapes, their sampling calls, and every
-        copies bucket (no request state changes). Returns how many shapes were run."""
+        copies bucket (no request state changes); on_shape(what, seconds) after each. Returns
+        how many shapes were run."""
         run = 0
         for batch, rows in self._warmup_batches(buckets, full):
+            start = time.perf_counter()
             out = self.dispatch(batch)
             self.fetch(out, rows)
             self._warm_sampling(out, batch)
             run += 1
+            if on_shape is not None:
+                on_shape(f"step of {batch.token_ids.shape[0]} tokens, "
+                         f"{batch.attn.page_tables.shape[0]} rows, "
+                         f"{batch.logits_indices.shape[0]} sampled", time.perf_counter() - start)
+        start = time.perf_counter()
         for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
             self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))
+        if on_shape is not None and buckets.copies:
+            jax.block_until_ready(self.pool)
+            on_shape(f"{len(buckets.copies)} page-copy shapes", time.perf_counter() - start)
         return run + len(buckets.copies)

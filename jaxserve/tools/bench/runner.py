@@ -223,6 +223,8 @@ def run_engine(engine, workload: WorkloadSpec, *, requests: list[BenchRequest] |
         "num_pages": engine.num_pages, "page_size": page_size,
         "kv_pool_bytes": stats["kv_pool_bytes"], "weight_bytes": stats["weight_bytes"],
         "config": dataclasses.asdict(engine.config), "backend": engine.backend.name,
+        "start_seconds": stats.get("start_seconds"),
+        "process_start_seconds": stats.get("process_start_seconds"),
         "max_model_len": engine.max_model_len,
     }
     return RunResult(list(records.values()), duration, timeline, info, mode="engine")
