@@ -34,6 +34,13 @@ flags.DEFINE_integer("max_tokens_limit", None,
                      "Largest max_tokens accepted (default: the context).")
 flags.DEFINE_multi_string("served_model_name", None,
                           "Model name(s) clients use (default: --model).")
+flags.DEFINE_enum("tool_call_parser", "auto", ["auto", "hermes", "llama3_json", "mistral",
+                                               "pythonic"],
+                  "How tool calls are read from the text when a request offers tools with "
+                  "tool_choice 'auto' (or none): auto = the format the chat template's markup "
+                  "shows, hermes when it shows none.")
+flags.DEFINE_enum("reasoning_parser", "none", ["none", "qwen3", "deepseek_r1"],
+                  "Split <think>...</think> reasoning into message.reasoning_content.")
 flags.DEFINE_enum("compile_warmup", "default", ["none", "default", "full"],
                   "Compile step shapes before taking traffic (/health/ready answers 503 "
                   "meanwhile): default = every shape of a packed backend (cpu), the pure decode "
@@ -98,6 +105,7 @@ def main(argv):
         server_config = ServerConfig(
             api_keys=keys, public_metrics=FLAGS.public_metrics,
             max_body_bytes=FLAGS.max_body_bytes, max_tokens_limit=FLAGS.max_tokens_limit,
+            tool_call_parser=FLAGS.tool_call_parser, reasoning_parser=FLAGS.reasoning_parser,
             served_model_names=tuple(FLAGS.served_model_name) if FLAGS.served_model_name else None)
         engine = make_engine(EngineConfig.from_options(**engine_flags.engine_options()))
     except (ValueError, OSError) as e:

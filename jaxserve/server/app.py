@@ -28,8 +28,10 @@ from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverload
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
+from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.requests import openapi_schemas
 from jaxserve.server.responses import ResponseBuilder
+from jaxserve.server.tool_parsers import PARSERS
 
 log = logging.getLogger("jaxserve.server")
 
@@ -46,8 +48,18 @@ class ServerConfig:
     # With keys, /metrics needs one too (it shows every tenant's traffic; Prometheus scrapers
     # send bearer tokens); True leaves it open for a scraper that cannot.
     public_metrics: bool = False
+    # How tool calls (tool_choice "auto") and reasoning are read from the text: names of
+    # tool_parsers.PARSERS ("auto": from the chat template) and reasoning.REASONING_PARSERS.
+    tool_call_parser: str = "auto"
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
+        if self.tool_call_parser != "auto" and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {['auto', *PARSERS]}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.reasoning_parser not in (None, "none", *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {['none', *REASONING_PARSERS]},"
+                             f" got {self.reasoning_parser!r}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
@@ -189,7 +201,8 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     owned = isinstance(engine, (LLMEngine, DataParallelEngine))
     aengine = AsyncEngine(engine) if owned else engine
     ctx = ProtocolContext.for_engine(aengine.engine, config.served_model_names,
-                                     config.max_tokens_limit)
+                                     config.max_tokens_limit, config.tool_call_parser,
+                                     config.reasoning_parser)
     metrics = ServerMetrics()
     aengine.observers.append(metrics)
 

@@ -11,6 +11,7 @@ Host-only, no engine calls.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from pydantic import ValidationError
@@ -18,7 +19,11 @@ from pydantic import ValidationError
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.server.requests import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest,
                                       first_error)
-from jaxserve.server.structured_requests import output_constraint
+from jaxserve.server.chat_output import ChatOutputParser
+from jaxserve.server.reasoning import ReasoningParser, reasoning_parser
+from jaxserve.server.structured_requests import OutputConstraint, output_constraint
+from jaxserve.server.tool_parsers import ToolParser, tool_parser
+from jaxserve.server.tool_prompt import TemplateTools, probe_template, with_tools
 
 
 class APIError(Exception):
@@ -44,13 +49,32 @@ class ProtocolContext:
     max_model_len: int
     vocab_size: int
     max_tokens_limit: int | None = None  # refuse larger max_tokens; None: only the context bounds
+    tool_call_parser: str = "auto"  # a name of tool_parsers.PARSERS; auto: from the template
+    reasoning_parser: str | None = None  # a name of reasoning.REASONING_PARSERS; None: none
+
+    def __post_init__(self):
+        self.tool_parser, self.reasoning  # noqa: B018 - unknown names fail at construction
 
     @classmethod
     def for_engine(cls, engine, model_names: tuple[str, ...] | None = None,
-                   max_tokens_limit: int | None = None) -> "ProtocolContext":
+                   max_tokens_limit: int | None = None, tool_call_parser: str = "auto",
+                   reasoning_parser: str | None = None) -> "ProtocolContext":
         return cls(model_names=model_names or (engine.config.model,),
                    tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
-                   vocab_size=engine.model_config.vocab_size, max_tokens_limit=max_tokens_limit)
+                   vocab_size=engine.model_config.vocab_size, max_tokens_limit=max_tokens_limit,
+                   tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+
+    @functools.cached_property
+    def tool_parser(self) -> ToolParser:
+        return tool_parser(self.tool_call_parser, getattr(self.tokenizer, "chat_template", None))
+
+    @functools.cached_property
+    def reasoning(self) -> ReasoningParser | None:
+        return reasoning_parser(self.reasoning_parser)
+
+    @functools.cached_property
+    def template_tools(self) -> TemplateTools:
+        return probe_template(self.tokenizer)
 
 
 @dataclasses.dataclass
@@ -65,6 +89,8 @@ class ParsedRequest:
     hide_generated: bool = False  # echo with max_tokens=0: one token is generated, not returned
     num_logprobs: int | None = None  # top logprobs per token to return; None: no logprobs
     tool_call: bool = False  # chat: the output is constrained to a call of the offered tools
+    # chat: reads reasoning and (tool_choice "auto") tool calls back from the text; None: plain
+    output_parser: ChatOutputParser | None = None
     constraint_field: str | None = None  # the field that constrains the output, if any
 
 
@@ -106,12 +132,20 @@ def _completion_prompts(request: CompletionRequest, ctx: ProtocolContext) -> lis
 
 
 def _chat_prompt(request: ChatCompletionRequest, ctx: ProtocolContext,
-                 tools: list[dict] | None) -> dict:
+                 constraint: OutputConstraint) -> dict:
+    """The rendered chat. When the template renders no tools and the model chooses whether to
+    call (tool_choice "auto"), they go into a system message (tool_prompt.py); a forced call's
+    output is constrained to the tools' schemas and its prompt is left as it was."""
+    tools = constraint.tools
     extra = {"tools": [{"type": "function", "function": fn} for fn in tools]} if tools else {}
+    messages = [m.for_template() for m in request.messages]
+    if constraint.auto_tools or any(m.get("tool_calls") for m in messages):
+        messages = with_tools(messages, tools if constraint.auto_tools else [],
+                              ctx.tool_parser, ctx.template_tools)
     try:
         text = ctx.tokenizer.apply_chat_template(
-            [m.for_template() for m in request.messages],
-            add_generation_prompt=request.add_generation_prompt, **extra)
+            messages, add_generation_prompt=request.add_generation_prompt,
+            **(request.chat_template_kwargs or {}), **extra)
     except ValueError as e:  # ChatTemplateError
         raise APIError(str(e), param="messages", code="invalid_value") from None
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
@@ -127,7 +161,7 @@ def _parsed(request: CompletionRequest | ChatCompletionRequest,
                        status=404, param="model", code="model_not_found")
     constraint = output_constraint(request)
     chat = isinstance(request, ChatCompletionRequest)
-    prompts = ([_chat_prompt(request, ctx, constraint.tools)] if chat
+    prompts = ([_chat_prompt(request, ctx, constraint)] if chat
                else _completion_prompts(request, ctx))
     echo = not chat and request.echo
     num_logprobs = request.num_logprobs
@@ -175,4 +209,16 @@ def _parsed(request: CompletionRequest | ChatCompletionRequest,
         kind=request.KIND, model=model, prompts=prompts, params=params, stream=request.stream,
         include_usage=bool(request.stream_options and request.stream_options.include_usage),
         echo=echo, hide_generated=hide_generated, num_logprobs=num_logprobs,
-        tool_call=constraint.tool_call, constraint_field=constraint.field)
+        tool_call=constraint.tool_call, constraint_field=constraint.field,
+        output_parser=_output_parser(request, ctx, constraint) if chat else None)
+
+
+def _output_parser(request: ChatCompletionRequest, ctx: ProtocolContext,
+                   constraint: OutputConstraint) -> ChatOutputParser | None:
+    """How the answer's text is read back: reasoning split off, and tool calls read when the
+    model chooses whether to call (a forced call is a constrained output of its own)."""
+    tools = ctx.tool_parser if constraint.auto_tools else None
+    if tools is None and ctx.reasoning is None or constraint.tool_call:
+        return None
+    return ChatOutputParser(tools=tools, reasoning=ctx.reasoning,
+                            parallel_tool_calls=request.parallel_tool_calls)

@@ -24,6 +24,9 @@ REFUSED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_gramma
                   "structural_tag", "bad_words", "allowed_token_ids", "min_tokens",
                   "logits_processors", "use_beam_search", "length_penalty", "functions",
                   "function_call")
+# What the server itself passes to a chat template.
+TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token",
+                                "eos_token"})
 NOT_UNICODE = "is not valid Unicode text (a lone surrogate?)"
 
 
@@ -267,11 +270,22 @@ class ChatCompletionRequest(_Request):
     max_tokens: int | None = Field(None, ge=1, le=INT32_MAX, description="None: the context left")
     max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
     add_generation_prompt: bool = True
+    parallel_tool_calls: bool = True  # False: at most one call is returned
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="extra variables for the chat template (e.g. enable_thinking)")
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+        return self
+
+    @model_validator(mode="after")
+    def _template_kwargs_add_variables(self):
+        taken = sorted(set(self.chat_template_kwargs or ()) & TEMPLATE_VARIABLES)
+        if taken:
+            raise FieldError(f"'chat_template_kwargs' may not set {taken} (the request's own "
+                             "fields do)", "chat_template_kwargs")
         return self
 
     @property

@@ -8,6 +8,7 @@ import time
 import uuid
 
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
+from jaxserve.server.chat_output import ChatOutputStream
 from jaxserve.server.protocol import ParsedRequest, ProtocolContext
 from jaxserve.server.structured_requests import tool_call
 
@@ -90,6 +91,8 @@ class ResponseBuilder:
         self._started = [False] * (n * len(parsed.prompts))
         self._finished = [False] * (n * len(parsed.prompts))
         self._usage = [(len(pr["prompt_token_ids"]), 0) for pr in parsed.prompts]
+        self._streams = ([ChatOutputStream(parsed.output_parser) for _ in self._started]
+                         if parsed.output_parser is not None else None)
 
     # ---- pieces
     def _generated(self, c: CompletionOutput) -> tuple[str, list[int], list]:
@@ -149,7 +152,11 @@ class ResponseBuilder:
                                 if self.p.num_logprobs is not None else None)
                     message, finish = {"role": "assistant", "content": text}, _finish_reason(c)
                     call = self._tool_call(text, finish)
-                    if call is not None:
+                    if self.p.output_parser is not None:  # reasoning, text or calls
+                        message = self.p.output_parser.message(text)
+                        if "tool_calls" in message and finish == "stop":
+                            finish = "tool_calls"
+                    elif call is not None:
                         message, finish = {"role": "assistant", "content": None,
                                            "tool_calls": [call]}, "tool_calls"
                     choices.append({"index": index, "message": message,
@@ -199,7 +206,17 @@ class ResponseBuilder:
                 obj = "text_completion"
             else:
                 delta = {"content": delta_text}
-                if self.p.tool_call:  # the call goes out whole once its JSON is complete
+                if self._streams is not None:  # reasoning, text or calls, as parsed so far
+                    stream = self._streams[i]
+                    delta = stream.delta(text, finish is not None)
+                    if stream.has_calls and finish == "stop":
+                        finish = "tool_calls"
+                    logprobs_due = bool(new_ids) and self.p.num_logprobs is not None
+                    if not (delta or first or finish or logprobs_due):
+                        continue
+                    if first:
+                        delta = {"role": "assistant", "content": "", **delta}
+                elif self.p.tool_call:  # the call goes out whole once its JSON is complete
                     delta = {}
                     call = self._tool_call(text, finish)
                     if call is not None:

@@ -21,6 +21,7 @@ class OutputConstraint:
     field: str | None = None  # the body's field it came from (an error about it names it)
     tool_call: bool = False  # the output is a call of an offered function
     tools: list[dict] | None = None  # the functions offered, as the chat template takes them
+    auto_tools: bool = False  # tool_choice "auto" (or none given): calls are read from the text
 
 
 def _response_format(value: ResponseFormat) -> StructuredOutputsParams | None:
@@ -43,12 +44,9 @@ def _structured_field(value: StructuredOutputs) -> StructuredOutputsParams:
 
 
 def _forced(functions: list[FunctionDefinition], choice) -> list[FunctionDefinition]:
-    """The functions that tool_choice forces a call of (none for 'none')."""
-    if choice is None or choice == "auto":
-        raise FieldError("tool_choice 'auto' needs a model-specific parser of tool calls in free "
-                         "text, which this server does not have: use tool_choice 'required', a "
-                         "named function or 'none'", "tool_choice", "unsupported_parameter")
-    if choice == "none":
+    """The functions that tool_choice forces a call of (none for 'none' and 'auto': the model
+    chooses, and its calls are read back by its tool-call parser)."""
+    if choice in (None, "auto", "none"):
         return []
     if choice == "required":
         return functions
@@ -78,13 +76,14 @@ def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> Out
     if request.structured_outputs is not None:
         specs.append(("structured_outputs", _structured_field(request.structured_outputs)))
     tools = getattr(request, "tools", None)  # chat only
+    choice = getattr(request, "tool_choice", None)
     if tools is not None:
         forced = _forced([tool.function for tool in tools], request.tool_choice)
         if forced:
             schema = (_call_schema(forced[0]) if len(forced) == 1
                       else {"anyOf": [_call_schema(fn) for fn in forced]})
             specs.append(("tool_choice", StructuredOutputsParams(json=schema)))
-    elif getattr(request, "tool_choice", None) is not None:
+    elif choice is not None:
         raise FieldError("'tool_choice' needs 'tools'", "tool_choice")
     if len(specs) > 1:
         raise FieldError(f"only one of {[name for name, _ in specs]} may constrain the output",
@@ -92,7 +91,8 @@ def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> Out
     return OutputConstraint(
         spec=specs[0][1] if specs else None, field=specs[0][0] if specs else None,
         tool_call=any(name == "tool_choice" for name, _ in specs),
-        tools=[tool.function.model_dump(exclude_unset=True) for tool in tools] if tools else None)
+        tools=[tool.function.model_dump(exclude_unset=True) for tool in tools] if tools else None,
+        auto_tools=bool(tools) and choice in (None, "auto"))
 
 
 def tool_call(text: str) -> dict | None:

@@ -1,0 +1,186 @@
+"""tool_choice "auto" (or none given) end to end through the OpenAI client, on the tiny random
+model steered by structured_outputs to write what a model would: a text answer stays text, a call
+in the parser's format comes back as `tool_calls` with finish_reason "tool_calls" (streamed as
+OpenAI's deltas, equal to the non-streamed call), parallel_tool_calls=false keeps the first;
+tools reach the prompt of a template that ignores them; reasoning is split off. One engine for
+the module."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.server import AsyncEngine, ServerConfig, build_app
+from jaxserve.server.protocol import ProtocolContext, parse_request
+from jaxserve.tokenizer import Tokenizer
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+from serving import serve_app  # noqa: E402
+from tiny_model import tiny_loaded, tiny_tokenizer  # noqa: E402
+
+MODEL = "tiny"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n' \
+       "</tool_call>"
+TWO_CALLS = CALL + '\n<tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def aengine():
+    engine = LLMEngine(EngineConfig.from_options(num_pages=512, page_size=16, max_num_seqs=8,
+                                                 max_num_batched_tokens=512),
+                       tiny_loaded(max_len=2048))
+    aengine = AsyncEngine(engine)
+    yield aengine
+    aengine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(aengine):
+    with serve_app(build_app(aengine, ServerConfig(served_model_names=(MODEL,)))) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat(client, forced: str | None = None, **kwargs):
+    """A chat with tools and no tool_choice; `forced` makes the model write exactly that."""
+    extra = {"structured_outputs": {"choice": [forced]}} if forced is not None else {}
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}],
+        **{"tools": [WEATHER, TIME], "max_tokens": 200, "temperature": 0, **kwargs},
+        extra_body=extra)
+
+
+def streamed(stream) -> tuple[str, list[tuple[str, str]], str]:
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            if call.id is not None:
+                assert call.index == len(calls) and call.type == "function"
+                calls.append([call.function.name, ""])
+            calls[call.index][1] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(c) for c in calls], finish
+
+
+def test_tools_without_tool_choice_are_served(client):
+    out = chat(client, max_tokens=8, temperature=1.0, seed=3)  # the model's own free text
+    assert out.choices[0].finish_reason in ("stop", "length")
+    out = chat(client, tool_choice="auto", max_tokens=4, temperature=1.0, seed=4)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_text_answer_stays_text(client):
+    out = chat(client, "It is sunny in Paris.")
+    message = out.choices[0].message
+    assert (message.content, message.tool_calls, out.choices[0].finish_reason) == (
+        "It is sunny in Paris.", None, "stop")
+    assert streamed(chat(client, "It is sunny in Paris.", stream=True)) == (
+        "It is sunny in Paris.", [], "stop")
+
+
+def test_a_call_in_the_parsers_format_is_a_tool_call_streamed_alike(client):
+    out = chat(client, "Let me check.\n" + TWO_CALLS)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert [name for name, _ in calls] == ["get_weather", "get_time"]
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for name, arguments in calls:
+        jsonschema.validate(json.loads(arguments), schemas[name])
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    assert streamed(chat(client, "Let me check.\n" + TWO_CALLS, stream=True)) == (
+        "Let me check.", calls, "tool_calls")
+
+
+def test_parallel_tool_calls_false_returns_one_call(client):
+    out = chat(client, TWO_CALLS, parallel_tool_calls=False)
+    assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]
+    _, calls, finish = streamed(chat(client, TWO_CALLS, parallel_tool_calls=False, stream=True))
+    assert [name for name, _ in calls] == ["get_weather"] and finish == "tool_calls"
+
+
+def test_tool_choice_none_reads_no_calls(client):
+    out = chat(client, CALL, tool_choice="none")
+    assert out.choices[0].message.content == CALL and out.choices[0].message.tool_calls is None
+
+
+def test_a_call_cut_by_max_tokens_finishes_with_length(client):
+    out = chat(client, CALL, max_tokens=40)
+    choice = out.choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+
+
+def _ctx(template: str) -> ProtocolContext:
+    base = tiny_tokenizer()
+    tok = Tokenizer(base.backend, bos_token_id=None, eos_token_ids=base.eos_token_ids,
+                    chat_template=template)
+    return ProtocolContext(model_names=(MODEL,), tokenizer=tok, max_model_len=4096,
+                           vocab_size=320)
+
+
+def test_tools_reach_the_prompt_when_the_template_ignores_them():
+    from tiny_model import CHAT_TEMPLATE
+
+    ctx = _ctx(CHAT_TEMPLATE)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_time", "arguments": '{"zone": 1}'}}
+    body = {"model": MODEL, "tools": [WEATHER, TIME], "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]}
+    prompt = parse_request("chat", body, ctx).prompts[0]["prompt"]
+    assert prompt.startswith("<system>Be brief.\n\n# Tools\n")
+    assert json.dumps(WEATHER, ensure_ascii=False) in prompt and "<tool_call>" in prompt
+    # the earlier call, written as the model would have written it
+    assert '<assistant><tool_call>\n{"name": "get_time", "arguments": {"zone": 1}}\n' \
+           "</tool_call>\n<tool>12:00" in prompt
+    forced = parse_request("chat", {**body, "tool_choice": "required"}, ctx)
+    assert "# Tools" not in forced.prompts[0]["prompt"]  # a forced call is constrained instead
+
+
+def test_a_qwen_style_template_renders_its_own_tools():
+    """A template with `tools` and <tool_call> markup (Qwen 2.5's shape): no tools message is
+    added, the hermes parser is picked, and chat_template_kwargs reach the template."""
+    template = ("{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}"
+                "{{ t['function']['name'] }};{% endfor %}</tools> Call with <tool_call>."
+                "<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                "{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+                "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>"
+                "\n\n{% endif %}")
+    ctx = _ctx(template)
+    body = {"model": MODEL, "tools": [WEATHER], "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"enable_thinking": False}}
+    parsed = parse_request("chat", body, ctx)
+    assert parsed.prompts[0]["prompt"] == (
+        "<|im_start|>system\n<tools>get_weather;</tools> Call with <tool_call>.<|im_end|>\n"
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert ctx.tool_parser.name == "hermes" and parsed.output_parser.tools is ctx.tool_parser
+    with pytest.raises(Exception, match="chat_template_kwargs"):
+        parse_request("chat", {**body, "chat_template_kwargs": {"tools": []}}, ctx)
+
+
+def test_reasoning_content_whole_and_streamed(aengine):
+    text = "<think>\nThe user wants the weather.\n</think>\n\n" + CALL
+    config = ServerConfig(served_model_names=(MODEL,), reasoning_parser="qwen3")
+    with serve_app(build_app(aengine, config)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        out = chat(client, text)
+        message = out.choices[0].message
+        assert message.reasoning_content == "The user wants the weather."
+        assert message.content is None and message.tool_calls[0].function.name == "get_weather"
+        reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or ""
+                            for ch in chat(client, text, stream=True))
+        assert reasoning == "The user wants the weather."
