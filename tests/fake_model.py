@@ -80,9 +80,9 @@ class FakeRunner:
             seq, start, end = chunk.seq, chunk.start, chunk.start + chunk.num_tokens
             if chunk.feed_row >= 0:  # planned ahead: one token, the one the previous plan samples
                 assert chunk.num_tokens == 1 and start == seq.num_tokens and feed is not None
-            elif chunk.draft_token_ids:  # the last token, then drafts past the sequence's end
+            elif chunk.num_drafts:  # the last token, then drafts past the sequence's end
                 assert start == seq.num_computed_tokens == seq.num_tokens - 1
-                assert chunk.num_tokens == 1 + len(chunk.draft_token_ids)
+                assert chunk.num_tokens == 1 + chunk.num_drafts == 1 + len(chunk.draft_token_ids)
             else:
                 assert start == seq.num_computed_tokens and 0 < chunk.num_tokens and end <= seq.num_tokens
             assert len(seq.page_ids) >= -(-end // b), "page table too short for the chunk"
@@ -193,13 +193,14 @@ def run_to_completion(scheduler: Scheduler, requests, *, abort_at: dict[int, lis
 
 # ---- helpers for scheduler tests ------------------------------------------------------------
 
-def make_sched(num_pages=64, max_model_len=256, eos=(), **cfg):
+def make_sched(num_pages=64, max_model_len=256, eos=(), speculation=None, **cfg):
     cfg.setdefault("page_size", 4)
     cfg.setdefault("max_num_seqs", 8)
     cfg.setdefault("max_num_batched_tokens", 32)
     cfg.setdefault("watermark", 0.0)
     return Scheduler(EngineConfig(**cfg), num_pages=num_pages, max_model_len=max_model_len,
-                     eos_token_ids=tuple(eos), model_fingerprint="fake-model")
+                     eos_token_ids=tuple(eos), model_fingerprint="fake-model",
+                     speculation=speculation)
 
 
 def expected(requests, **kw):

@@ -13,15 +13,14 @@ from fake_model import (FakeRunner, V, assert_outputs_match_reference, chunk_sha
                         make_sched, next_token, random_workload, reference_outputs,
                         run_to_completion)
 from jaxserve.config import EngineConfig, SpeculativeConfig
-from jaxserve.core.speculation import Proposer, ngram_proposal
+from jaxserve.core.speculation import Speculation, ngram_proposal
 
 
-class OracleProposer(Proposer):
+class OracleProposer:
     """Drafts the fake model's true continuation, wrong from a random position on (or never),
     so verifications accept every number of drafts from 0 to k."""
 
-    def __init__(self, config, max_model_len, seed):
-        super().__init__(config, max_model_len)
+    def __init__(self, seed):
         self.rng = random.Random(seed)
 
     def propose(self, seq, k):
@@ -34,12 +33,24 @@ class OracleProposer(Proposer):
         return drafts
 
 
-def spec_sched(k, *, oracle_seed=None, **kw):
-    sched = make_sched(speculative_config={"num_speculative_tokens": k}, **kw)
-    if oracle_seed is not None:
-        sched.proposer = OracleProposer(sched.config.speculative_config, sched.max_model_len,
-                                        oracle_seed)
-    return sched
+class ScriptedProposer:
+    """Proposes what the test's `rule(seq, k)` says (nothing until it says)."""
+
+    def __init__(self):
+        self.rule = lambda seq, k: []
+
+    def propose(self, seq, k):
+        return self.rule(seq, k)
+
+
+def spec_sched(k, *, proposer=None, **kw):
+    """A scheduler speculating k drafts per sequence, prompt lookup's unless `proposer`."""
+    spec = SpeculativeConfig(num_speculative_tokens=k)
+    max_model_len = kw.get("max_model_len", 256)
+    speculation = Speculation(spec, max_model_len=max_model_len,
+                              page_size=kw.get("page_size", 4), proposer=proposer)
+    return make_sched(speculative_config={"num_speculative_tokens": k},
+                      speculation=speculation, **kw)
 
 
 @pytest.mark.parametrize("k", range(1, 9))
@@ -64,7 +75,7 @@ def _scenario(seed, k):
     cfg["max_num_batched_tokens"] = rng.randint(max(cfg["max_num_seqs"], 5), 40)
     min_pages = -(-(max_len - 1) // page_size) + 1  # any single sequence fits
     oracle = rng.random() < 0.7  # else prompt lookup over a 3-token vocabulary
-    sched = spec_sched(k, oracle_seed=seed if oracle else None, max_model_len=max_len,
+    sched = spec_sched(k, proposer=OracleProposer(seed) if oracle else None, max_model_len=max_len,
                        num_pages=rng.randint(min_pages + 1, min_pages * 3),
                        eos=(rng.randrange(V),), **cfg)
     reqs, aborts = random_workload(rng, cfg, max_requests=20)
@@ -77,7 +88,8 @@ def _scenario(seed, k):
 
 
 def test_rejected_lookahead_returns_its_pages_and_accepted_drafts_advance():
-    sched = spec_sched(6, page_size=4, num_pages=16)
+    proposer = ScriptedProposer()
+    sched = spec_sched(6, proposer=proposer, page_size=4, num_pages=16)
     runner = FakeRunner(sched)
     r = make_request("r", [1, 2, 3], max_tokens=20)
     sched.add_request(r)
@@ -85,14 +97,14 @@ def test_rejected_lookahead_returns_its_pages_and_accepted_drafts_advance():
     plan = sched.schedule()  # the prompt: no drafts yet
     sched.update(plan, runner.run(plan))
     true = reference_outputs([1, 2, 3], r.sampling_params)[0]
-    sched.proposer.propose = lambda s, k: [(true[1] + 1) % V] * k  # wrong from the first
+    proposer.rule = lambda s, k: [(true[1] + 1) % V] * k  # wrong from the first
     plan = sched.schedule()
     assert chunk_shape(plan) == [("r", 0, 3, 7)] and len(seq.page_ids) == 3  # slots 3..9
     free_before = sched.stats()["free_pages"]
     sched.update(plan, runner.run(plan))
     assert seq.output_token_ids == true[:2] and seq.num_computed_tokens == 4
     assert len(seq.page_ids) == 2 and sched.stats()["free_pages"] == free_before + 1
-    sched.proposer.propose = lambda s, k: true[2:2 + k]  # all right: k drafts and a bonus token
+    proposer.rule = lambda s, k: true[2:2 + k]  # all right: k drafts and a bonus token
     plan = sched.schedule()
     assert chunk_shape(plan) == [("r", 0, 4, 7)]
     sched.update(plan, runner.run(plan))
@@ -108,7 +120,8 @@ def test_rejected_lookahead_returns_its_pages_and_accepted_drafts_advance():
 def test_a_verification_stops_at_eos_and_at_max_tokens():
     prompt = [4, 5, 6]
     true = reference_outputs(prompt, make_request("x", prompt, max_tokens=30).sampling_params)[0]
-    sched = spec_sched(8, eos=(true[4],))
+    proposer = ScriptedProposer()
+    sched = spec_sched(8, proposer=proposer, eos=(true[4],))
     runner = FakeRunner(sched)
     eos = make_request("eos", prompt, max_tokens=30)
     short = make_request("short", prompt, max_tokens=3)
@@ -116,7 +129,7 @@ def test_a_verification_stops_at_eos_and_at_max_tokens():
         sched.add_request(r)
     plan = sched.schedule()
     sched.update(plan, runner.run(plan))
-    sched.proposer.propose = lambda s, k: true[1:1 + k]  # right, through the EOS and beyond
+    proposer.rule = lambda s, k: true[1:1 + k]  # right, through the EOS and beyond
     plan = sched.schedule()
     # max_tokens 3: one token out, so at most 1 draft (2 new tokens); the other gets 8.
     assert sorted(c.num_tokens for c in plan.chunks) == [2, 9]
@@ -127,7 +140,8 @@ def test_a_verification_stops_at_eos_and_at_max_tokens():
 
 
 def test_without_pages_for_the_lookahead_it_decodes_plainly():
-    sched = spec_sched(8, page_size=4, num_pages=4)  # 3 usable pages
+    proposer = ScriptedProposer()
+    sched = spec_sched(8, proposer=proposer, page_size=4, num_pages=4)  # 3 usable pages
     runner = FakeRunner(sched)
     reqs = [make_request(name, [1, 2, 3], max_tokens=4) for name in ("a", "b")]
     for r in reqs:
@@ -135,7 +149,7 @@ def test_without_pages_for_the_lookahead_it_decodes_plainly():
     plan = sched.schedule()
     sched.update(plan, runner.run(plan))
     true = reference_outputs([1, 2, 3], reqs[0].sampling_params)[0]
-    sched.proposer.propose = lambda s, k: true[1:1 + k]
+    proposer.rule = lambda s, k: true[1:1 + k]
     plan = sched.schedule()  # 2 drafts (max_tokens) need a page each; a gets the free one
     assert chunk_shape(plan) == [("b", 0, 3, 1), ("a", 0, 3, 3)] and not plan.preempted
     sched.update(plan, runner.run(plan))

@@ -50,11 +50,11 @@ def first_verifications(engine, params: list[SamplingParams]) -> list[tuple[list
     propose = engine.speculator.propose
 
     def recording(plan):
-        seconds = propose(plan)
+        plan, seconds = propose(plan)
         for chunk in plan.chunks:
             if chunk.draft_token_ids:
                 drafts.setdefault(chunk.seq.request.request_id, list(chunk.draft_token_ids))
-        return seconds
+        return plan, seconds
 
     engine.speculator.propose = recording
     try:

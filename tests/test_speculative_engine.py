@@ -11,7 +11,7 @@ import pytest
 from jaxserve import LLM, SamplingParams
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
-from jaxserve.engine.speculation_control import SpeculationControl
+from jaxserve.core.speculation_control import SpeculationControl
 from tiny_model import tiny_loaded
 
 # Repetitive prompts: prompt lookup finds its n-grams in them and in what the model repeats.

@@ -1,6 +1,8 @@
 """DraftKV: which positions of each sequence the draft model's KV pool holds (speculative method
-"draft"), on the host. The pool itself is the runtime's (jaxserve/runtime/draft.py): indexed by
-the target's page ids, so a sequence's draft KV sits in its own pages beside its target KV.
+"draft"), on the host: Speculation's record (core/speculation.py, its owner), which the draft
+model's runner updates as it proposes. The pool itself is the runtime's (runtime/draft.py):
+indexed by the target's page ids, so a sequence's draft KV sits in its own pages beside its
+target KV.
 
 A proposal computes the tokens of a sequence the draft has not seen (its prompt at the first
 proposal; later the target's own token and at most one accepted draft) and writes the draft's

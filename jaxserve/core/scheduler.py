@@ -2,8 +2,10 @@
 
 Owns the waiting and running queues and decides, once per step, which tokens are computed: a
 StepPlan of chunks (decode chunks first, then prefill chunks), copy-on-write page copies and the
-sequences preempted to make room. `update()` applies the sampled tokens and the stop strings the
-output processor found in them, checks stop conditions and releases pages. Host-only, no JAX.
+sequences preempted to make room. `update()` applies a step: it decides which sample rows give
+tokens (rows of overtaken chunks do not; of a verification chunk, Speculation's verdict), appends
+them, finishes the sequences their stop conditions or the output processor's stop strings end,
+and releases pages. Host-only, no JAX.
 
 Policies:
 - Budget: one decode token per running sequence that finished its prompt, then prefill chunks within
@@ -14,8 +16,8 @@ Policies:
 - Context cost (chunked prefill): a prefill chunk's tokens count their context too (StepBudget),
   so a chunk deep into a long prompt is shorter. The first prefill chunk of a step gets a token
   at least.
-- Order: running sequences and admission follow arrival (add_request order) under "fcfs", and
-  (request.priority, arrival) under "priority" (lower priority value first).
+- Order (LiveRequests): running sequences and admission follow arrival (add_request order) under
+  "fcfs", and (request.priority, arrival) under "priority" (lower priority value first).
 - Admission: a waiting sequence is admitted only if its next chunk's pages (after prefix-cache hits)
   are available (free or evictable) while keeping `watermark` of the pool free for growth; the
   watermark is waived when nothing is running, so the head always gets in eventually.
@@ -33,39 +35,40 @@ Policies:
   max_num_seqs counts all n at admission. Forks are preempted individually; in a short pool
   they run one at a time, so one sequence fitting the pool is enough.
 - Pages freed while a plan is outstanding (returned by schedule(), not yet passed to update()) are
-  not reallocated until update() of that plan, which every plan gets (empty ones included).
+  not reallocated until update() of that plan, which every plan gets (PlansInFlight).
 - Planning ahead (async scheduling): schedule_next(plan), called while `plan` is on the device,
   plans the next decode step with the tokens `plan` samples fed in on the device. Only where
   nothing waits and every running sequence decodes; otherwise it returns None.
-- Speculative decoding (`spec_k` > 0 drafts at most per sequence; the engine sets it per step):
-  a decoding sequence's chunk also computes the drafts the proposer offers (within the budget
-  left after the other decodes) and samples at each of its tokens; update() keeps the tokens up
-  to the first sample that differs from its draft and returns lookahead pages left wholly
-  unused. Its next positions depend on that verdict, so while speculating nothing is planned
-  ahead (schedule_next returns None).
+- Speculative decoding is Speculation's (k, proposals, verdicts, counters): asked for a decode's
+  drafts within the budget left after the other decodes, whose chunk then computes and samples
+  them all; update() keeps the tokens its verdict keeps and returns the lookahead pages left
+  unused. While speculating (k > 0) nothing is planned ahead: the verdict decides positions.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 
 from jaxserve.config import EngineConfig
 from jaxserve.core.kv_manager import KVManager
 from jaxserve.core.limits import RequestRejected, check_request
+from jaxserve.core.live_requests import LiveRequests
 from jaxserve.core.page_pool import PagePool
+from jaxserve.core.plans_in_flight import PlansInFlight
 from jaxserve.core.prefix_cache import PrefixCache
 from jaxserve.core.sequence import Request, Sequence, SequenceStatus
-from jaxserve.core.speculation import Proposer
+from jaxserve.core.speculation import NO_DRAFTS, Drafts, Speculation
 from jaxserve.core.step_budget import StepBudget
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan
-from jaxserve.core.step_results import StepResults
+from jaxserve.core.step_results import accepted, stop_after
 
 
-class Scheduler(StepResults):
+class Scheduler:
     def __init__(self, config: EngineConfig, *, num_pages: int, max_model_len: int,
                  eos_token_ids: tuple[int, ...], model_fingerprint: str,
-                 kv_window: int | None = None):
+                 kv_window: int | None = None, speculation: Speculation | None = None):
+        """speculation: speculative decoding's owner (default: one of config's
+        speculative_config; the engine passes the one its Speculator drives)."""
         self.config = config
         self.page_size = config.page_size
         self.max_model_len = max_model_len
@@ -82,52 +85,32 @@ class Scheduler(StepResults):
                                  if config.enable_chunked_prefill else 0, kv_window)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
-        self._requests: dict[str, Request] = {}  # live (unfinished) requests
-        self._arrival: dict[str, int] = {}
-        self._num_arrivals = 0
-        self._next_seq_id = 0
-        self._step = 0
-        self._outstanding: dict[int, tuple[int, StepPlan]] = {}  # id(plan) -> (step, plan)
-        self._in_flight: Counter[int] = Counter()  # seq id -> its chunks in outstanding plans
-        self._finished_unreported: list[Request] = []
+        self.live = LiveRequests(config.scheduling_policy)  # and the policy's order
+        self.in_flight = PlansInFlight(self.kv)
         self.counters = dict(num_preempted_total=0, num_aborted_total=0, num_finished_total=0,
                              num_rejected_total=0, num_failed_total=0, prefix_cache_queries=0,
                              prefix_cache_hits=0, num_steps=0, num_cow_copies=0,
-                             num_scheduled_ahead=0, spec_steps=0, spec_verifying_steps=0,
-                             spec_draft_tokens=0, spec_accepted_tokens=0)
-        spec = config.speculative_config
-        self.proposer = Proposer(spec, max_model_len, config.page_size) if spec else None
-        k = spec.num_speculative_tokens if spec else 0
-        self.spec_k = k  # drafts per sequence at most: the engine's choice per step
-        # Per draft position (1st, 2nd, ...): drafts verified there and accepted there, and the
-        # decodes that could have speculated (the engine's cost model reads them).
-        self.spec_drafted_at, self.spec_accepted_at = [0] * k, [0] * k
-        self.spec_opportunities = 0
+                             num_scheduled_ahead=0)
+        self.speculation = speculation if speculation is not None else Speculation(
+            config.speculative_config, max_model_len=max_model_len, page_size=config.page_size)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Create sequence 0 and queue it, or raise RequestRejected (nothing queued)."""
         try:
-            if request.request_id in self._requests:
+            if request.request_id in self.live:
                 raise RequestRejected(f"request_id {request.request_id!r} is already live")
             check_request(request, self.config, max_model_len=self.max_model_len,
                           pages_for=self._pages_to_hold, num_usable_pages=self.pool.num_usable)
         except RequestRejected:
             self.counters["num_rejected_total"] += 1
             raise
-        seq = Sequence(seq_id=self._new_seq_id(), request=request,
-                       token_ids=list(request.prompt_token_ids),
-                       num_prompt_tokens=len(request.prompt_token_ids))
-        request.sequences.append(seq)
-        self._requests[request.request_id] = request
-        self._arrival[request.request_id] = self._num_arrivals
-        self._num_arrivals += 1
-        self.waiting.append(seq)
+        self.waiting.append(self.live.add(request))
 
     def abort(self, request_id: str, error: str | None = None) -> bool:
         """Abort a live request wherever it is, or with `error` fail it; frees everything. False
         if unknown or finished."""
-        request = self._requests.get(request_id)
+        request = self.live.get(request_id)
         if request is None:
             return False
         request.error = error
@@ -149,7 +132,7 @@ class Scheduler(StepResults):
         return failed
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._finished_unreported)
+        return self.live.has_unfinished()
 
     # ---- one step -------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
@@ -157,33 +140,28 @@ class Scheduler(StepResults):
         plan = StepPlan()
         budget = self.budget
         budget.reset()  # _schedule_chunk spends each chunk's share
-        self.running.sort(key=self._order_key)
+        self.running.sort(key=self.live.key)
         anything_running = bool(self.running)
-        queue = [s for s in self.running if not self._in_flight[s.seq_id]]
+        queue = [s for s in self.running if not self.in_flight.holds(s)]
         decodes_left = sum(self._is_decode_ready(s) for s in queue)
         i = 0
         while i < len(queue):
             seq = queue[i]
             i += 1
             decode = self._is_decode_ready(seq)
-            drafts = []
+            drafts = NO_DRAFTS
             if decode:
                 decodes_left -= 1
-                # Penalised rows are not speculated: their drafts' rows would need the counts
-                # with each earlier draft (a grammar's masks follow the drafts: fill_masks).
-                if self.spec_k and not seq.sampling_params.has_penalties:
-                    drafts = self.proposer.drafts(
-                        seq, min(self.spec_k, int(budget.left) - decodes_left - 1))
-                    self.spec_opportunities += 1
-                n = 1 + len(drafts)
+                drafts = self.speculation.drafts(seq, int(budget.left) - decodes_left - 1)
+                n = 1 + drafts.count
             else:
                 n = self._chunk_len(seq, seq.num_computed_tokens,
                                     budget.left - decodes_left, plan)
                 if n == 0:
                     continue
             while self.kv.pages_needed(seq, n) > self.pool.num_available:
-                if drafts:  # no pages for the lookahead: decode plainly rather than preempt
-                    drafts, n = [], 1
+                if drafts.count:  # no pages for the lookahead: decode plainly, not preempt
+                    drafts, n = NO_DRAFTS, 1
                     continue
                 fit = 0 if decode else self._fit_chunk(seq, n)
                 if 0 < fit < n:  # a shorter prefill chunk fits: take it rather than preempt
@@ -198,7 +176,7 @@ class Scheduler(StepResults):
                     self._preempt(seq, plan)
                 elif self.pool.num_pending == 0:
                     self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-                    self._finished_unreported.append(seq.request)
+                    self.live.unreported(seq.request)
                 n = 0
                 break
             if n:
@@ -223,9 +201,7 @@ class Scheduler(StepResults):
 
     def _track(self, plan: StepPlan) -> None:
         """A non-empty plan goes out: outstanding until update(), pages freed meanwhile held."""
-        self._step += 1
-        self._outstanding[id(plan)] = (self._step, plan)
-        self.kv.step_launched(self._step)
+        self.in_flight.launched(plan)
         self.counters["num_steps"] += 1
         self.counters["num_cow_copies"] += len(plan.copies)
 
@@ -238,14 +214,14 @@ class Scheduler(StepResults):
         out; one that an EOS, stop token or stop string finishes is computed once more and its
         token dropped by update(), as for any sequence finished while a plan is in flight.
         Needs a page at most per sequence, none copied and no preemption; otherwise None."""
-        if not plan.chunks or self.spec_k:
+        if not plan.chunks or self.speculation.k:
             return None
-        if id(plan) not in self._outstanding:
+        if not self.in_flight.is_out(plan):
             raise ValueError("schedule_next plans the step after one still in flight")
         if self.waiting or plan.preempted:
             return None
         if len(plan.chunks) != len(self.running) or \
-                any(len(c.sample_seqs) != 1 or c.sample_seqs[0] is not c.seq or c.draft_token_ids
+                any(len(c.sample_seqs) != 1 or c.sample_seqs[0] is not c.seq or c.num_drafts
                     or c.seq.status is not SequenceStatus.RUNNING for c in plan.chunks):
             return None
         nxt = StepPlan()
@@ -265,7 +241,7 @@ class Scheduler(StepResults):
         for row, seq, position in rows:
             nxt.chunks.append(ScheduledChunk(seq=seq, start=position, num_tokens=1,
                                              sample_seqs=[seq], feed_row=row))
-            self._in_flight[seq.seq_id] += 1
+            self.in_flight.hold(seq)
         self._track(nxt)
         self.counters["num_scheduled_ahead"] += 1
         return nxt
@@ -273,9 +249,10 @@ class Scheduler(StepResults):
     def _admit_one(self, plan: StepPlan, budget_left: float, allow_empty: bool = False) -> bool:
         """Admit the head waiting sequence with its first chunk; False if it does not fit now.
         With allow_empty, a sequence for which no budget is left is admitted without a chunk."""
-        seq = self._head_waiting()
+        seq = self.live.head(self.waiting)
         # Seats, not sequences: a running request not yet forked still needs room for its n.
-        if sum(map(self._seats, self.running)) + self._seats(seq) > self.config.max_num_seqs:
+        seats = self.live.seats
+        if sum(map(seats, self.running)) + seats(seq) > self.config.max_num_seqs:
             return False
         salt = seq.request.cache_salt if seq.request.cache_salt is not None else self.config.cache_salt
         hit = self.kv.find_prefix(seq, salt)
@@ -292,7 +269,7 @@ class Scheduler(StepResults):
                     and self._pages_to_hold(seq.num_tokens) > self.pool.num_usable:
                 self.waiting.remove(seq)  # a recomputation that can never fit again
                 self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-                self._finished_unreported.append(seq.request)
+                self.live.unreported(seq.request)
                 return True
             return False
         self.waiting.remove(seq)
@@ -308,34 +285,85 @@ class Scheduler(StepResults):
             self._schedule_chunk(seq, n, plan)
         return True
 
-    def _schedule_chunk(self, seq: Sequence, n: int, plan: StepPlan, drafts=()) -> None:
+    def _schedule_chunk(self, seq: Sequence, n: int, plan: StepPlan,
+                        drafts: Drafts = NO_DRAFTS) -> None:
         start = seq.num_computed_tokens
         self.kv.prepare_write(seq, n, plan.copies)  # drafts included: lookahead slots
-        chunk = ScheduledChunk(seq=seq, start=start, num_tokens=n, draft_token_ids=list(drafts))
-        self._in_flight[seq.seq_id] += 1
-        if drafts:
+        chunk = ScheduledChunk(seq=seq, start=start, num_tokens=n, num_drafts=drafts.count,
+                               draft_token_ids=list(drafts.token_ids))
+        self.in_flight.hold(seq)
+        if drafts.count:
             chunk.sample_seqs.append(seq)
-            for position in range(len(drafts)):
-                self.spec_drafted_at[position] += 1
+            self.speculation.scheduled(chunk)
         elif start + n == seq.num_tokens:
             chunk.sample_seqs.append(seq)
             request = seq.request
             if (seq.fork_index == 0 and seq.num_tokens == seq.num_prompt_tokens
                     and len(request.sequences) < request.sampling_params.n):
                 for k in range(len(request.sequences), request.sampling_params.n):
-                    child = Sequence(seq_id=self._new_seq_id(), request=request,
-                                     token_ids=list(seq.token_ids),
-                                     num_prompt_tokens=seq.num_prompt_tokens, fork_index=k,
-                                     status=SequenceStatus.RUNNING,
-                                     num_cached_tokens=seq.num_cached_tokens)
+                    child = self.live.fork(seq, k)
                     self.kv.fork(seq, child)
-                    request.sequences.append(child)
                     self.running.append(child)
-                    self._in_flight[child.seq_id] += 1
+                    self.in_flight.hold(child)
                     chunk.sample_seqs.append(child)
         plan.chunks.append(chunk)
         # Decode and verification chunks count a token each; a prefill chunk its context too.
-        self.budget.spend(start, n, prefill=not (chunk.is_decode or drafts))
+        self.budget.spend(start, n, prefill=not (chunk.is_decode or chunk.num_drafts))
+
+    # ---- applying a step -----------------------------------------------------------------------
+    def accepted_rows(self, plan: StepPlan,
+                      sampled_token_ids: list[int] | None = None) -> list[tuple[int, Sequence]]:
+        """(row, sequence) of the sample rows whose tokens update(plan) will append, in order
+        (step_results.accepted; a verification's need the sampled tokens). Changes nothing."""
+        return [(a.row, a.seq) for a in accepted(plan, sampled_token_ids, self.speculation,
+                                                  self.eos_token_ids)]
+
+    def update(self, plan: StepPlan, sampled_token_ids: list[int],
+               stop_strings: dict[int, str] | None = None) -> list[Request]:
+        """Apply a plan's sampled tokens; returns the requests that progressed or finished.
+        stop_strings {row: stop string} (the output processor's answer for accepted_rows: the
+        rows whose token completed a stop string) finish their sequences after that token,
+        unless an EOS, stop token or length finished them first."""
+        stop_strings = stop_strings or {}
+        if len(sampled_token_ids) != len(plan.sample_rows):
+            raise ValueError(f"plan samples {len(plan.sample_rows)} tokens, "
+                             f"got {len(sampled_token_ids)}")
+        self.in_flight.applying(plan)
+        # Before the chunks below advance their sequences.
+        rows = accepted(plan, sampled_token_ids, self.speculation, self.eos_token_ids)
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            if seq.status is SequenceStatus.RUNNING and seq.num_computed_tokens == chunk.start \
+                    and not chunk.num_drafts:  # a verification's computed tokens: below
+                seq.num_computed_tokens += chunk.num_tokens
+                self.kv.register_full_pages(seq)
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for a in rows:  # others were overtaken: their tokens dropped
+            seq = a.seq
+            if seq.is_finished:  # a token before it in the same verification chunk ended it
+                continue
+            token = int(sampled_token_ids[a.row])
+            seq.num_computed_tokens = a.chunk.start + a.offset + 1  # KV up to this row's input
+            self.kv.register_full_pages(seq)
+            seq.token_ids.append(token)
+            request = seq.request
+            if request.first_token_time is None:
+                request.first_token_time = now
+            touched[request.request_id] = request
+            stop = stop_after(seq, token, self.eos_token_ids, self.max_model_len,
+                              stop_strings.get(a.row))
+            if stop is not None and stop.error is not None:
+                request.error = stop.error
+            if stop is not None:
+                self._finish(seq, stop.status, stop.reason)
+        verified = [a.chunk for a in rows if a.chunk.num_drafts]  # a chunk per row applied
+        for seq in self.speculation.settle(verified):  # lookahead pages left wholly unused
+            self.kv.trim(seq, seq.num_tokens)
+        for request in self.live.take_unreported():
+            touched.setdefault(request.request_id, request)
+        self.in_flight.applied()
+        return list(touched.values())
 
     # ---- state changes -------------------------------------------------------------------------
     def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None) -> None:
@@ -349,10 +377,8 @@ class Scheduler(StepResults):
         seq.status = status
         seq.stop_reason = stop_reason
         request = seq.request
-        if request.is_finished and request.request_id in self._requests:
+        if request.is_finished and self.live.remove(request):
             request.finished_time = time.monotonic()
-            del self._requests[request.request_id]
-            del self._arrival[request.request_id]
             self.counters["num_finished_total"] += 1
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
@@ -363,34 +389,11 @@ class Scheduler(StepResults):
         self.waiting.insert(0, seq)
         plan.preempted.append(seq)
         self.counters["num_preempted_total"] += 1
-        if self.proposer is not None and self.proposer.draft_kv is not None:
-            self.proposer.draft_kv.forget(seq)
+        self.speculation.forget(seq)
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _pages_to_hold(self, num_tokens: int) -> int:
         return self.kv.pages_to_hold(num_tokens, self.config.max_num_batched_tokens)
-
-    def _new_seq_id(self) -> int:
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
-
-    def _order_key(self, seq: Sequence) -> tuple:
-        key = (self._arrival[seq.request.request_id], seq.fork_index)
-        if self.config.scheduling_policy == "priority":
-            return (seq.request.priority,) + key
-        return key
-
-    def _head_waiting(self) -> Sequence:
-        if self.config.scheduling_policy == "priority":
-            return min(self.waiting, key=self._order_key)  # min is stable: front wins ties
-        return self.waiting[0]
-
-    def _seats(self, seq: Sequence) -> int:
-        """Running slots a sequence takes: all n of a request not yet forked."""
-        request = seq.request
-        if seq.fork_index == 0 and len(request.sequences) < request.sampling_params.n:
-            return request.sampling_params.n
-        return 1
 
     @staticmethod
     def _is_decode_ready(seq: Sequence) -> bool:
@@ -402,7 +405,7 @@ class Scheduler(StepResults):
         a token at least when the plan has no prefill chunk yet and any budget is left."""
         remaining = seq.num_tokens - start
         fits = self.budget.tokens_within(start, budget_left)
-        if fits == 0 and budget_left >= 1 and all(c.is_decode or c.draft_token_ids
+        if fits == 0 and budget_left >= 1 and all(c.is_decode or c.num_drafts
                                                   for c in plan.chunks):
             fits = 1
         if remaining <= fits:
@@ -422,7 +425,7 @@ class Scheduler(StepResults):
 
     # ---- introspection ------------------------------------------------------------------------------
     def live_sequences(self) -> list[Sequence]:
-        return [s for r in self._requests.values() for s in r.sequences if not s.is_finished]
+        return self.live.sequences()
 
     def check_invariants(self) -> None:
         """AssertionError unless pages are conserved and refcounts match the live page tables."""
@@ -441,6 +444,4 @@ class Scheduler(StepResults):
             **self.kv.page_stats(), running=len(self.running), waiting=len(self.waiting),
             preemptions=self.counters["num_preempted_total"],
             prefix_cache_hit_rate=self.counters["prefix_cache_hits"] / queries if queries else 0.0,
-            spec_accepted_per_position=list(self.spec_accepted_at),
-            spec_drafted_per_position=list(self.spec_drafted_at), spec_k=self.spec_k,
-            **self.counters)
+            **self.speculation.stats(), **self.counters)

@@ -3,7 +3,7 @@ k drafts per sequence costs less, per token it yields, than a plain decode step.
 measured at run time on this device: step wall times against the step's tokens, separately for
 verifications (planned after the previous step's tokens were read back; a step that chose drafts
 but found none counts too, since it also gave up the overlap) and plain steps (a decode
-overlapped with the host's work by async scheduling), and the scheduler's per-position draft
+overlapped with the host's work by async scheduling), and Speculation's per-position draft
 and acceptance counts.
 
 With S decoding sequences, q_i the accepted drafts at position i per decode and r_i the drafts
@@ -21,7 +21,8 @@ verification as many times dearer than it is, and the probes that could correct 
 other sizes. Later times count at most twice the bucket's average (a shape's sampling compiled
 late, a stall), so that one outlier moves it by a tenth at most; a lasting change still moves
 it within a few steps.
-The acceptance counts are the scheduler's, decayed with a half-life of HALF_LIFE_DECODES decodes
+The acceptance counts are Speculation's (core/speculation.py, this model's owner), decayed
+with a half-life of HALF_LIFE_DECODES decodes
 (the traffic's mix changes: a run of copying requests must not keep a batch of chat speculating),
 and start from a prior (PRIOR_DECODES decodes that drafted every position and had half
 accepted), so a few early decodes without a proposal do not end speculation; once
@@ -52,7 +53,7 @@ class SpeculationControl:
         self.seconds: dict[bool, dict[int, float]] = {False: {}, True: {}}
         self._first_seen: set[tuple[bool, int]] = set()  # (kind, bucket) run once, not counted
         self._plain_streak, self._probe_interval = 0, FIRST_PROBE_INTERVAL
-        # Decayed acceptance counts, and the scheduler's totals they have taken in.
+        # Decayed acceptance counts, and Speculation's totals they have taken in.
         self.decodes, self.drafted, self.accepted = 0.0, [0.0] * max_k, [0.0] * max_k
         self._totals = (0, [0] * max_k, [0] * max_k)
 
@@ -92,7 +93,7 @@ class SpeculationControl:
     def choose(self, num_decoding: int, opportunities: int, drafted_at: list[int],
                accepted_at: list[int]) -> int:
         """Drafts per sequence for a step where num_decoding sequences decode, from the
-        scheduler's running totals: decodes that could have speculated, drafts and
+        running totals of Speculation: decodes that could have speculated, drafts and
         acceptances per position."""
         self._take_in(opportunities, drafted_at, accepted_at)
         if num_decoding == 0 or self._bucket(num_decoding) not in self.seconds[False]:
@@ -119,7 +120,7 @@ class SpeculationControl:
         return 1  # a probe, at the cheapest: fresh acceptance counts and step times
 
     def _take_in(self, opportunities: int, drafted_at: list[int], accepted_at: list[int]) -> None:
-        """The scheduler's counts since the last call, added to the decayed ones after
+        """Speculation's counts since the last call, added to the decayed ones after
         decaying those by the decodes counted since."""
         seen, seen_drafted, seen_accepted = self._totals
         new = opportunities - seen

@@ -23,8 +23,11 @@ class ScheduledChunk:
     # >= 0: a decode scheduled while the previous step is still running: its input token is not
     # on the host yet but is the token that step samples at this row (the device feeds it in).
     feed_row: int = -1
-    # Speculative decoding: a decode that also computes these proposed next tokens (positions
-    # start + 1 ...; num_tokens = 1 + len) and samples at every token, to verify them.
+    # Speculative decoding: a decode that also computes num_drafts proposed next tokens
+    # (positions start + 1 ...; num_tokens = 1 + num_drafts) and samples at every token, to
+    # verify them. draft_token_ids: those tokens, the proposer's; empty while the draft model's
+    # are still to be proposed (StepPlan.with_drafts gives the plan with them).
+    num_drafts: int = 0
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
 
     @property
@@ -34,7 +37,9 @@ class ScheduledChunk:
     @property
     def input_token_ids(self) -> list[int]:
         """The tokens this chunk computes (a verification chunk's drafts are not in seq yet)."""
-        if self.draft_token_ids:
+        if self.num_drafts:
+            if len(self.draft_token_ids) != self.num_drafts:
+                raise ValueError("a verification chunk's drafts are not proposed yet")
             return [self.seq.token_ids[self.start]] + self.draft_token_ids
         return self.seq.token_ids[self.start:self.start + self.num_tokens]
 
@@ -42,7 +47,7 @@ class ScheduledChunk:
     def sample_rows(self) -> list[tuple[int, Sequence]]:
         """(token offset in the chunk, sequence) per sampled token: the last token once per entry
         of sample_seqs, or every token of a verification chunk."""
-        if self.draft_token_ids:
+        if self.num_drafts:
             return [(i, self.seq) for i in range(self.num_tokens)]
         return [(self.num_tokens - 1, s) for s in self.sample_seqs]
 
@@ -55,6 +60,7 @@ class StepPlan:
     chunks: list[ScheduledChunk] = dataclasses.field(default_factory=list)
     copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     preempted: list[Sequence] = dataclasses.field(default_factory=list)
+    step: int = 0  # the scheduler's number for a plan that went out (0: empty, not tracked)
 
     @property
     def num_tokens(self) -> int:
@@ -68,3 +74,14 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    def with_drafts(self, proposed: list[tuple[ScheduledChunk, list[int]]]) -> StepPlan:
+        """This plan with the draft model's tokens in the verification chunks given (each as
+        many as it counts), a new value: the same step to the scheduler."""
+        tokens = {id(chunk): drafts for chunk, drafts in proposed}
+        for chunk, drafts in proposed:
+            if len(drafts) != chunk.num_drafts:
+                raise ValueError(f"{chunk.num_drafts} drafts planned, {len(drafts)} proposed")
+        chunks = [dataclasses.replace(c, draft_token_ids=list(tokens[id(c)]))
+                  if id(c) in tokens else c for c in self.chunks]
+        return dataclasses.replace(self, chunks=chunks)

@@ -97,15 +97,16 @@ class LLMEngine:
                                       max_sample_rows=self.buckets.max_sample_rows,
                                       huge_pages=config.huge_pages, mesh=mesh)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        # Speculation's one owner (Speculator.speculation) serves whichever scheduler plans.
+        self.speculator = Speculator(config, self.max_model_len, self.buckets, draft,
+                                     num_pages=num_pages, backend=backend, mesh=mesh)
         scheduler = functools.partial(
             Scheduler, config, max_model_len=self.max_model_len, eos_token_ids=eos,
             # A cached page is reused only under the weights and KV format that wrote it.
             model_fingerprint=(f"{loaded.fingerprint}:{config.dtype}:{config.quantization}:"
                                f"kv-{config.kv_cache_dtype}"),
-            kv_window=loaded.config.kv_window)
+            kv_window=loaded.config.kv_window, speculation=self.speculator.speculation)
         self.scheduler = scheduler(num_pages=num_pages)
-        self.speculator = Speculator(config, self.scheduler, self.buckets, draft,
-                                     num_pages=num_pages, backend=backend, mesh=mesh)
         self.memory_plan = None
         if budget is not None:
             drafter = self.speculator.drafter
@@ -117,7 +118,6 @@ class LLMEngine:
                     draft=drafter.model if drafter else None)
             log.info("%s", self.memory_plan.describe(self.max_model_len))
             self.scheduler = scheduler(num_pages=self.runner.num_pages)  # the planned pool
-            self.speculator.attach(self.scheduler)
         self.num_pages = self.runner.num_pages
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests = RequestTable(self.scheduler, self.outputs)

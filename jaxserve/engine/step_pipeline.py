@@ -73,14 +73,14 @@ class StepPipeline:
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         if self._in_flight is None:
-            self.speculator.choose()
+            self.speculator.choose(self.scheduler)
             plan = self.scheduler.schedule()
             if plan.is_empty:  # still reported: requests schedule() finished (outgrew the pool)
                 return self.requests.snapshots(self.scheduler.update(plan, []), time.monotonic())
             self._in_flight = self._launch(plan)
         t_launched = time.perf_counter()
         current, self._in_flight = self._in_flight, None
-        if self.config.async_scheduling and not self.speculator.choose():
+        if self.config.async_scheduling and not self.speculator.choose(self.scheduler):
             plan = self.scheduler.schedule_next(current.plan)
             if plan is not None:
                 self._in_flight = self._launch(plan, after=current.out)
@@ -118,12 +118,14 @@ class StepPipeline:
         """Build and dispatch a plan. Planned ahead of the previous step's read-back with rows
         whose controls need that step's tokens, only its forward pass goes out now: its
         sampling follows once those tokens are applied (`_sample`), so the device computes the
-        forward pass while the host reads the previous step and fills the masks."""
-        self._unapplied.append(plan)
+        forward pass while the host reads the previous step and fills the masks. A draft
+        model's tokens come first (Speculator.propose: the plan with them)."""
         try:
-            catch_up = self.speculator.propose(plan)
+            plan, catch_up = self.speculator.propose(plan)
         except Exception as e:  # noqa: BLE001 - the draft pool was donated to the failed call
+            self._unapplied.append(plan)
             raise StepFailed(f"the draft model's step failed: {e!r}") from e
+        self._unapplied.append(plan)
         try:
             built = self._build(plan, ahead=after is not None)
         except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step
@@ -139,7 +141,7 @@ class StepPipeline:
             raise StepFailed(f"the device step failed: {e!r}") from e
         return Launched(plan, out, built.num_rows, built.offsets, catch_up,
                         unsampled=built.batch if built.deferred else None,
-                        verifying=self.scheduler.spec_k > 0)
+                        verifying=self.speculator.verifying)
 
     def _fail_unbuildable(self, plan: StepPlan, error: Exception) -> None:
         """build_batch raised: fail the requests whose chunks fail alone (their rows are then

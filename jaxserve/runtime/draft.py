@@ -161,9 +161,10 @@ class DraftRunner:
         self.model.reset_pool()
 
     def propose(self, plan: StepPlan) -> list[tuple[ScheduledChunk, list[int]]]:
-        """Drafts for the plan's chunks that reserved them (as many as each reserved)."""
+        """Drafts for the plan's verification chunks (num_drafts each), to give the plan
+        (StepPlan.with_drafts)."""
         self.draft_kv.prune()
-        chunks = [c for c in plan.chunks if c.draft_token_ids and not c.seq.is_finished]
+        chunks = [c for c in plan.chunks if c.num_drafts and not c.seq.is_finished]
         self.catch_up_seconds = 0.0
         if not chunks:
             return []
@@ -185,7 +186,7 @@ class DraftRunner:
             pages = chunk.seq.page_ids
             tables[batch.attn.token_row[first], :len(pages)] = pages
         num_drafts = np.zeros(batch.logits_indices.shape[0], np.int32)
-        num_drafts[:num_rows] = [len(c.draft_token_ids) for c in chunks]
+        num_drafts[:num_rows] = [c.num_drafts for c in chunks]
         # A grammar's row drafts its first token among those the grammar allows next (the
         # later drafts follow the draft model alone: the verification's masks check them).
         first_mask = self._all_allowed(num_drafts.shape[0])
@@ -202,7 +203,7 @@ class DraftRunner:
         drafts = np.asarray(jax.device_get(drafts))
         out = []
         for i, chunk in enumerate(chunks):
-            proposed = drafts[i, :len(chunk.draft_token_ids)].tolist()
+            proposed = drafts[i, :chunk.num_drafts].tolist()
             self.draft_kv.wrote(chunk.seq, chunk.start, proposed)
             out.append((chunk, proposed))
         return out
