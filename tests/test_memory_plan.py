@@ -125,9 +125,11 @@ def test_a_full_pool_at_the_largest_chunk_stays_inside_the_plan():
     loaded = wide_loaded()
     budget = 256 * MIB
     before = memory.in_use()
+    # Chunks count their tokens alone (prefill_keys_per_token=0): every prefill step is the
+    # largest chunk, however deep into its prompt.
     engine = LLMEngine(EngineConfig(memory_budget_bytes=budget, page_size=16, max_num_seqs=16,
-                                    max_num_batched_tokens=512, enable_prefix_caching=False),
-                       loaded)
+                                    max_num_batched_tokens=512, enable_prefix_caching=False,
+                                    prefill_keys_per_token=0), loaded)
     plan = engine.memory_plan
     assert plan.planned_bytes + plan.margin_bytes <= budget
     assert plan.margin_bytes == int(MARGIN * budget)
