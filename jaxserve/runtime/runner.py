@@ -359,12 +359,15 @@ class ModelRunner:
         """Compile the step shapes of Buckets.step_shapes, their sampling calls, and every
         copies bucket (no request state changes); on_shape(what, seconds) after each. Returns
         how many shapes were run."""
-        run = 0
+        run, sampled = 0, set()
         for batch, rows in self._warmup_batches(buckets, full):
             start = time.perf_counter()
             out = self.dispatch(batch)
             self.fetch(out, rows)
-            self._warm_sampling(out, batch)
+            # The sampling call's shapes depend on the sample rows alone: once per row count.
+            if batch.logits_indices.shape[0] not in sampled:
+                sampled.add(batch.logits_indices.shape[0])
+                self._warm_sampling(out, batch)
             run += 1
             if on_shape is not None:
                 on_shape(f"step of {batch.token_ids.shape[0]} tokens, "
