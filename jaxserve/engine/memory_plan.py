@@ -152,10 +152,9 @@ def budget(config: EngineConfig, platform: str) -> int | None:
     kv_cache_bytes (which override a budget) or, on CPU, by EngineConfig.resolve_num_pages.
     A budget or a KV size larger than the device's memory is refused (ValueError) before
     anything is allocated."""
-    capacity = memory.capacity()
     for name in ("memory_budget_bytes", "kv_cache_bytes"):
         value = getattr(config, name)
-        if value is not None and value > capacity:
+        if value is not None and value > (capacity := memory.capacity()):
             raise ValueError(f"{name}={value} ({value / GIB:.1f} GiB) is more than a device here "
                              f"holds: {capacity} bytes ({capacity / GIB:.1f} GiB)")
     if config.num_pages is not None or config.kv_cache_bytes is not None:

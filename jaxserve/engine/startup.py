@@ -58,7 +58,6 @@ class StartupTimeline:
         self.process_began = time.time() - psutil.Process().create_time()  # seconds before us
         self.seconds = 0.0  # construction and warm-ups
         self.process_seconds = self.process_began  # to the end of construction or a warm-up
-        self.phases: list[tuple[str, float]] = []
         log.info("start-up: %.2f s from the process's start to the engine's (imports)",
                  self.process_began)
 
@@ -66,11 +65,7 @@ class StartupTimeline:
     def phase(self, name: str):
         start = time.perf_counter()
         yield
-        self._record(name, time.perf_counter() - start)
-
-    def _record(self, name: str, seconds: float) -> None:
-        self.phases.append((name, seconds))
-        log.info("start-up: %s %.2f s", name, seconds)
+        log.info("start-up: %s %.2f s", name, time.perf_counter() - start)
 
     def built(self) -> None:
         self.seconds = time.perf_counter() - self.began
@@ -80,12 +75,13 @@ class StartupTimeline:
     def shape_timer(self):
         """A callback for each warm-up shape: (what, seconds) -> logged as compiled or loaded
         from the compilation cache (by the events since the previous shape)."""
-        before = [self.events.snapshot()]
+        compiles_before, hits_before = self.events.snapshot()
 
         def done(what: str, seconds: float) -> None:
+            nonlocal compiles_before, hits_before
             compiles, hits = self.events.snapshot()
-            new_compiles, new_hits = compiles - before[0][0], hits - before[0][1]
-            before[0] = (compiles, hits)
+            new_compiles, new_hits = compiles - compiles_before, hits - hits_before
+            compiles_before, hits_before = compiles, hits
             how = ("compiled" if new_compiles > new_hits else
                    "loaded from the compilation cache" if new_hits else "ran (already compiled)")
             log.info("start-up: %s %s in %.2f s", what, how, seconds)

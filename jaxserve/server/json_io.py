@@ -19,18 +19,16 @@ def parse_body(data: bytes | str) -> Any:
     """The JSON value of a request body; APIError (400 invalid_json) if it is not JSON, not
     Unicode, uses NaN or Infinity literals (refused again by the field readers, with the field's
     name), or nests deeper than MAX_DEPTH arrays and objects."""
+    too_deep = APIError(f"the request body nests arrays and objects more than {MAX_DEPTH} "
+                        "levels deep", code="invalid_json")
     try:
         value = json.loads(data)
     except RecursionError:  # the C parser's own bound, far deeper than ours
-        value = None
-        too_deep = True
+        raise too_deep from None
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(f"malformed JSON in the request body: {e}", code="invalid_json") from None
-    else:
-        too_deep = _deeper_than(value, MAX_DEPTH)
-    if too_deep:
-        raise APIError(f"the request body nests arrays and objects more than {MAX_DEPTH} levels "
-                       "deep", code="invalid_json")
+    if _deeper_than(value, MAX_DEPTH):
+        raise too_deep
     return value
 
 
