@@ -290,31 +290,45 @@ class IncrementalDetokenizer:
 
     The last few prompt ids prefill the stream as left context, so decoders that treat the start
     of a sequence specially (e.g. stripping a leading space) behave as in the middle of a text.
+
+    `keep_ids`: special tokens written out although special tokens are skipped (a tool call's
+    markup, which its parser must see); the text is then the decode of the ids between them,
+    joined by their contents.
     """
 
     _CONTEXT = 5
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, keep_ids: Iterable[int] = ()):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self._keep = frozenset(int(i) for i in keep_ids) if skip_special_tokens else frozenset()
         self._stream = decoders.DecodeStream(
             ids=[int(i) for i in list(prompt_ids)[-self._CONTEXT:]],
             skip_special_tokens=skip_special_tokens)
-        self._generated: list[int] = []
+        self._segment: list[int] = []  # ids since the last kept special token
+        self._segment_text = ""  # their text emitted so far
         self.text = ""  # all text emitted so far
 
     def add(self, token_id: int) -> str:
-        self._generated.append(int(token_id))
-        delta = self._stream.step(self.tokenizer.backend, int(token_id)) or ""
+        token_id = int(token_id)
+        delta = self._stream.step(self.tokenizer.backend, token_id) or ""
+        if token_id in self._keep:
+            delta += self.tokenizer.id_to_token(token_id)
+            self._segment, self._segment_text = [], ""
+        else:
+            self._segment.append(token_id)
+            self._segment_text += delta
         self.text += delta
         return delta
 
     def flush(self) -> str:
         """Release whatever is held back (an incomplete sequence at the end of generation, as
-        the replacement character): one full decode, once per sequence."""
-        full = self.tokenizer.decode(self._generated, skip_special_tokens=self.skip_special_tokens)
-        delta = full[len(self.text):] if full.startswith(self.text) else ""
+        the replacement character): one decode of the ids since the last kept token, once per
+        sequence."""
+        full = self.tokenizer.decode(self._segment, skip_special_tokens=self.skip_special_tokens)
+        seen = self._segment_text
+        delta = full[len(seen):] if full.startswith(seen) else ""
         self.text += delta
         return delta
 

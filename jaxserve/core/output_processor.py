@@ -21,7 +21,10 @@ class SequenceText:
     """Decoded text of one sequence, with stop-string detection."""
 
     def __init__(self, tokenizer: Tokenizer, seq: Sequence):
-        self.detok = IncrementalDetokenizer(tokenizer, seq.token_ids[:seq.num_prompt_tokens])
+        spec = seq.sampling_params.structured_outputs
+        self.detok = IncrementalDetokenizer(  # a tool call's special markup stays in the text
+            tokenizer, seq.token_ids[:seq.num_prompt_tokens],
+            keep_ids=spec.special_text_ids if spec is not None else ())
         self.stops = seq.sampling_params.stop
         self.text = ""
         self.stopped_at: str | None = None

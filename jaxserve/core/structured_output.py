@@ -89,13 +89,16 @@ class GrammarLimits:
 class StructuredOutputsParams:
     """Exactly one of: a JSON schema (dict or JSON text), a regular expression (Rust regex
     syntax), a list of choices (the output is one of them verbatim), a Lark grammar
-    (llguidance's dialect), or json_object=True (any JSON object)."""
+    (llguidance's dialect), or json_object=True (any JSON object). `special_text_ids`: special
+    tokens the grammar names that the output's text keeps (a tool call's markup, which the
+    server's parser reads); other special tokens are skipped as always."""
 
     json: dict | str | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    special_text_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -122,6 +125,11 @@ class StructuredOutputsParams:
                              "strings")
         if not isinstance(self.json_object, bool):
             raise ValueError("structured_outputs.json_object must be a boolean")
+        if not isinstance(self.special_text_ids, (list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.special_text_ids):
+            raise ValueError("structured_outputs.special_text_ids must be a list of token ids")
+        self.special_text_ids = tuple(self.special_text_ids)
 
     @property
     def key(self) -> str:

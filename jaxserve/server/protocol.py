@@ -17,11 +17,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.server.requests import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest,
                                       first_error)
 from jaxserve.server.chat_output import ChatOutputParser
 from jaxserve.server.reasoning import ReasoningParser, reasoning_parser
 from jaxserve.server.structured_requests import OutputConstraint, output_constraint
+from jaxserve.server.tool_grammar import tool_grammar
 from jaxserve.server.tool_parsers import ToolParser, tool_parser
 from jaxserve.server.tool_prompt import TemplateTools, probe_template, with_tools
 
@@ -59,7 +61,7 @@ class ProtocolContext:
     def for_engine(cls, engine, model_names: tuple[str, ...] | None = None,
                    max_tokens_limit: int | None = None, tool_call_parser: str = "auto",
                    reasoning_parser: str | None = None) -> "ProtocolContext":
-        return cls(model_names=model_names or (engine.config.model,),
+        return cls(model_names=model_names or (engine.config.load.model,),
                    tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
                    vocab_size=engine.model_config.vocab_size, max_tokens_limit=max_tokens_limit,
                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
@@ -161,6 +163,8 @@ def _parsed(request: CompletionRequest | ChatCompletionRequest,
                        status=404, param="model", code="model_not_found")
     constraint = output_constraint(request)
     chat = isinstance(request, ChatCompletionRequest)
+    if chat:
+        constraint = _auto_tool_constraint(request, ctx, constraint)
     prompts = ([_chat_prompt(request, ctx, constraint)] if chat
                else _completion_prompts(request, ctx))
     echo = not chat and request.echo
@@ -211,6 +215,22 @@ def _parsed(request: CompletionRequest | ChatCompletionRequest,
         echo=echo, hide_generated=hide_generated, num_logprobs=num_logprobs,
         tool_call=constraint.tool_call, constraint_field=constraint.field,
         output_parser=_output_parser(request, ctx, constraint) if chat else None)
+
+
+def _auto_tool_constraint(request: ChatCompletionRequest, ctx: ProtocolContext,
+                          constraint: OutputConstraint) -> OutputConstraint:
+    """tool_choice "auto" (or tools without one) and no other constraint: the answer is free
+    text whose calls are constrained once opened (tool_grammar.py); unchanged otherwise (an
+    explicit response_format or structured_outputs wins, and pythonic calls are not
+    constrained)."""
+    if not constraint.auto_tools or constraint.spec is not None:
+        return constraint
+    grammar = tool_grammar(ctx.tool_parser, constraint.tools, ctx.tokenizer, ctx.reasoning,
+                           parallel=request.parallel_tool_calls)
+    if grammar is None:
+        return constraint
+    return dataclasses.replace(constraint, field="tools", spec=StructuredOutputsParams(
+        grammar=grammar.lark, special_text_ids=grammar.special_text_ids))
 
 
 def _output_parser(request: ChatCompletionRequest, ctx: ProtocolContext,

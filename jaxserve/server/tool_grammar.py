@@ -1,0 +1,180 @@
+"""tool_choice "auto": the output is free text until the model opens a call in its parser's
+format, then the call is constrained to the offered tools (a name among them, arguments valid
+against that tool's JSON schema, the closing markup), then free again. One llguidance Lark
+grammar per request, built on llguidance's own machinery: a trigger that is a special token is
+named as one (`<[id]>`: free text, a plain regex over bytes, cannot hold a special token, so the
+token alone opens a call); a trigger that is text closes a lazy lexeme (`trig[lazy]: TEXT
+"<tool_call>"`: it ends at the trigger's first occurrence, and what follows is the call); each
+tool's arguments are its schema inlined (`%json`). With a reasoning parser the grammar first
+allows a free `<think>...</think>`, as that parser reads it (tool calls inside are thoughts).
+
+Formats: hermes (`<tool_call>` call `</tool_call>`, anywhere in the text), mistral
+(`[TOOL_CALLS]` and a JSON list of calls, or `name[ARGS]{...}` when the template shows `[ARGS]`),
+llama3_json (the whole answer is calls when it opens with `{` or `<|python_tag|>`; text may not
+open so). pythonic is not constrained: its literals are Python's (True, None, quotes either
+way), which a JSON schema's grammar does not write; its calls are read back as before.
+
+Special tokens the grammar names (triggers, closing tags, think tags) are kept in the output's
+text (`StructuredOutputsParams.special_text_ids`), so the parsers see them; they never reach a
+message's content, since the parsers take them out. Host-only.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+from jaxserve.server.reasoning import CLOSE as THINK_CLOSE
+from jaxserve.server.reasoning import OPEN as THINK_OPEN
+from jaxserve.server.reasoning import ReasoningParser
+from jaxserve.server.tool_parsers import ToolParser
+
+# The arguments as the templates write them (json.dumps' separators, no other whitespace), so
+# a constrained call looks like the calls the model saw in its prompt.
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_TEXT = r"/(.|\n)*/"
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolGrammar:
+    lark: str
+    special_text_ids: tuple[int, ...]  # special tokens the grammar names: kept in the text
+
+
+class _Markup:
+    """Literal markup in Lark: a special token as `<[id]>`, any other text as a string."""
+
+    def __init__(self, tokenizer):
+        backend = getattr(tokenizer, "backend", None)
+        added = backend.get_added_tokens_decoder() if backend is not None else {}
+        self.special = {tok.content: int(i) for i, tok in added.items() if tok.special}
+        self.used: set[int] = set()
+
+    def is_special(self, text: str) -> bool:
+        return text in self.special
+
+    def __call__(self, text: str) -> str:
+        if text in self.special:
+            self.used.add(self.special[text])
+            return f"<[{self.special[text]}]>"
+        return json.dumps(text)
+
+
+def _arguments_schema(parameters: dict | None) -> str:
+    schema = copy.deepcopy(parameters) if parameters else {}
+    schema.setdefault("type", "object")  # OpenAI's arguments are always an object
+    schema["x-guidance"] = {**schema.get("x-guidance", {}), **_JSON_STYLE}
+    return "%json " + json.dumps(schema, ensure_ascii=False)
+
+
+def _call_rules(tools: list[dict], arguments_key: str) -> str:
+    """`call`: one JSON object {"name": <a tool's name>, "<arguments_key>": <its arguments>},
+    one alternative per tool (each schema its own root, so its $refs resolve)."""
+    rules = []
+    for i, fn in enumerate(tools):
+        head = json.dumps({"name": fn["name"], arguments_key: 0}, ensure_ascii=False)[:-2]
+        rules.append(f"fn_{i}: {json.dumps(head)} {_arguments_schema(fn.get('parameters'))} "
+                     '"}"')
+    return "\n".join(rules) + "\ncall: " + " | ".join(f"fn_{i}" for i in range(len(tools)))
+
+
+def _opened(name: str, trigger: str, markup: _Markup) -> str:
+    """Rules `name_first` and `name`: free text, then the trigger (after which the call is
+    constrained); the first text is FIRST_TEXT (it may not open a think block)."""
+    if markup.is_special(trigger):  # free text cannot hold a special token: no laziness needed
+        return (f"{name}_first: FIRST_TEXT {markup(trigger)}\n"
+                f"{name}: TEXT {markup(trigger)}")
+    return (f"{name}_first[lazy]: FIRST_TEXT {json.dumps(trigger)}\n"
+            f"{name}[lazy]: TEXT {json.dumps(trigger)}")
+
+
+def _triggered_answer(block: str, trigger: str, markup: _Markup, parallel: bool) -> str:
+    """An answer of free text and blocks that each open at `trigger` (hermes, mistral): several
+    blocks and text around them, or (parallel_tool_calls false) one block that ends the
+    output."""
+    rules = [_opened("open", trigger, markup), f"block: {block}"]
+    if parallel:
+        rules.append("answer: open_first block (open block)* TEXT | FIRST_TEXT")
+    else:
+        rules.append("answer: open_first block | FIRST_TEXT")
+    return "\n".join(rules)
+
+
+def _hermes(tools, markup, parallel, template) -> str:
+    close = markup("</tool_call>")
+    return _call_rules(tools, "arguments") + "\n" + _triggered_answer(
+        f"SPACE call SPACE {close}", "<tool_call>", markup, parallel)
+
+
+def _mistral(tools, markup, parallel, template) -> str:
+    if "[ARGS]" in (template or ""):  # v11: [TOOL_CALLS]name[ARGS]{...}, one trigger per call
+        args = markup("[ARGS]")
+        rules = [f"fn_{i}: {json.dumps(fn['name'])} {args} "
+                 f"{_arguments_schema(fn.get('parameters'))}" for i, fn in enumerate(tools)]
+        rules.append("call: " + " | ".join(f"fn_{i}" for i in range(len(tools))))
+        block = "call"
+    else:
+        rules = [_call_rules(tools, "arguments")]
+        block = '"[" call (", " call)* "]"' if parallel else '"[" call "]"'
+    return "\n".join(rules) + "\n" + _triggered_answer(block, "[TOOL_CALLS]", markup, parallel)
+
+
+def _llama3_json(tools, markup, parallel, template) -> str:
+    """The answer is calls when it opens with `{` or the python tag; text may open with
+    neither (the parser would read it as a call)."""
+    tag = "<|python_tag|>"
+    opens = r"\{" if markup.is_special(tag) else r"\{|" + _escape(tag)
+    calls = 'call (";" " " call)*' if parallel else "call"
+    return "\n".join([
+        _call_rules(tools, "parameters"),
+        f"answer: SPACE ({markup(tag)} SPACE)? {calls} SPACE | PLAIN",
+        f"PLAIN: FIRST_TEXT & ~/\\s*({opens})(.|\\n)*/"])
+
+
+_FORMATS = {"hermes": _hermes, "mistral": _mistral, "llama3_json": _llama3_json}
+
+
+def _reasoning_rules(reasoning: ReasoningParser | None, markup: _Markup) -> tuple[str, str]:
+    """(`start` and its thinking rules, FIRST_TEXT: what the answer's first text may be). The
+    think block is read as the reasoning parser reads it: qwen3 when the output opens with
+    `<think>` (the answer may then not open so), deepseek_r1 up to the first `</think>` (an
+    opening tag first is skipped), all of the output when the block never closes."""
+    if reasoning is None:
+        return "start: answer", _TEXT
+    opened, closed = markup(THINK_OPEN), markup(THINK_CLOSE)
+    # thoughts: text up to the first closing tag (a special one cannot be inside text)
+    thought = (f"THOUGHT {closed}" if markup.is_special(THINK_CLOSE) else "thought")
+    unclosed = (_TEXT if markup.is_special(THINK_CLOSE)
+                else f"{_TEXT} & ~/(.|\\n)*{_escape(THINK_CLOSE)}(.|\\n)*/")
+    rules = [f"THOUGHT: {_TEXT}", f"UNCLOSED: {unclosed}",
+             f"thought[lazy]: /(.|\\n)*{_escape(THINK_CLOSE)}/"]
+    if reasoning.thinks_from_start:
+        rules.append(f"start: (SPACE {opened})? ({thought} answer | UNCLOSED)")
+        first = _TEXT
+    else:
+        rules.append(f"start: SPACE {opened} ({thought} answer | UNCLOSED) | answer")
+        first = (_TEXT if markup.is_special(THINK_OPEN)
+                 else f"{_TEXT} & ~/\\s*{_escape(THINK_OPEN)}(.|\\n)*/")
+    return "\n".join(rules), first
+
+
+def _escape(text: str) -> str:
+    """Literal text inside a Lark regex."""
+    return "".join("\\" + c if c in r".^$*+?()[]{}|\/-" else c for c in text)
+
+
+def tool_grammar(parser: ToolParser, tools: list[dict], tokenizer,
+                 reasoning: ReasoningParser | None, parallel: bool) -> ToolGrammar | None:
+    """The grammar of an answer that may call `tools` (OpenAI function definitions) in the
+    parser's format; None for a format that is not constrained (pythonic)."""
+    build = _FORMATS.get(parser.name)
+    if build is None or not tools:
+        return None
+    markup = _Markup(tokenizer)
+    template = getattr(tokenizer, "chat_template", None)
+    answer = build(tools, markup, parallel, template)
+    start, first = _reasoning_rules(reasoning, markup)
+    lark = "\n".join(["%llguidance {}", start, answer, f"TEXT: {_TEXT}",
+                      f"FIRST_TEXT: {first}", r"SPACE: /[ \t\r\n]{0,4}/"])
+    return ToolGrammar(lark, tuple(sorted(markup.used)))

@@ -1,0 +1,207 @@
+"""An agent loop on a tiny seeded Qwen3-style checkpoint (tiny_qwen3.py: special-token markup,
+a hermes-style template), served in-process and driven by the openai client: tools -> a call
+(logit_bias on `<tool_call>` makes the random model open one; the grammar of tool_choice "auto"
+writes the rest) -> a `tool` message the template renders -> a final answer. Streamed and
+non-streamed calls agree for a seed. And a fuzz of random tool schemas x sampling seeds:
+every call the server returns names an offered tool and its arguments are valid against that
+tool's schema (TOOL_FUZZ_CASES=<n> for a longer run). One engine for the module."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.server import AsyncEngine, ServerConfig, build_app
+from jaxserve.weights import load_model
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("transformers")
+from serving import serve_app  # noqa: E402
+from tiny_qwen3 import write_tiny_qwen3  # noqa: E402
+
+MODEL = "tiny-qwen3"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]},
+                                         "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12,
+                                              "maximum": 14}},
+    "required": ["zone"], "additionalProperties": False}}}
+FUZZ_CASES = int(os.environ.get("TOOL_FUZZ_CASES", "8"))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    directory = write_tiny_qwen3(str(tmp_path_factory.mktemp("tiny_qwen3")))
+    with open(os.path.join(directory, "special_tokens.json")) as f:
+        special = json.load(f)
+    engine = LLMEngine(EngineConfig.from_options(num_pages=1024, page_size=16, max_num_seqs=8,
+                                                 max_num_batched_tokens=1024),
+                       load_model(directory))
+    aengine = AsyncEngine(engine)
+    config = ServerConfig(served_model_names=(MODEL,), reasoning_parser="qwen3")
+    try:
+        with serve_app(build_app(aengine, config)) as url:
+            yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), \
+                special, engine
+    finally:
+        aengine.shutdown()
+
+
+def _call(client, special, messages, tools, seed, stream=False, bias=100, **kwargs):
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, tools=tools, seed=seed, temperature=1.0,
+        max_tokens=kwargs.pop("max_tokens", 160), stream=stream,
+        logit_bias={str(special["<tool_call>"]): bias}, **kwargs)
+
+
+def _streamed(stream):
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            if call.id is not None:
+                calls.append([call.id, call.function.name, ""])
+            calls[call.index][2] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def _check(call, tools):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert call.function.name in schemas
+    jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_agent_loop(served):
+    client, special, engine = served
+    tools = [WEATHER, TIME]
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Weather in Paris?"}]
+    out = _call(client, special, messages, tools, seed=1, parallel_tool_calls=False)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    _check(call, tools)
+    # the same seed streamed: the same call, in deltas
+    content, calls, finish = _streamed(_call(client, special, messages, tools, seed=1,
+                                             stream=True, parallel_tool_calls=False))
+    assert (content, finish) == ("", "tool_calls")
+    assert [(name, args) for _, name, args in calls] == [
+        (call.function.name, call.function.arguments)]
+
+    # the call's result goes back as a `tool` message, which the template renders
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call.id, "type": "function", "function": {
+                         "name": call.function.name, "arguments": call.function.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C."}]
+    final = _call(client, special, messages, tools, seed=2, bias=-100, max_tokens=12)
+    rendered = engine.tokenizer.apply_chat_template(
+        [m if m["role"] != "assistant" else {**m, "content": ""} for m in messages],
+        tools=tools, add_generation_prompt=True)
+    assert f'<tool_response id="{call.id}">\nSunny, 21 C.\n</tool_response>' in rendered
+    assert final.usage.prompt_tokens == len(engine.tokenizer.encode(rendered,
+                                                                    add_special_tokens=False))
+    answer = final.choices[0]
+    assert answer.message.tool_calls is None and answer.finish_reason in ("stop", "length")
+    assert "<tool_call>" not in (answer.message.content or "")
+
+
+def test_parallel_calls_streamed_as_whole(served):
+    """Calls until max_tokens: every complete one is valid, the streamed deltas equal the
+    message, and the special markup reaches the content only as a call cut before its name
+    (the parser gives an opening that holds no call back as text)."""
+    client, special, _ = served
+    messages = [{"role": "user", "content": "Weather and time?"}]
+    out = _call(client, special, messages, [WEATHER, TIME], seed=5, max_tokens=200)
+    choice = out.choices[0]
+    calls, content = choice.message.tool_calls, choice.message.content or ""
+    assert len(calls) >= 2 and choice.finish_reason == "length"
+    assert content == "" or content.startswith("<tool_call>") and "</tool_call>" not in content
+    for call in calls[:-1] if choice.finish_reason == "length" else calls:
+        _check(call, [WEATHER, TIME])
+    content, streamed, _ = _streamed(_call(client, special, messages, [WEATHER, TIME], seed=5,
+                                           max_tokens=200, stream=True))
+    assert [(n, a) for _, n, a in streamed] == [(c.function.name, c.function.arguments)
+                                                for c in calls]
+    assert content == choice.message.content or content == "" and not choice.message.content
+
+
+# ------------------------------------------------------------------------------- fuzz
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """An object with a few required and optional properties of bounded size: strings (short
+    max length), integers (a range), enums, arrays of those, nested objects."""
+    props = {}
+    for i in range(rng.randint(1, 3)):
+        kind = rng.choice(["string", "integer", "enum", "array"] + (["object"] if depth < 1
+                                                                     else []))
+        if kind == "string":
+            schema = {"type": "string", "maxLength": rng.randint(1, 6)}
+        elif kind == "integer":
+            low = rng.randint(-50, 50)
+            schema = {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 200)}
+        elif kind == "enum":
+            schema = {"enum": rng.sample(["a", "b c", "d\"e", "é", "x1", "yz"], rng.randint(1, 3))}
+        elif kind == "array":
+            schema = {"type": "array", "items": rng.choice([
+                {"type": "integer", "minimum": 0, "maximum": 9}, {"enum": ["p", "q"]}]),
+                "maxItems": rng.randint(1, 3)}
+        else:
+            schema = random_schema(rng, depth + 1)
+        props[f"p{i}_{kind}"] = schema
+    required = [k for k in props if rng.random() < 0.7]
+    return {"type": "object", "properties": props, "required": required,
+            "additionalProperties": False}
+
+
+def fuzz(client, special, cases: int, seed: int = 0) -> dict:
+    """`cases` requests of random tools (1-3) and sampling seeds with the call opened: counts
+    of calls returned and of invalid ones (a name not offered, arguments not valid against the
+    named tool's schema, or not JSON)."""
+    rng = random.Random(seed)
+    jobs = []
+    for case in range(cases):
+        tools = [{"type": "function", "function": {"name": f"tool_{case}_{j}",
+                                                   "parameters": random_schema(rng)}}
+                 for j in range(rng.randint(1, 3))]
+        jobs.append((tools, rng.randrange(2**31), rng.random() < 0.5))
+
+    def run(job):
+        tools, sample_seed, parallel = job
+        out = _call(client, special, [{"role": "user", "content": "Go."}], tools, sample_seed,
+                    parallel_tool_calls=parallel, max_tokens=240)
+        choice = out.choices[0]
+        calls = choice.message.tool_calls or []
+        if choice.finish_reason == "length":  # the last call may be cut short
+            calls = calls[:-1]
+        invalid = []
+        for call in calls:
+            try:
+                _check(call, tools)
+            except Exception as e:  # noqa: BLE001 - counted and shown
+                invalid.append((call.function.name, call.function.arguments, repr(e)[:200]))
+        return len(calls), invalid
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(run, jobs))
+    return {"cases": cases, "calls": sum(n for n, _ in results),
+            "invalid": [bad for _, found in results for bad in found]}
+
+
+def test_fuzz_random_schemas_every_call_is_valid(served):
+    client, special, _ = served
+    report = fuzz(client, special, FUZZ_CASES)
+    print(report["cases"], "cases,", report["calls"], "calls,", len(report["invalid"]),
+          "invalid")
+    assert report["calls"] >= FUZZ_CASES and report["invalid"] == []
