@@ -8,7 +8,8 @@ q dtype x KV dtype; windows and soft-capping on both paths and every KV dtype), 
 `test_cases_cover_the_matrix`; each case compiles for both generations (one topology each).
 Then, for SmolLM2-135M's shapes over a 4096-page pool: `compiled.memory_analysis()` (printed
 with -s), and whether the pool in XLA's default TPU layout reaches the kernel without a per-call
-copy (strict xfails where it does not: head dim 64, and int8 scales). Skipped where libtpu is
+copy (strict xfails for our kernels' head-major pool: head dim 64, int8 scales; passing for JAX's
+kernel's page-major pool, its cases compiled under jax_kernel.compile_target). Skipped where libtpu is
 not installed; about 20 s on two cores.
 """
 
@@ -23,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.tpu import TpuBlockSizes, ragged_paged_attention
+from pallas_kernels.tpu import TpuBlockSizes, jax_kernel, ragged_paged_attention
 from pallas_kernels.tpu.attention import uses_decode_path
 from tpu_topology import TOPOLOGIES, abstract, compile_for, tpu_device
 
@@ -186,15 +187,78 @@ _RELAYOUT = ("XLA's default TPU layout of {} puts N minor (no lane padding) whil
 
 
 @pytest.mark.parametrize("kv_dtype,head_dim", [
-    (BF16, 128),
     pytest.param(BF16, 64, marks=pytest.mark.xfail(
         strict=True, raises=AssertionError, reason=_RELAYOUT.format("bf16[Hkv, N, B, 64]"))),
     pytest.param(I8, 128, marks=pytest.mark.xfail(
         strict=True, raises=AssertionError, reason=_RELAYOUT.format("the scales f32[Hkv, N, B]"))),
 ], ids=lambda v: _NAMES.get(v, str(v)))
-def test_pool_is_not_copied_per_call(device, kv_dtype, head_dim):
-    """The pool in XLA's default layout for it reaches the kernel without a copy. Fails (xfail,
-    strict) where it does not: the pool layout redesign is to make these pass."""
+def test_head_major_pool_is_copied_per_call(device, kv_dtype, head_dim):
+    """Our kernels' head-major pool, where JAX's kernel does not apply (head dim 64, int8
+    pages): strict xfails while XLA relayouts it per call. XLA keeps a TPU array row-major only
+    when its minor dim is a multiple of 128 lanes (compiled for v6e: [N, B, 8, 64] and
+    [N, B, 6, 64] are relayouted too, [N, B, 384] and [N, B, 512] are not), so the fix for head
+    dim 64 is pages [N, B, 2 * Hkv * D] read by a kernel that slices heads out of lanes."""
     case = Case(kv_dtype=kv_dtype, **dict(MEMORY_CASE, head_dim=head_dim))
     compiled, _ = compile_case(case, device)
     assert pool_copies(compiled, case) == 0
+
+
+# JAX's kernel over the page-major pool: every value of every option it takes, over both paths
+# (T == S decode steps, T > S mixed ones), 3 KV heads among them (padded to 4).
+JAX_CASES = [  # (path, q dtype, KV dtype, head dim, KV heads, group, page size, window, soft cap)
+    ("decode", BF16, BF16, 128, 3, 3, 16, None, None),
+    ("prefill", F32, BF16, 256, 1, 8, 64, 128, 30.0),
+    ("decode", F32, F32, 128, 8, 2, 8, 64, None),
+    ("prefill", BF16, F32, 128, 2, 4, 32, None, 50.0),
+    ("prefill", BF16, BF16, 128, 4, 2, 16, None, None),
+]
+
+
+def test_jax_cases_cover_its_options():
+    cols = list(zip(*JAX_CASES))
+    assert all(jax_kernel.applies(c[3], c[2], num_q_heads=c[4] * c[5], num_kv_heads=c[4],
+                                  q_dtype=c[1]) for c in JAX_CASES)
+    assert set(cols[0]) == {"decode", "prefill"} and set(cols[1]) == {BF16, F32}
+    assert set(cols[2]) == {BF16, F32} and set(cols[3]) == {128, 256}
+    assert {1, 2, 3, 8} <= set(cols[4]) and set(cols[6]) == {8, 16, 32, 64}
+    assert any(w for w in cols[7]) and any(c for c in cols[8])
+
+
+def compile_jax_case(case, device, num_pages: int = 64):
+    path, q_dtype, kv_dtype, head_dim, kv_heads, group, page_size, window, soft_cap = case
+    num_tokens, num_rows = (8, 8) if path == "decode" else (48, 4)
+    heads = jax_kernel.padded_kv_heads(kv_heads, kv_dtype)
+    args = dict(
+        q=abstract((num_tokens, kv_heads * group, head_dim), q_dtype, device),
+        kv_pages=abstract((num_pages, page_size, 2 * heads, head_dim), kv_dtype, device),
+        page_tables=abstract((num_rows, PAGES_PER_ROW), jnp.int32, device),
+        seq_lens=abstract((num_rows,), jnp.int32, device),
+        query_start=abstract((num_rows + 1,), jnp.int32, device))
+    attend = functools.partial(jax_kernel.ragged_paged_attention, num_kv_heads=kv_heads,
+                               sm_scale=head_dim ** -0.5, window=window, soft_cap=soft_cap)
+    with jax_kernel.compile_target(device):
+        compiled, seconds = compile_for(lambda a: attend(**a), args)
+    return compiled, seconds, args
+
+
+@pytest.mark.parametrize("case", JAX_CASES, ids=lambda c: "-".join(map(str, c[:2] + c[3:])))
+def test_jax_kernel_compiles(device, case):
+    compiled, seconds, args = compile_jax_case(case, device)
+    print(f"\n{device.device_kind} JAX kernel {case}: {seconds:.2f} s")
+    assert compiled.out_info.shape == args["q"].shape
+    assert compiled.out_info.dtype == case[1]
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+@pytest.mark.parametrize("kv_dtype", [BF16, F32], ids=_NAMES.get)
+def test_page_major_pool_is_not_copied_per_call(device, kv_dtype):
+    """JAX's kernel's page-major pool [N, B, 2 * Hkv', D] (D = 128: lanes full) reaches the
+    kernel as XLA lays it out: no copy of the pool per call; its per-chip bytes printed."""
+    case = ("decode", BF16, kv_dtype, 128, 8, 4, 16, None, None)
+    compiled, _, args = compile_jax_case(case, device, num_pages=4096)
+    text = compiled.as_text()
+    copies = re.findall(r"= \w+\[4096,16,16,128\]\{[^}]*\} copy\(", text)
+    stats = compiled.memory_analysis()
+    print(f"\n{device.device_kind} page-major {_NAMES[kv_dtype]}[4096, 16, 16, 128]: {stats}")
+    assert "[4096,16,16,128]" in text and copies == []
+    assert stats.argument_size_in_bytes >= 4096 * 16 * 16 * 128 * jnp.dtype(kv_dtype).itemsize

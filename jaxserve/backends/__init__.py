@@ -32,13 +32,18 @@ log = logging.getLogger("jaxserve.backends")
 @dataclasses.dataclass(frozen=True)
 class Backend:
     name: str
-    # (q f[T, Hq, D], cache: KVCache (pages f[Hkv, N, B, D], or int8 with scales),
+    # (q f[T, Hq, D], cache: the layout kv_layout names (KVCache: pages f[Hkv, N, B, D], or
+    #  int8 with scales; PagedKV: f[N, B, 2*Hkv', D]),
     #  md: AttentionMetadata, *, sm_scale, window, soft_cap) -> f[T, Hq, D]: each token attends
     #  its row's pages causally (within the last `window` positions; scores soft-capped).
     attention: Callable
     # (cache: KVCache, k, v f[T, Hkv, D], slot_mapping i32[T]) -> the cache with each token's
     # key and value at its slot (kv_cache.write_kv's semantics); None: kv_cache.write_kv.
     write_kv: Callable | None = None
+    # The KV pool's layout, this backend's choice: (KV heads per device, head dim, page dtype,
+    # *, num_q_heads per device, q_dtype) -> kv_cache.KVLayout; None: head-major
+    # [Hkv, N, B, D] (kv_cache.py).
+    kv_layout: Callable | None = None
     # Prefill chunks start at multiples of this many tokens (see AttentionMetadata).
     query_block: int = 1
     # Decode rows packed back to back with the prefill chunks (runtime/batch.py): an attention
@@ -51,8 +56,19 @@ class Backend:
     argmax: Callable | None = None
     # How many times longer a FLOP of this attention takes than a FLOP of the weight matmuls,
     # for prefill chunks deep into a long context (measured: docs/performance-history.md); the
-    # scheduler weighs a chunk's context by it (EngineConfig.prefill_keys_per_token).
+    # scheduler weighs a chunk's context by it (SchedulerConfig.prefill_keys_per_token).
     attention_cost: float = 1.0
+
+
+def pool_layout(backend: Backend, num_kv_heads: int, head_dim: int, dtype, *,
+                num_q_heads: int, q_dtype):
+    """The backend's layout for a device's num_kv_heads (kv_cache.KVLayout)."""
+    from jaxserve.model.kv_cache import KVLayout
+
+    if backend.kv_layout is None:
+        return KVLayout(num_kv_heads)
+    return backend.kv_layout(num_kv_heads, head_dim, dtype, num_q_heads=num_q_heads,
+                             q_dtype=q_dtype)
 
 
 def get(name: str) -> Backend:

@@ -1,13 +1,19 @@
 """The Pallas backends: each platform's `ragged_paged_attention` from pallas_kernels/ (gpu/ in
 Triton, tpu/ in Mosaic), compiled on its device or interpreted on a CPU. The entry point takes
 rows in any order, so batches are packed (decode rows and prefill chunks back to back, one step
-shape per token bucket) and the engine calls nothing else."""
+shape per token bucket) and the engine calls nothing else.
+
+The TPU family's pool is page-major (kv_cache.PagedKV, whole multi-head pages per DMA) where
+JAX's own TPU kernel applies (pallas_kernels/tpu/jax_kernel.py: float pages, head dim a multiple
+of 128; compiled, never interpreted), and head-major for this package's TPU kernels elsewhere
+(int8 pages, head dim 64)."""
 
 from __future__ import annotations
 
 import functools
 
 from jaxserve.backends import Backend
+from jaxserve.model.kv_cache import KVLayout, PagedKV
 
 
 @functools.cache
@@ -15,16 +21,31 @@ def backend(family: str, *, interpret: bool) -> Backend:
     if family == "gpu":
         from pallas_kernels.gpu import ragged_paged_attention
     elif family == "tpu":
-        from pallas_kernels.tpu import ragged_paged_attention
+        from pallas_kernels.tpu import jax_kernel, ragged_paged_attention
     else:
         raise ValueError(f"no Pallas kernel family {family!r} (gpu or tpu)")
 
     def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
                   soft_cap: float | None = None):
+        if isinstance(cache, PagedKV):
+            return jax_kernel.ragged_paged_attention(
+                q, cache.kv, md.page_tables, md.seq_lens, md.query_start,
+                num_kv_heads=cache.num_kv_heads, sm_scale=sm_scale, window=window,
+                soft_cap=soft_cap)
         return ragged_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                       md.query_start, sm_scale=sm_scale, interpret=interpret,
                                       k_scale=cache.k_scale, v_scale=cache.v_scale,
                                       window=window, soft_cap=soft_cap)
 
+    def kv_layout(num_kv_heads: int, head_dim: int, dtype, *, num_q_heads: int,
+                  q_dtype) -> KVLayout:
+        # JAX's kernel does not run interpreted (jax_kernel.py): interpreted, head-major.
+        if family == "tpu" and not interpret and jax_kernel.applies(
+                head_dim, dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
+                q_dtype=q_dtype):
+            return KVLayout(jax_kernel.padded_kv_heads(num_kv_heads, dtype), page_major=True,
+                            model_heads=num_kv_heads)
+        return KVLayout(num_kv_heads)
+
     name = f"pallas-{family}" + ("-interpret" if interpret else "")
-    return Backend(name=name, attention=attention, packed=True)
+    return Backend(name=name, attention=attention, packed=True, kv_layout=kv_layout)

@@ -4,15 +4,25 @@ and values into their slots.
 A pool holds float pages (the serving dtype or bfloat16) or int8 pages with a float32 scale per
 token and KV head beside them: each written key (and value) vector maps its absolute maximum to
 127, symmetric, so a slot is stored as D int8 values and one scale and every attention backend
-dequantizes as it reads (pallas_kernels/reference.py states the semantics)."""
+dequantizes as it reads (pallas_kernels/reference.py states the semantics).
+
+The pool's layout is the attention backend's choice (its `kv_layout`, a KVLayout), as vLLM's
+attention backends name their KV cache shape: head-major KVCache [Hkv, N, B, D] (the CPU and
+XLA backends, and the TPU kernels of pallas_kernels/tpu where JAX's does not apply), or
+page-major PagedKV [N, B, 2 * Hkv', D] with K and V interleaved on the head axis, so that one
+DMA moves a whole page of every head (JAX's TPU ragged paged attention). Above the model's
+write and attention nothing sees the layout: caches copy their own pages (`copy_pages`) and
+name their head axis (`HEAD_AXIS`, for tensor-parallel sharding)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxserve.pytree import pytree_dataclass
+from jaxserve.pytree import pytree_dataclass, static_field
 
 
 @pytree_dataclass
@@ -33,6 +43,59 @@ class KVCache:
     def quantized(self) -> bool:
         return self.k_scale is not None
 
+    HEAD_AXIS = 0  # of every array (pages and scales): the axis tensor parallelism shards
+
+    def copy_pages(self, src, dst) -> "KVCache":
+        """Page src[i] -> dst[i] in every array (pages, and an int8 pool's scales)."""
+        return jax.tree_util.tree_map(
+            lambda x: x.at[:, dst].set(x[:, src], mode="promise_in_bounds"), self)
+
+
+@pytree_dataclass
+class PagedKV:
+    """One layer's pages, page-major with K and V interleaved on the head axis: kv[page, slot,
+    2h] is head h's key, kv[page, slot, 2h + 1] its value. Heads past the model's (padding a
+    kernel asks for, KVLayout.heads) are never written and read by no query. Float pages only."""
+
+    kv: jax.Array  # f[N, B, 2 * Hkv', D] (per tensor-parallel shard: Hkv' heads each)
+    num_kv_heads: int = static_field()  # Hkv <= Hkv': the model's heads (per shard)
+
+    HEAD_AXIS = 2
+    quantized = False
+
+    @property
+    def page_size(self) -> int:
+        return self.kv.shape[1]
+
+    def copy_pages(self, src, dst) -> "PagedKV":
+        return PagedKV(self.kv.at[dst].set(self.kv[src], mode="promise_in_bounds"),
+                       self.num_kv_heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """A backend's pool layout for one device's KV heads: page_major (PagedKV) or head-major
+    (KVCache), and `heads`, the KV heads each device stores (page-major: padded up to what the
+    kernel takes, of which the model's `model_heads`; head-major: the model's)."""
+
+    heads: int
+    page_major: bool = False
+    model_heads: int | None = None  # page-major: the model's heads per device (None: heads)
+
+    def zeros(self, num_pages: int, page_size: int, head_dim: int, dtype, devices: int = 1):
+        """One layer's zeroed cache over `devices` tensor-parallel shards (heads each)."""
+        heads = self.heads * devices
+        if self.page_major:
+            if jnp.dtype(dtype) == jnp.int8:
+                raise ValueError("page-major pools hold float pages only")
+            return PagedKV(jnp.zeros((num_pages, page_size, 2 * heads, head_dim), dtype),
+                           self.model_heads or self.heads)
+        shape = (heads, num_pages, page_size, head_dim)
+        pages = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        if jnp.dtype(dtype) != jnp.int8:
+            return KVCache(*pages)
+        return KVCache(*pages, jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32))
+
 
 @pytree_dataclass
 class KVPool:
@@ -44,18 +107,19 @@ class KVPool:
 
     @classmethod
     def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
-              head_dim: int, dtype) -> "KVPool":
-        """dtype: the pages' dtype; int8 pages get float32 scales [Hkv, N, B] (ones)."""
-        shape = (num_kv_heads, num_pages, page_size, head_dim)
+              head_dim: int, dtype, layout: KVLayout | None = None,
+              devices: int = 1) -> "KVPool":
+        """dtype: the pages' dtype; int8 pages get float32 scales [Hkv, N, B] (ones).
+        num_kv_heads: the pool's over all devices; layout: one device's (None: head-major),
+        over `devices` tensor-parallel shards."""
+        if layout is None or not layout.page_major:
+            layout, devices = KVLayout(num_kv_heads), 1
+        return cls(tuple(layout.zeros(num_pages, page_size, head_dim, dtype, devices)
+                         for _ in range(num_layers)))
 
-        def layer():
-            pages = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-            if jnp.dtype(dtype) != jnp.int8:
-                return KVCache(*pages)
-            return KVCache(*pages, jnp.ones(shape[:-1], jnp.float32),
-                           jnp.ones(shape[:-1], jnp.float32))
-
-        return cls(tuple(layer() for _ in range(num_layers)))
+    def copy_pages(self, src, dst) -> "KVPool":
+        """Copy-on-write: page src[i] -> dst[i] in every layer, whatever its layout."""
+        return KVPool(tuple(cache.copy_pages(src, dst) for cache in self.layers))
 
     @property
     def nbytes(self) -> int:
@@ -73,13 +137,17 @@ def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
-def write_kv(cache: KVCache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> KVCache:
+def write_kv(cache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
     """Scatter this step's keys/values (f[T, Hkv, D]) into one layer's cache at their slots."""
     b = cache.page_size
     page, offset = slot_mapping // b, slot_mapping % b
-    # Adjacent advanced indices after a slice keep their place: the update is [Hkv, T, D].
     # Slots are in bounds by construction; promising it lets XLA scatter in place.
     mode = "promise_in_bounds"
+    if isinstance(cache, PagedKV):  # [T, Hkv, 2, D] -> heads 0..2Hkv of each slot
+        t, hkv, d = k.shape
+        kv = jnp.stack([k, v], axis=2).reshape(t, 2 * hkv, d).astype(cache.kv.dtype)
+        return PagedKV(cache.kv.at[page, offset, :2 * hkv].set(kv, mode=mode), hkv)
+    # Adjacent advanced indices after a slice keep their place: the update is [Hkv, T, D].
     if not cache.quantized:
         k, v = k.swapaxes(0, 1), v.swapaxes(0, 1)  # [Hkv, T, D]
         return KVCache(k=cache.k.at[:, page, offset].set(k.astype(cache.k.dtype), mode=mode),

@@ -165,10 +165,21 @@ def place_params(top: dict, layers, cfg: ModelConfig, mesh: Mesh, to_dtype) -> d
     return placed
 
 
-def pool_sharding(mesh: Mesh) -> NamedSharding:
-    """Every array of the KV pool (pages [Hkv', N, B, D], int8 scales [Hkv', N, B]) on its
-    head axis."""
-    return NamedSharding(mesh, P("tp"))
+def pool_specs(pool):
+    """Every array of the KV pool on its layout's head axis (the cache's HEAD_AXIS: head-major
+    pages [Hkv', N, B, D] and int8 scales [Hkv', N, B] on axis 0, page-major [N, B, 2Hkv', D]
+    on axis 2, each shard holding its heads' K and V); `pool` may be abstract."""
+    return type(pool)(tuple(
+        jax.tree_util.tree_map(lambda _, a=cache.HEAD_AXIS: P(*[None] * a, "tp"), cache)
+        for cache in pool.layers))
+
+
+def pool_sharding(mesh: Mesh, pool=None):
+    """pool_specs as NamedShardings on `mesh` (pool None: one head-major sharding for all)."""
+    if pool is None:
+        return NamedSharding(mesh, P("tp"))
+    return jax.tree_util.tree_map(lambda spec: NamedSharding(mesh, spec), pool_specs(pool),
+                                  is_leaf=lambda x: isinstance(x, P))
 
 
 def tensor_parallel_forward(forward, mesh: Mesh):
@@ -179,7 +190,7 @@ def tensor_parallel_forward(forward, mesh: Mesh):
         return forward(params, pool, token_ids, md, lambda x: jax.lax.psum(x, "tp"))
 
     def run(params, pool, token_ids, md):
-        pool_spec = jax.tree_util.tree_map(lambda _: P("tp"), pool)
+        pool_spec = pool_specs(pool)
         return jax.shard_map(per_device, mesh=mesh,
                              in_specs=(param_specs(params), pool_spec, P(), P()),
                              out_specs=(pool_spec, P()),
