@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.backends import Backend
+from jaxserve.backends import Backend, pool_layout
 from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
@@ -60,13 +60,10 @@ class StepOutput:
 @functools.partial(jax.jit, donate_argnames=("pool",))
 def _copy_pages(pool: KVPool, src, dst) -> KVPool:
     """Copy-on-write: page src[i] -> dst[i] in every array of the pool (pages, and an int8
-    pool's scales: all have the page axis second), every layer and head. Its own small jitted
+    pool's scales, each layout's own page axis), every layer and head. Its own small jitted
     call (copies are rare: forks, prefix hits ending mid-page), so the step's shapes do not
     multiply by the copies buckets."""
-    def copy(x):
-        return x.at[:, dst].set(x[:, src], mode="promise_in_bounds")
-
-    return jax.tree_util.tree_map(copy, pool)
+    return pool.copy_pages(src, dst)
 
 
 def _model(cfg: ModelConfig, backend: Backend, mesh: Mesh):
@@ -214,11 +211,16 @@ class ModelRunner:
         self.num_pages = num_pages or self.num_pages
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         cfg = self.cfg
-        heads = sharding.pool_kv_heads(cfg, sharding.tp_size(self.mesh))
+        tp = sharding.tp_size(self.mesh)
+        heads = sharding.pool_kv_heads(cfg, tp)
+        # The backend's layout for each device's heads (page-major pads them: padded count).
+        layout = pool_layout(self.backend, heads // tp, cfg.head_dim, self.kv_dtype,
+                             num_q_heads=cfg.num_heads // tp, q_dtype=self.dtype)
         zeros = functools.partial(KVPool.zeros, cfg.num_layers, heads, self.num_pages,
-                                  self.page_size, cfg.head_dim, self.kv_dtype)
+                                  self.page_size, cfg.head_dim, self.kv_dtype, layout, tp)
         # Made in place on each device (never whole on one): sharded on the head axis.
-        self.pool = jax.jit(zeros, out_shardings=sharding.pool_sharding(self.mesh))()
+        placed = sharding.pool_sharding(self.mesh, jax.eval_shape(zeros))
+        self.pool = jax.jit(zeros, out_shardings=placed)()
 
     def _cast(self, x) -> np.ndarray:
         """A host weight in the serving dtype; the int8 weights' float16 group scales and
