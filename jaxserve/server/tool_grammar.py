@@ -149,11 +149,17 @@ def _reasoning_rules(reasoning: ReasoningParser | None, markup: _Markup) -> tupl
                 else f"{_TEXT} & ~/(.|\\n)*{_escape(THINK_CLOSE)}(.|\\n)*/")
     rules = [f"THOUGHT: {_TEXT}", f"UNCLOSED: {unclosed}",
              f"thought[lazy]: /(.|\\n)*{_escape(THINK_CLOSE)}/"]
+    # The opening tag with the whitespace before it: one lexeme when it is text (llguidance's
+    # lexer is greedy, so a separate whitespace lexeme would lose to the answer's text).
+    if markup.is_special(THINK_OPEN):
+        rules.append(f"think_open: SPACE {opened}")
+    else:
+        rules += ["think_open: THINK_OPEN", f"THINK_OPEN: /\\s*{_escape(THINK_OPEN)}/"]
     if reasoning.thinks_from_start:
-        rules.append(f"start: (SPACE {opened})? ({thought} answer | UNCLOSED)")
+        rules.append(f"start: think_open? ({thought} answer | UNCLOSED)")
         first = _TEXT
     else:
-        rules.append(f"start: SPACE {opened} ({thought} answer | UNCLOSED) | answer")
+        rules.append(f"start: think_open ({thought} answer | UNCLOSED) | answer")
         first = (_TEXT if markup.is_special(THINK_OPEN)
                  else f"{_TEXT} & ~/\\s*{_escape(THINK_OPEN)}(.|\\n)*/")
     return "\n".join(rules), first

@@ -1,0 +1,136 @@
+"""tool_choice "auto"'s grammar (server/tool_grammar.py) on its own, through llguidance's
+matcher over a byte-level tokenizer: free text and calls in each format are accepted, a call
+whose name or arguments break the tools' schemas is refused at its first wrong byte, whether
+the trigger is a special token or text; a reasoning parser's think block comes first; special
+markup the grammar names stays in the detokenized text; the request picks the grammar."""
+
+from __future__ import annotations
+
+import llguidance
+import pytest
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+from jaxserve.server.protocol import ProtocolContext, parse_request
+from jaxserve.server.reasoning import reasoning_parser
+from jaxserve.server.tool_grammar import tool_grammar
+from jaxserve.server.tool_parsers import PARSERS
+from jaxserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+WEATHER = {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}
+TIME = {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer"}}, "required": ["zone"],
+    "$defs": {"unused": {"type": "string"}}}}
+HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n' \
+         "</tool_call>"
+MARKUP = ("<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "[ARGS]",
+          "<|python_tag|>")
+
+
+def byte_tokenizer(special: tuple[str, ...] = (), template: str | None = None) -> Tokenizer:
+    backend = tokenizers.Tokenizer(models.BPE(
+        vocab={ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
+        merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(["<|endoftext|>", *special])
+    return Tokenizer(backend, bos_token_id=None, eos_token_ids=[256], chat_template=template)
+
+
+def accepts(parser: str, text: str, *, special: bool, reasoning: str | None = None,
+            parallel: bool = True, template: str | None = None) -> str:
+    """'accept', 'stop' (accepted and the grammar is complete) or the refused prefix's end."""
+    tok = byte_tokenizer(MARKUP if special else (), template)
+    grammar = tool_grammar(PARSERS[parser](), [WEATHER, TIME], tok, reasoning_parser(reasoning),
+                           parallel)
+    lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=300, eos_token=[256])
+    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar.lark),
+                                   log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    ids = tok.encode(text, add_special_tokens=False)
+    for i, t in enumerate(ids):
+        if not matcher.consume_token(t):
+            return tok.decode(ids[:i + 1], skip_special_tokens=False)[-12:]
+    assert matcher.is_accepting() or not text.endswith((">", "]", "}", "."))
+    return "stop" if matcher.is_stopped() else "accept"
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+def test_hermes(special):
+    assert accepts("hermes", "Just text, <tool no call.", special=special) == "accept"
+    assert accepts("hermes", f"Let me see.\n{HERMES}\n{HERMES} done.", special=special) == "accept"
+    assert accepts("hermes", f"x {HERMES}", special=special, parallel=False) == "stop"
+    assert accepts("hermes", 'x <tool_call>\n{"name": "get_wind', special=special).endswith(
+        '"get_wi')  # a name among the tools
+    assert accepts("hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": "1',
+                   special=special).endswith('"zone": "')  # the arguments' schema
+    assert accepts("hermes", '<tool_call>{"name": "get_time", "arguments": {"zone": 1}} x',
+                   special=special).endswith("}} x")  # the closing markup
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+def test_mistral_and_llama3_json(special):
+    two = ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": 2}}, {"name": "get_weather", '
+           '"arguments": {"city": "Oslo", "unit": "f"}}] ok')
+    assert accepts("mistral", "hi " + two, special=special) == "accept"
+    assert accepts("mistral", "hi " + two, special=special, parallel=False).endswith("}},")
+    v11 = '[TOOL_CALLS]get_time[ARGS]{"zone": 2}'
+    assert accepts("mistral", v11, special=special, template="[ARGS]") == "accept"
+    assert accepts("mistral", v11.replace("2", '"2"'), special=special,
+                   template="[ARGS]").endswith('"zone": "')
+    call = '{"name": "get_time", "parameters": {"zone": 2}}'
+    assert accepts("llama3_json", f"<|python_tag|>{call}; {call}", special=special) == "accept"
+    assert accepts("llama3_json", f" {call}", special=special, parallel=False) == "accept"
+    assert accepts("llama3_json", "It is {not} a call.", special=special) == "accept"
+    assert accepts("llama3_json", '{"name": "x', special=special).endswith('"x')
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+def test_the_think_block_comes_first(special):
+    thought = "<think>\nmaybe <tool call> later\n</think>\n\n"
+    assert accepts("hermes", thought + HERMES, special=special, reasoning="qwen3") == "accept"
+    assert accepts("hermes", "<think>\nstill thinking", special=special,
+                   reasoning="qwen3") == "accept"
+    assert accepts("hermes", thought + '<tool_call>{"name": "nope', special=special,
+                   reasoning="qwen3").endswith('"n')
+    assert accepts("hermes", "thinking</think>" + HERMES, special=special,
+                   reasoning="deepseek_r1") == "accept"
+    if not special:  # a text trigger inside the thoughts is a thought, not a call
+        assert accepts("hermes", "<think><tool_call>{oops</think>" + HERMES, special=False,
+                       reasoning="qwen3") == "accept"
+        # the answer may not open a think block the reasoning parser would read
+        assert accepts("hermes", " <think>", special=False, reasoning="qwen3") == "accept"
+
+
+def test_pythonic_is_not_constrained():
+    assert tool_grammar(PARSERS["pythonic"](), [WEATHER], byte_tokenizer(), None, True) is None
+
+
+def test_special_markup_stays_in_the_text():
+    tok = byte_tokenizer(MARKUP)
+    ids = tok.encode("hi<tool_call>\n{}</tool_call>é", add_special_tokens=False)
+    keep = [tok.backend.token_to_id(t) for t in ("<tool_call>", "</tool_call>")]
+    kept = IncrementalDetokenizer(tok, keep_ids=keep)
+    assert "".join(kept.add(t) for t in ids) + kept.flush() == "hi<tool_call>\n{}</tool_call>é"
+    plain = IncrementalDetokenizer(tok)
+    assert "".join(plain.add(t) for t in ids) + plain.flush() == "hi\n{}é"
+
+
+def test_the_request_picks_the_grammar():
+    tok = byte_tokenizer(("<tool_call>", "</tool_call>"), template="{{ messages }} <tool_call>")
+    ctx = ProtocolContext(model_names=("m",), tokenizer=tok, max_model_len=4096, vocab_size=300)
+    body = {"messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "function": WEATHER}]}
+    parsed = parse_request("chat", body, ctx)
+    spec = parsed.params.structured_outputs
+    assert parsed.constraint_field == "tools" and "%json" in spec.grammar
+    assert spec.special_text_ids == tuple(tok.backend.token_to_id(t)
+                                          for t in ("<tool_call>", "</tool_call>"))
+    assert parse_request("chat", {**body, "tool_choice": "none"}, ctx).params \
+        .structured_outputs is None
+    own = parse_request("chat", {**body, "response_format": {"type": "json_object"}}, ctx)
+    assert own.constraint_field == "response_format"  # an explicit constraint wins
+    assert parse_request("chat", {**body, "tool_choice": "required"}, ctx).params \
+        .structured_outputs.json is not None
