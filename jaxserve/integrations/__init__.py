@@ -1,0 +1,3 @@
+"""Adapters that let other tools drive the engine in process: `lm_eval` (lm-evaluation-harness,
+the `eval` extra). Each module imports its tool through jaxserve.tools.require, so a missing one
+names the extra to install."""
