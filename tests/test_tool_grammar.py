@@ -134,3 +134,17 @@ def test_the_request_picks_the_grammar():
     assert own.constraint_field == "response_format"  # an explicit constraint wins
     assert parse_request("chat", {**body, "tool_choice": "required"}, ctx).params \
         .structured_outputs.json is not None
+
+
+def test_a_close_tag_inside_a_string_argument_is_text():
+    """The grammar lets a string argument hold `</tool_call>`; hermes reads the call whole, and
+    every prefix's parse grows into it."""
+    parser = PARSERS["hermes"]()
+    text = 'Hi <tool_call>\n{"name": "note", "arguments": {"s": "a</tool_call>b"}}\n</tool_call> ok'
+    final = parser.parse(text, True)
+    assert [(c.name, c.arguments) for c in final.calls] == [
+        ("note", '{"s": "a</tool_call>b"}')] and final.content == "Hi\nok"
+    for n in range(len(text)):
+        grown = parser.parse(text[:n], False)
+        assert final.content.startswith(grown.content) and len(grown.calls) <= 1
+        assert all(final.calls[0].arguments.startswith(c.arguments) for c in grown.calls)

@@ -27,7 +27,12 @@ class HermesParser(ToolParser):
 
     @staticmethod
     def _block(text: str, start: int, final: bool) -> Block:
-        close = text.find(CLOSE, start)
+        # A well-formed object decides where the block may close: a close tag inside one of its
+        # strings is text (a constrained call's string may hold one).
+        j = skip_space(text, start)
+        whole = scan_object(text, j) if text.startswith("{", j) else None
+        after = start if whole is None or whole.malformed else whole.end or len(text)
+        close = text.find(CLOSE, after)
         region = text[start:len(text) if close < 0 else close]
         j = skip_space(region, 0)
         if j >= len(region):
