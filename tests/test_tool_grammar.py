@@ -39,9 +39,11 @@ def byte_tokenizer(special: tuple[str, ...] = (), template: str | None = None) -
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=[256], chat_template=template)
 
 
-def accepts(parser: str, text: str, *, special: bool, reasoning: str | None = None,
+def accepts(parser: str, text: str | list[str], *, special: bool, reasoning: str | None = None,
             parallel: bool = True, template: str | None = None) -> str:
-    """'accept', 'stop' (accepted and the grammar is complete) or the refused prefix's end."""
+    """'accept' (the output may end here), 'open' (it may not: a call is open), 'stop' (it must
+    end here) or the refused prefix's end. A
+    list of texts is encoded piece by piece (markup split across pieces is spelled in bytes)."""
     tok = byte_tokenizer(MARKUP if special else (), template)
     grammar = tool_grammar(PARSERS[parser](), [WEATHER, TIME], tok, reasoning_parser(reasoning),
                            parallel)
@@ -49,12 +51,12 @@ def accepts(parser: str, text: str, *, special: bool, reasoning: str | None = No
     matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar.lark),
                                    log_level=0)
     assert not matcher.is_error(), matcher.get_error()
-    ids = tok.encode(text, add_special_tokens=False)
+    ids = [t for piece in ([text] if isinstance(text, str) else text)
+           for t in tok.encode(piece, add_special_tokens=False)]
     for i, t in enumerate(ids):
         if not matcher.consume_token(t):
             return tok.decode(ids[:i + 1], skip_special_tokens=False)[-12:]
-    assert matcher.is_accepting() or not text.endswith((">", "]", "}", "."))
-    return "stop" if matcher.is_stopped() else "accept"
+    return "stop" if matcher.is_stopped() else "accept" if matcher.is_accepting() else "open"
 
 
 @pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
@@ -102,6 +104,17 @@ def test_the_think_block_comes_first(special):
                        reasoning="qwen3") == "accept"
         # the answer may not open a think block the reasoning parser would read
         assert accepts("hermes", " <think>", special=False, reasoning="qwen3") == "accept"
+
+
+def test_special_markup_spelled_in_bytes_is_refused_in_free_text():
+    """The parsers read text: a special token's text written byte by byte would read as the
+    token, so free text may not hold it (nor thoughts their closing tag's)."""
+    assert accepts("hermes", ["hi <tool_", "call>"], special=True).endswith("call>")
+    assert accepts("hermes", ["hi <tool_", "call>"], special=False) == "open"  # a call opens
+    assert accepts("hermes", ["<think>a </th", "ink>"], special=True,
+                   reasoning="qwen3").endswith("ink>")
+    assert accepts("llama3_json", ["<|python", "_tag|>"], special=True).endswith("tag|>")
+    assert accepts("mistral", ["x [TOOL_", "CALLS]"], special=True).endswith("CALLS]")
 
 
 def test_pythonic_is_not_constrained():

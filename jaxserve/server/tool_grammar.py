@@ -135,20 +135,22 @@ def _llama3_json(tools, markup, parallel, template) -> str:
 _FORMATS = {"hermes": _hermes, "mistral": _mistral, "llama3_json": _llama3_json}
 
 
-def _reasoning_rules(reasoning: ReasoningParser | None, markup: _Markup) -> tuple[str, str]:
-    """(`start` and its thinking rules, FIRST_TEXT: what the answer's first text may be). The
-    think block is read as the reasoning parser reads it: qwen3 when the output opens with
-    `<think>` (the answer may then not open so), deepseek_r1 up to the first `</think>` (an
-    opening tag first is skipped), all of the output when the block never closes."""
+def _reasoning_rules(reasoning: ReasoningParser | None, markup: _Markup
+                     ) -> tuple[str, str | None, str | None]:
+    """(`start` and its thinking rules, what the answer's first text and a thought that never
+    closes may not hold besides the free text's exclusions: regexes or None). The think block
+    is read as the reasoning parser reads it: qwen3 when the output opens with `<think>` (the
+    answer may then not open so), deepseek_r1 up to the first `</think>` (an opening tag first
+    is skipped), all of the output when the block never closes."""
     if reasoning is None:
-        return "start: answer", _TEXT
+        return "start: answer", None, None
     opened, closed = markup(THINK_OPEN), markup(THINK_CLOSE)
     # thoughts: text up to the first closing tag (a special one cannot be inside text)
-    thought = (f"THOUGHT {closed}" if markup.is_special(THINK_CLOSE) else "thought")
-    unclosed = (_TEXT if markup.is_special(THINK_CLOSE)
-                else f"{_TEXT} & ~/(.|\\n)*{_escape(THINK_CLOSE)}(.|\\n)*/")
-    rules = [f"THOUGHT: {_TEXT}", f"UNCLOSED: {unclosed}",
-             f"thought[lazy]: /(.|\\n)*{_escape(THINK_CLOSE)}/"]
+    if markup.is_special(THINK_CLOSE):
+        rules, thought, unclosed = [], f"THOUGHT {closed}", None
+    else:
+        rules = [f"thought[lazy]: /(.|\\n)*{_escape(THINK_CLOSE)}/"]
+        thought, unclosed = "thought", f"(.|\\n)*{_escape(THINK_CLOSE)}(.|\\n)*"
     # The opening tag with the whitespace before it: one lexeme when it is text (llguidance's
     # lexer is greedy, so a separate whitespace lexeme would lose to the answer's text).
     if markup.is_special(THINK_OPEN):
@@ -157,12 +159,19 @@ def _reasoning_rules(reasoning: ReasoningParser | None, markup: _Markup) -> tupl
         rules += ["think_open: THINK_OPEN", f"THINK_OPEN: /\\s*{_escape(THINK_OPEN)}/"]
     if reasoning.thinks_from_start:
         rules.append(f"start: think_open? ({thought} answer | UNCLOSED)")
-        first = _TEXT
-    else:
-        rules.append(f"start: think_open ({thought} answer | UNCLOSED) | answer")
-        first = (_TEXT if markup.is_special(THINK_OPEN)
-                 else f"{_TEXT} & ~/\\s*{_escape(THINK_OPEN)}(.|\\n)*/")
-    return "\n".join(rules), first
+        return "\n".join(rules), None, unclosed
+    rules.append(f"start: think_open ({thought} answer | UNCLOSED) | answer")
+    first = None if markup.is_special(THINK_OPEN) else f"\\s*{_escape(THINK_OPEN)}(.|\\n)*"
+    return "\n".join(rules), first, unclosed
+
+
+def _free_text(markup: _Markup, *excluded: str | None) -> str:
+    """Free text: any, but not the text of a special token the grammar names (its parser could
+    not tell it from the token, which the text keeps), nor what `excluded` matches."""
+    names = [_escape(text) for text, i in markup.special.items() if i in markup.used]
+    regexes = ([f"(.|\\n)*({'|'.join(names)})(.|\\n)*"] if names else []) + [
+        e for e in excluded if e]
+    return " & ".join([_TEXT] + [f"~/{r}/" for r in regexes])
 
 
 def _escape(text: str) -> str:
@@ -180,7 +189,9 @@ def tool_grammar(parser: ToolParser, tools: list[dict], tokenizer,
     markup = _Markup(tokenizer)
     template = getattr(tokenizer, "chat_template", None)
     answer = build(tools, markup, parallel, template)
-    start, first = _reasoning_rules(reasoning, markup)
-    lark = "\n".join(["%llguidance {}", start, answer, f"TEXT: {_TEXT}",
-                      f"FIRST_TEXT: {first}", r"SPACE: /[ \t\r\n]{0,4}/"])
+    start, first, unclosed = _reasoning_rules(reasoning, markup)
+    lark = "\n".join([
+        "%llguidance {}", start, answer, f"TEXT: {_free_text(markup)}",
+        f"FIRST_TEXT: {_free_text(markup, first)}", f"THOUGHT: {_free_text(markup)}",
+        f"UNCLOSED: {_free_text(markup, unclosed)}", r"SPACE: /[ \t\r\n]{0,4}/"])
     return ToolGrammar(lark, tuple(sorted(markup.used)))
