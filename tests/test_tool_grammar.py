@@ -117,6 +117,16 @@ def test_special_markup_spelled_in_bytes_is_refused_in_free_text():
     assert accepts("mistral", ["x [TOOL_", "CALLS]"], special=True).endswith("CALLS]")
 
 
+def test_keywords_llguidance_cannot_enforce_do_not_refuse_the_tools():
+    odd = {"name": "odd", "parameters": {"type": "object", "properties": {
+        "when": {"type": "string", "format": "no-such-format", "maxLength": 3},
+        "x": {"if": {"type": "string"}, "then": {"maxLength": 1}}}, "required": ["when"]}}
+    tok = byte_tokenizer()
+    grammar = tool_grammar(PARSERS["hermes"](), [odd], tok, None, True)
+    assert llguidance.LLMatcher.validate_grammar(
+        llguidance.LLMatcher.grammar_from_lark(grammar.lark)) == ""
+
+
 def test_pythonic_is_not_constrained():
     assert tool_grammar(PARSERS["pythonic"](), [WEATHER], byte_tokenizer(), None, True) is None
 

@@ -31,8 +31,11 @@ from jaxserve.server.reasoning import ReasoningParser
 from jaxserve.server.tool_parsers import ToolParser
 
 # The arguments as the templates write them (json.dumps' separators, no other whitespace), so
-# a constrained call looks like the calls the model saw in its prompt.
-_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# a constrained call looks like the calls the model saw in its prompt. Lenient: a keyword
+# llguidance cannot enforce (an unknown format, if/then) is left unenforced rather than making
+# every request offering that tool a 400 (a pattern it cannot compile still is one).
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ",
+               "lenient": True}
 _TEXT = r"/(.|\n)*/"
 
 
