@@ -62,6 +62,20 @@ def make_case(seed, *, seq_lens, q_lens=None, page_size, num_kv_heads, group, he
     return case
 
 
+def page_major(case, *, heads: int | None = None, flat: bool = False, nan: float | None = None):
+    """The case's head-major K and V as one page-major pool (kv_cache.PagedKV): f[N, B, 2H, D]
+    with head h's K at 2h and V at 2h + 1 (H = heads >= the case's; the extra heads zeros), or
+    flat, f[N, B, 2H * D] (the same bytes); nan: a finite value for the NaN garbage."""
+    k, v = (np.asarray(jnp.asarray(case[n], jnp.float32)) for n in ("k_pages", "v_pages"))
+    if nan is not None:
+        k, v = np.nan_to_num(k, nan=nan), np.nan_to_num(v, nan=nan)
+    h, n, b, d = k.shape
+    kv = np.zeros((n, b, heads or h, 2, d), np.float32)
+    kv[:, :, :h, 0], kv[:, :, :h, 1] = k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3)
+    shape = (n, b, -1) if flat else (n, b, -1, d)
+    return jnp.asarray(kv.reshape(shape), case["k_pages"].dtype)
+
+
 def quantize_case(case):
     """The case with int8 pages and their scales f32[Hkv, N, B] (kv_cache.quantize_kv): the
     garbage slots (NaN in the float case) hold int8 garbage and NaN scales."""

@@ -8,9 +8,9 @@ q dtype x KV dtype; windows and soft-capping on both paths and every KV dtype), 
 `test_cases_cover_the_matrix`; each case compiles for both generations (one topology each).
 Then, for SmolLM2-135M's shapes over a 4096-page pool: `compiled.memory_analysis()` (printed
 with -s), and whether the pool in XLA's default TPU layout reaches the kernel without a per-call
-copy (strict xfails for our kernels' head-major pool: head dim 64, int8 scales; passing for JAX's
-kernel's page-major pool, its cases compiled under jax_kernel.compile_target). Skipped where libtpu is
-not installed; about 20 s on two cores.
+copy (strict xfails for our kernels' head-major pool: head dim 64, int8 scales; passing for the
+page-major pools: ours flat [N, B, 2 * Hkv * D], JAX's kernel's [N, B, 2 * Hkv', D], its cases
+compiled under jax_kernel.compile_target). Skipped where libtpu is not installed.
 """
 
 from __future__ import annotations
@@ -193,14 +193,59 @@ _RELAYOUT = ("XLA's default TPU layout of {} puts N minor (no lane padding) whil
         strict=True, raises=AssertionError, reason=_RELAYOUT.format("the scales f32[Hkv, N, B]"))),
 ], ids=lambda v: _NAMES.get(v, str(v)))
 def test_head_major_pool_is_copied_per_call(device, kv_dtype, head_dim):
-    """Our kernels' head-major pool, where JAX's kernel does not apply (head dim 64, int8
-    pages): strict xfails while XLA relayouts it per call. XLA keeps a TPU array row-major only
-    when its minor dim is a multiple of 128 lanes (compiled for v6e: [N, B, 8, 64] and
-    [N, B, 6, 64] are relayouted too, [N, B, 384] and [N, B, 512] are not), so the fix for head
-    dim 64 is pages [N, B, 2 * Hkv * D] read by a kernel that slices heads out of lanes."""
+    """Our kernels' head-major pool: strict xfails while XLA relayouts it per call. XLA keeps a
+    TPU array row-major only when its minor dim is whole 128-lane tiles (compiled for v6e:
+    [N, B, 8, 64] and [N, B, 6, 64] are relayouted too, [N, B, 384] and [N, B, 512] are not), so
+    float pages of head dim 64 are served from the flat page-major pool [N, B, 2 * Hkv * D]
+    (test_flat_page_major_pool_is_not_copied_per_call); int8 pages keep this pool, and their
+    scales f32[Hkv, N, B] are still relayouted (a lane-dense scale layout is not done)."""
     case = Case(kv_dtype=kv_dtype, **dict(MEMORY_CASE, head_dim=head_dim))
     compiled, _ = compile_case(case, device)
     assert pool_copies(compiled, case) == 0
+
+
+# Our kernels over the flat page-major pool f[N, B, 2 * Hkv * D] (float pages; head dims 64 to
+# 256, both paths, windows, soft caps, GQA with 3 KV heads).
+FLAT_CASES = [
+    Case("decode", BF16, BF16, 64, 3, 3, 16, pages_per_block=4),
+    Case("prefill", F32, BF16, 64, 3, 3, 8, window=100, soft_cap=30.0),
+    Case("decode", F32, F32, 128, 2, 4, 32, window=64, soft_cap=50.0),
+    Case("prefill", BF16, F32, 256, 1, 8, 16, pages_per_block=1),
+]
+
+
+def compile_flat_case(case: Case, device):
+    args = abstract_inputs(case, device)
+    args["k_pages"] = abstract((case.num_pages, case.page_size,
+                                2 * case.kv_heads * case.head_dim), case.kv_dtype, device)
+    args["v_pages"] = None
+    attend = functools.partial(
+        ragged_paged_attention, sm_scale=case.head_dim ** -0.5, window=case.window,
+        soft_cap=case.soft_cap, interpret=False,
+        block_sizes=TpuBlockSizes(block_q=case.block_q, pages_per_block=case.pages_per_block))
+    return compile_for(lambda a: attend(**a), args)
+
+
+@pytest.mark.parametrize("case", FLAT_CASES, ids=str)
+def test_flat_page_major_compiles(device, case):
+    compiled, seconds = compile_flat_case(case, device)
+    print(f"\n{device.device_kind} flat {case}: {seconds:.2f} s")
+    assert compiled.out_info.shape == (*case.shapes()[:1], case.kv_heads * case.group,
+                                       case.head_dim)
+    assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_flat_page_major_pool_is_not_copied_per_call(device):
+    """SmolLM2's shapes (head dim 64, 3 KV heads) over 4096 pages in the flat page-major pool:
+    bf16[4096, 16, 384] is lane-dense, so XLA keeps it row-major and the kernel reads it in
+    place (the head-major pool of the same bytes is relayouted per call, above)."""
+    case = Case(kv_dtype=BF16, **MEMORY_CASE)
+    compiled, _ = compile_flat_case(case, device)
+    text, stats = compiled.as_text(), compiled.memory_analysis()
+    print(f"\n{device.device_kind} flat bf16[4096, 16, 384]: {stats}")
+    assert "[4096,16,384]" in text
+    assert not re.search(r"\[4096,16,384\]\{[^}]*\} copy\(", text)
+    assert stats.argument_size_in_bytes >= 4096 * 16 * 384 * 2
 
 
 # JAX's kernel over the page-major pool: every value of every option it takes, over both paths

@@ -2,8 +2,11 @@
 page-major pool it reads (kv_cache.PagedKV): on CPU, with JAX's `ref_ragged_paged_attention` in
 the kernel's place (no Pallas interpret mode of jax 0.10.2 runs the kernel itself; it is compiled
 for v5e and v6e in tests/test_tpu_compile.py), against the float64 oracle: the layout, the padded
-KV heads (3 -> 4), windows, soft caps and the ragged rows of tests/attention_cases.py. And the
-pool's write and copy-on-write in that layout against the head-major ones."""
+KV heads (3 -> 4), windows, soft caps and the ragged rows of tests/attention_cases.py (JAX's
+kernel masks scores by adding, not selecting, so the garbage it may read, slots past a row's
+length or before its window, must be finite: the NaN of the cases becomes 7). And the backend's
+choice of layout, and the pool's write and copy-on-write in the page-major layouts against the
+head-major one."""
 
 from __future__ import annotations
 
@@ -12,23 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import TOL, assert_close, mixed_rows, ragged_case
+from attention_cases import TOL, assert_close, mixed_rows, page_major, ragged_case
 from jaxserve.backends import get, pool_layout
 from jaxserve.model.kv_cache import KVLayout, KVPool, PagedKV, write_kv
 from pallas_kernels.reference import ref_ragged_paged_attention_f64
 from pallas_kernels.tpu import jax_kernel
-
-
-def page_major(case, heads: int) -> jax.Array:
-    """The case's head-major K and V as f[N, B, 2 * heads, D], K and V interleaved. JAX's kernel
-    masks by adding, not selecting, so the garbage it may read (slots of a row's pages past its
-    length or before its window) must be finite: NaN becomes 7 (as finite as any stale page)."""
-    k, v = (np.nan_to_num(np.asarray(jnp.asarray(case[n], jnp.float32)), nan=7.0)
-            for n in ("k_pages", "v_pages"))
-    h, n, b, d = k.shape
-    kv = np.zeros((n, b, 2 * heads, d), np.float32)
-    kv[:, :, 0:2 * h:2], kv[:, :, 1:2 * h:2] = k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3)
-    return jnp.asarray(kv, case["k_pages"].dtype)
 
 
 @pytest.fixture
@@ -55,7 +46,7 @@ def test_adapter_matches_the_f64_oracle(jax_reference, page_size, head_dim, kv_h
     assert heads == {3: 4}.get(kv_heads, kv_heads)  # 6 combined heads do not tile; 8 do
     sm_scale = head_dim ** -0.5
     out = jax_kernel.ragged_paged_attention(
-        case["q"], page_major(case, heads), case["page_tables"], case["seq_lens"],
+        case["q"], page_major(case, heads=heads, nan=7.0), case["page_tables"], case["seq_lens"],
         case["query_start"], num_kv_heads=kv_heads, sm_scale=sm_scale, window=window,
         soft_cap=soft_cap)
     expected = ref_ragged_paged_attention_f64(
@@ -76,34 +67,39 @@ def test_the_tpu_backend_chooses_the_layout():
     tpu, interpreted, cpu = get("pallas-tpu"), get("pallas-tpu-interpret"), get("xla")
     layout = lambda b, h, d, dt, g=2, q=jnp.bfloat16: pool_layout(  # noqa: E731
         b, h, d, dt, num_q_heads=h * g, q_dtype=q)
-    assert layout(tpu, 3, 128, jnp.bfloat16, 3) == KVLayout(4, True, 3)
-    assert layout(tpu, 8, 128, jnp.float32) == KVLayout(8, True, 8)
-    for heads, d, dtype in [(3, 64, jnp.bfloat16), (8, 128, jnp.int8)]:  # our kernels' pools
-        assert layout(tpu, heads, d, dtype) == KVLayout(heads)
-    # JAX's kernel would block 4 of 8 f32 query heads, which Mosaic refuses: ours serve
-    assert layout(tpu, 8, 128, jnp.float32, 1, jnp.float32) == KVLayout(8)
-    assert layout(interpreted, 3, 128, jnp.bfloat16) == KVLayout(3)
+    jax_pool = lambda h, model: KVLayout(h, page_major=True, model_heads=model)  # noqa: E731
+    flat = lambda h: KVLayout(h, page_major=True, flat=True)  # noqa: E731  ours
+    assert layout(tpu, 3, 128, jnp.bfloat16, 3) == jax_pool(4, 3)
+    assert layout(tpu, 8, 256, jnp.float32) == jax_pool(8, 8)
+    assert layout(tpu, 3, 64, jnp.bfloat16) == flat(3)  # JAX's takes no head dim 64
+    # JAX's kernel would block 4 of 8 f32 query heads, which Mosaic refuses
+    assert layout(tpu, 8, 128, jnp.float32, 1, jnp.float32) == flat(8)
+    assert layout(interpreted, 3, 128, jnp.bfloat16) == flat(3)  # JAX's does not interpret
+    assert layout(tpu, 8, 128, jnp.int8) == KVLayout(8)  # per-token scales: head-major
+    assert layout(tpu, 2, 32, jnp.bfloat16) == KVLayout(2)  # 2D = 64 lanes: not whole tiles
     assert layout(cpu, 3, 128, jnp.bfloat16) == KVLayout(3)
 
 
-def test_page_major_write_and_copy_match_head_major():
-    """The same writes and copy-on-write in both layouts hold the same K and V; the padded
-    heads stay zero; a tensor-parallel pool holds each shard's padding."""
+@pytest.mark.parametrize("flat", [False, True])
+def test_page_major_write_and_copy_match_head_major(flat):
+    """The same writes and copy-on-write in both layouts hold the same K and V; padded heads
+    stay zero; a tensor-parallel pool holds each shard's padding."""
     rng = np.random.default_rng(0)
     n, b, d, h = 6, 4, 8, 3
+    layout = KVLayout(4, page_major=True, model_heads=3, flat=flat)
     head = KVPool.zeros(1, h, n, b, d, jnp.float32)
-    paged = KVPool.zeros(1, h, n, b, d, jnp.float32, KVLayout(4, True, 3))
-    assert paged.layers[0].kv.shape == (n, b, 8, d)
-    assert KVPool.zeros(1, 2 * h, n, b, d, jnp.float32, KVLayout(4, True, 3),
-                        devices=2).layers[0].kv.shape == (n, b, 16, d)
+    paged = KVPool.zeros(1, h, n, b, d, jnp.float32, layout)
+    assert paged.layers[0].kv.shape == ((n, b, 8 * d) if flat else (n, b, 8, d))
+    assert KVPool.zeros(1, 2 * h, n, b, d, jnp.float32, layout,
+                        devices=2).layers[0].kv.shape[2] == (16 * d if flat else 16)
     k, v = (jnp.asarray(rng.standard_normal((5, h, d)), jnp.float32) for _ in range(2))
     slots = jnp.asarray([5, 6, 9, 12, 23], jnp.int32)
     head = KVPool((write_kv(head.layers[0], k, v, slots),))
     paged = KVPool((write_kv(paged.layers[0], k, v, slots),))
     src, dst = jnp.asarray([1, 2]), jnp.asarray([4, 3])
     head, paged = head.copy_pages(src, dst), paged.copy_pages(src, dst)
-    kv = np.asarray(paged.layers[0].kv)
     assert isinstance(paged.layers[0], PagedKV) and paged.layers[0].num_kv_heads == h
-    np.testing.assert_array_equal(kv[:, :, 0:2 * h:2], np.asarray(head.layers[0].k).transpose(1, 2, 0, 3))
-    np.testing.assert_array_equal(kv[:, :, 1:2 * h:2], np.asarray(head.layers[0].v).transpose(1, 2, 0, 3))
-    assert not kv[:, :, 2 * h:].any() and kv[4].any() and kv[3].any()
+    kv = np.asarray(paged.layers[0].kv).reshape(n, b, 4, 2, d)
+    expected = dict(k_pages=head.layers[0].k, v_pages=head.layers[0].v)
+    np.testing.assert_array_equal(kv, np.asarray(page_major(expected, heads=4)).reshape(kv.shape))
+    assert not kv[:, :, h:].any() and kv[4].any() and kv[3].any()

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from attention_cases import (EXTREME_TOL, F64_TOL, RAGGED_SHAPES, TOL, assert_close, call,
-                             dense_f64, extreme_case, make_case, mixed_rows, quantize_case,
-                             ragged_case)
-from pallas_kernels.reference import ref_paged_decode_attention, ref_ragged_paged_attention
+                             dense_f64, extreme_case, make_case, mixed_rows, page_major,
+                             quantize_case, ragged_case)
+from pallas_kernels.reference import (ref_paged_decode_attention, ref_ragged_paged_attention,
+                                      ref_ragged_paged_attention_f64)
 from pallas_kernels.tpu import TpuBlockSizes, ragged_paged_attention, validate_inputs
 from pallas_kernels.tpu.attention import uses_decode_path
 from pallas_kernels.tpu.decode_attention import decode_attention
@@ -154,6 +155,33 @@ def test_decode_path_is_exact_on_mixed_rows(page_size, head_dim, num_kv_heads, g
                        num_kv_heads=num_kv_heads, group=group, head_dim=head_dim, dtype=dtype)
     scale = 1 / math.sqrt(head_dim)
     _check(decode_path(case, scale, pages_per_block=2), case, scale, dtype)
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("head_dim,num_kv_heads,group,dtype,window,soft_cap", [
+    (64, 3, 3, jnp.float32, None, None), (128, 2, 2, jnp.bfloat16, 20, 30.0)])
+def test_page_major_pool_equals_head_major(path, head_dim, num_kv_heads, group, dtype, window,
+                                           soft_cap):
+    """Both paths over the flat page-major pool f[N, B, 2 * Hkv * D] (kv_cache.PagedKV, v_pages
+    None: one DMA per page and head moves its K and V lanes) give the head-major pool's outputs
+    and match the float64 oracle (NaN garbage in unused slots included)."""
+    rows = mixed_rows(16, long=40)
+    if path == "decode":  # T == S: one token per row
+        rows = [(n, 1 if n else 0) for n, _ in rows]
+    case = ragged_case(12, rows, page_size=16, num_kv_heads=num_kv_heads, group=group,
+                       head_dim=head_dim, dtype=dtype)
+    case["q"] = case["q"][:len(rows)] if path == "decode" else case["q"]
+    assert uses_decode_path(*case["q"].shape[:1], len(rows)) == (path == "decode")
+    scale, opts = head_dim ** -0.5, dict(window=window, soft_cap=soft_cap)
+    out = ragged_paged_attention(case["q"], page_major(case, flat=True), None,
+                                 case["page_tables"], case["seq_lens"], case["query_start"],
+                                 sm_scale=scale, interpret=interpret, **opts)
+    assert_close(out, attend(case, scale, **opts), dict(atol=1e-6, rtol=1e-6))
+    n = int(case["query_start"][-1])
+    expected = ref_ragged_paged_attention_f64(case["q"], case["k_pages"], case["v_pages"],
+                                              case["page_tables"], case["seq_lens"],
+                                              case["query_start"], sm_scale=scale, **opts)
+    assert_close(out[:n], expected[:n], TOL[dtype])
 
 
 @pytest.mark.parametrize("pages_per_block", [1, 2, 3, 8])

@@ -3,14 +3,18 @@ Triton, tpu/ in Mosaic), compiled on its device or interpreted on a CPU. The ent
 rows in any order, so batches are packed (decode rows and prefill chunks back to back, one step
 shape per token bucket) and the engine calls nothing else.
 
-The TPU family's pool is page-major (kv_cache.PagedKV, whole multi-head pages per DMA) where
-JAX's own TPU kernel applies (pallas_kernels/tpu/jax_kernel.py: float pages, head dim a multiple
-of 128; compiled, never interpreted), and head-major for this package's TPU kernels elsewhere
-(int8 pages, head dim 64)."""
+The TPU family's pool is page-major (kv_cache.PagedKV): [N, B, 2 * Hkv', D], whole multi-head
+pages per DMA, where JAX's own TPU kernel applies (pallas_kernels/tpu/jax_kernel.py: float pages,
+head dim a multiple of 128; compiled, never interpreted); the same bytes as lanes
+[N, B, 2 * Hkv * D] for this package's TPU kernels on other float pages with 2D a multiple of
+128 (head dim 64: one DMA per page and head moves its K and V); head-major [Hkv, N, B, D] for
+int8 pages (a scale per token and head) and other head dims."""
 
 from __future__ import annotations
 
 import functools
+
+import jax.numpy as jnp
 
 from jaxserve.backends import Backend
 from jaxserve.model.kv_cache import KVLayout, PagedKV
@@ -27,11 +31,15 @@ def backend(family: str, *, interpret: bool) -> Backend:
 
     def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
                   soft_cap: float | None = None):
-        if isinstance(cache, PagedKV):
+        if isinstance(cache, PagedKV) and cache.kv.ndim == 4:
             return jax_kernel.ragged_paged_attention(
                 q, cache.kv, md.page_tables, md.seq_lens, md.query_start,
                 num_kv_heads=cache.num_kv_heads, sm_scale=sm_scale, window=window,
                 soft_cap=soft_cap)
+        if isinstance(cache, PagedKV):  # flat lanes, our TPU kernels (gpu/ takes no PagedKV)
+            return ragged_paged_attention(q, cache.kv, None, md.page_tables, md.seq_lens,
+                                          md.query_start, sm_scale=sm_scale, interpret=interpret,
+                                          window=window, soft_cap=soft_cap)
         return ragged_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                       md.query_start, sm_scale=sm_scale, interpret=interpret,
                                       k_scale=cache.k_scale, v_scale=cache.v_scale,
@@ -39,12 +47,14 @@ def backend(family: str, *, interpret: bool) -> Backend:
 
     def kv_layout(num_kv_heads: int, head_dim: int, dtype, *, num_q_heads: int,
                   q_dtype) -> KVLayout:
-        # JAX's kernel does not run interpreted (jax_kernel.py): interpreted, head-major.
+        # JAX's kernel does not run interpreted (jax_kernel.py): interpreted, ours serve.
         if family == "tpu" and not interpret and jax_kernel.applies(
                 head_dim, dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                 q_dtype=q_dtype):
             return KVLayout(jax_kernel.padded_kv_heads(num_kv_heads, dtype), page_major=True,
                             model_heads=num_kv_heads)
+        if family == "tpu" and jnp.dtype(dtype) != jnp.int8 and (2 * head_dim) % 128 == 0:
+            return KVLayout(num_kv_heads, page_major=True, flat=True)  # ours, same bytes
         return KVLayout(num_kv_heads)
 
     name = f"pallas-{family}" + ("-interpret" if interpret else "")

@@ -54,10 +54,13 @@ class KVCache:
 @pytree_dataclass
 class PagedKV:
     """One layer's pages, page-major with K and V interleaved on the head axis: kv[page, slot,
-    2h] is head h's key, kv[page, slot, 2h + 1] its value. Heads past the model's (padding a
-    kernel asks for, KVLayout.heads) are never written and read by no query. Float pages only."""
+    2h] is head h's key, kv[page, slot, 2h + 1] its value; or the same bytes with heads and head
+    dim flattened into lanes, [N, B, 2 * Hkv' * D] (KVLayout.flat: XLA keeps a TPU array
+    row-major only when its minor dim is whole 128-lane tiles, which D = 64 is not). Heads past
+    the model's (padding a kernel asks for, KVLayout.heads) are never written and read by no
+    query. Float pages only."""
 
-    kv: jax.Array  # f[N, B, 2 * Hkv', D] (per tensor-parallel shard: Hkv' heads each)
+    kv: jax.Array  # f[N, B, 2 * Hkv', D] or f[N, B, 2 * Hkv' * D] (per tensor-parallel shard)
     num_kv_heads: int = static_field()  # Hkv <= Hkv': the model's heads (per shard)
 
     HEAD_AXIS = 2
@@ -81,6 +84,7 @@ class KVLayout:
     heads: int
     page_major: bool = False
     model_heads: int | None = None  # page-major: the model's heads per device (None: heads)
+    flat: bool = False  # page-major: heads and head dim flattened into lanes [N, B, 2 Hkv' D]
 
     def zeros(self, num_pages: int, page_size: int, head_dim: int, dtype, devices: int = 1):
         """One layer's zeroed cache over `devices` tensor-parallel shards (heads each)."""
@@ -88,8 +92,9 @@ class KVLayout:
         if self.page_major:
             if jnp.dtype(dtype) == jnp.int8:
                 raise ValueError("page-major pools hold float pages only")
-            return PagedKV(jnp.zeros((num_pages, page_size, 2 * heads, head_dim), dtype),
-                           self.model_heads or self.heads)
+            shape = (num_pages, page_size) + ((2 * heads * head_dim,) if self.flat
+                                              else (2 * heads, head_dim))
+            return PagedKV(jnp.zeros(shape, dtype), self.model_heads or self.heads)
         shape = (heads, num_pages, page_size, head_dim)
         pages = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         if jnp.dtype(dtype) != jnp.int8:
@@ -145,8 +150,11 @@ def write_kv(cache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
     mode = "promise_in_bounds"
     if isinstance(cache, PagedKV):  # [T, Hkv, 2, D] -> heads 0..2Hkv of each slot
         t, hkv, d = k.shape
-        kv = jnp.stack([k, v], axis=2).reshape(t, 2 * hkv, d).astype(cache.kv.dtype)
-        return PagedKV(cache.kv.at[page, offset, :2 * hkv].set(kv, mode=mode), hkv)
+        kv = jnp.stack([k, v], axis=2).reshape(t, 2 * hkv, d)
+        if cache.kv.ndim == 3:  # flat: heads and head dim in lanes
+            kv = kv.reshape(t, 2 * hkv * d)
+        return PagedKV(cache.kv.at[page, offset, :kv.shape[1]].set(
+            kv.astype(cache.kv.dtype), mode=mode), hkv)
     # Adjacent advanced indices after a slice keep their place: the update is [Hkv, T, D].
     if not cache.quantized:
         k, v = k.swapaxes(0, 1), v.swapaxes(0, 1)  # [Hkv, T, D]

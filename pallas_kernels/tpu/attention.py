@@ -18,11 +18,23 @@ over the option matrix in tests/test_tpu_compile.py).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.tpu.block_sizes import TpuBlockSizes
 from pallas_kernels.tpu.decode_attention import decode_attention
 from pallas_kernels.tpu.prefill_attention import prefill_attention
 from pallas_kernels.validation import validate_inputs
+
+
+def check_page_major(q, kv_pages, k_scale) -> None:
+    """A page-major pool: float f[N, B, 2 * Hkv * D] with 2D whole 128-lane tiles, no scales."""
+    head_dim = q.shape[-1]
+    if kv_pages.ndim != 3 or kv_pages.shape[2] % (2 * head_dim) or (2 * head_dim) % 128:
+        raise ValueError(f"a page-major pool is f[N, B, 2 * Hkv * D] with 2D a multiple of 128 "
+                         f"(D = {head_dim}), got shape {kv_pages.shape}")
+    if k_scale is not None or not jnp.issubdtype(kv_pages.dtype, jnp.floating):
+        raise ValueError(f"a page-major pool holds float pages without scales, got "
+                         f"{kv_pages.dtype}{' with scales' if k_scale is not None else ''}")
 
 
 def uses_decode_path(num_tokens: int, num_rows: int) -> bool:
@@ -32,8 +44,10 @@ def uses_decode_path(num_tokens: int, num_rows: int) -> bool:
 
 def ragged_paged_attention(
     q: jax.Array,  # f[T, Hq, D], flat query tokens of all rows, then padding
-    k_pages: jax.Array,  # f[Hkv, N, B, D] head-major, this step's K already written
-    v_pages: jax.Array,  # f[Hkv, N, B, D] head-major, this step's V already written
+    k_pages: jax.Array,  # f[Hkv, N, B, D] head-major, this step's K already written; or the
+    # page-major pool f[N, B, 2 * Hkv * D] (v_pages None): head h's K at lanes 2hD..2hD+D, its V
+    # next (kv_cache.PagedKV; one DMA per page and head moves both)
+    v_pages: jax.Array | None,  # f[Hkv, N, B, D] head-major, this step's V already written
     page_tables: jax.Array,  # i32[S, P]
     seq_lens: jax.Array,  # i32[S], KV length of each row after this step; 0 = padding row
     query_start: jax.Array,  # i32[S+1], cumulative; s owns tokens query_start[s]:query_start[s+1]
@@ -55,8 +69,15 @@ def ragged_paged_attention(
     interpret=True runs in Pallas TPU interpret mode (`pltpu.InterpretParams()`, any backend);
     False compiles with Mosaic, which needs a TPU.
     """
-    validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale,
-                    window=window, soft_cap=soft_cap)
+    if v_pages is None:
+        check_page_major(q, k_pages, k_scale)
+        view = jax.ShapeDtypeStruct((k_pages.shape[2] // (2 * q.shape[2]), *k_pages.shape[:2],
+                                     q.shape[2]), k_pages.dtype)
+        validate_inputs(q, view, view, page_tables, seq_lens, query_start,
+                        window=window, soft_cap=soft_cap)
+    else:
+        validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale,
+                        v_scale, window=window, soft_cap=soft_cap)
     bs = block_sizes or TpuBlockSizes()
     args = (q, k_pages, v_pages, page_tables, seq_lens, query_start)
     kw = dict(sm_scale=sm_scale, pages_per_block=bs.pages_per_block, interpret=interpret,

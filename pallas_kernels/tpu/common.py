@@ -7,7 +7,10 @@ per slot. Before the loop the copies of key block 0 start into slot 0; iteration
 copies of block i+1 into slot (i+1) % 2, then waits for block i in slot i % 2 and computes on it,
 so the copy of the next block overlaps this block's matmuls. Every page is its own DMA of one
 contiguous [B, D] block k_pages[h, page] of the head-major pool (left in HBM); the
-pages_per_block copies of one block signal the same semaphore and are waited one by one.
+pages_per_block copies of one block signal the same semaphore and are waited one by one. A
+page-major pool kv[N, B, 2 * Hkv * D] (float pages) has one buffer [2, pages_per_block, B, 2D]
+instead: one DMA per page moves head h's lanes [B, 2D] (K then V; 2D whole 128-lane tiles, so
+XLA keeps the pool row-major and no call relayouts it, unlike a head-major pool of head dim 64).
 
 Statistics. The running max m and normaliser l are carried as f32[R, 128] (every lane holds the
 same value) rather than f32[R, 1], the layout TPU vector registers hold natively; column 0 is
@@ -71,25 +74,32 @@ def prepare_page_tables(page_tables, seq_lens, *, num_pages: int, page_size: int
 
 def pool_operands(k_pages, v_pages, k_scale, v_scale) -> tuple:
     """The pool as the kernels take it (all left in HBM): (K, V) pages, then for int8 pages their
-    scales viewed as f32[Hkv, N, 1, B], so one page's scales are a whole [1, B] block."""
+    scales viewed as f32[Hkv, N, 1, B], so one page's scales are a whole [1, B] block; or, for a
+    page-major pool (v_pages None), (kv f[N, B, 2 * Hkv * D],)."""
+    if v_pages is None:
+        return (k_pages,)
     if k_scale is None:
         return k_pages, v_pages
     scale_shape = (*k_scale.shape[:2], 1, k_scale.shape[2])
     return k_pages, v_pages, k_scale.reshape(scale_shape), v_scale.reshape(scale_shape)
 
 
-def split_refs(refs, *, quantized: bool):
+def split_refs(refs, *, num_pool: int):
     """A kernel's refs after q_ref -> (pool refs in HBM, o_ref, VMEM buffers, DMA semaphores).
-    Pool refs and buffers are (K, V), or (K, V, K scale, V scale) for int8 pages."""
-    n = 4 if quantized else 2
+    Pool refs and buffers are (K, V), (K, V, K scale, V scale) for int8 pages, or (KV,) for a
+    page-major pool (`pool_operands`)."""
+    n = num_pool
     return refs[:n], refs[n], refs[n + 1:2 * n + 1], refs[2 * n + 1]
 
 
 def kv_scratch(pages_per_block: int, page_size: int, head_dim: int, dtype, *,
-               quantized: bool) -> list:
+               quantized: bool, page_major: bool = False) -> list:
     """Scratch for `pipelined_kv_loop`: K and V buffers [2, pages, B, D], for int8 pages K and V
     scale buffers f32[2, pages, 1, B], and DMA semaphores (one row per buffer, one column per
-    slot)."""
+    slot); a page-major pool's one buffer [2, pages, B, 2D] holds a head's K and V lanes."""
+    if page_major:
+        return [pltpu.VMEM((2, pages_per_block, page_size, 2 * head_dim), dtype),
+                pltpu.SemaphoreType.DMA((1, 2))]
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), dtype)
     bufs = [buf, buf]
     if quantized:
@@ -111,15 +121,24 @@ def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_hea
 
     first_entry(block): index in table_ref of the block's first page; L = pages_per_block * B.
     pool, bufs: (K, V) or, for int8 pages, (K, V, K scale, V scale) refs in HBM and VMEM
-    (`split_refs`); int8 blocks reach body dequantized.
+    (`split_refs`); int8 blocks reach body dequantized. A page-major pool (KV,) f[N, B, 2HD]
+    gives each page's lanes of kv_head, [B, 2D] (K then V), in one DMA: 2D is a multiple of 128,
+    so the slice is whole lane tiles.
     """
-    pages_per_block, page_size, head_dim = bufs[0].shape[1:]
+    pages_per_block, page_size, width = bufs[0].shape[1:]
+    page_major = len(pool) == 1
+    head_dim = width // 2 if page_major else width
 
     def copies(block, slot):
         entry = first_entry(block)
         out = []
         for i in range(pages_per_block):
             page = table_ref[entry + i]
+            if page_major:
+                lanes = pl.ds(pl.multiple_of(kv_head * width, width), width)
+                out.append(pltpu.make_async_copy(pool[0].at[page, :, lanes], bufs[0].at[slot, i],
+                                                 sems.at[0, slot]))
+                continue
             for kind, (hbm, buf) in enumerate(zip(pool, bufs)):
                 out.append(pltpu.make_async_copy(hbm.at[kv_head, page], buf.at[slot, i],
                                                  sems.at[kind, slot]))
@@ -142,6 +161,9 @@ def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_hea
             copy.wait()
         # Convert first, then fold pages into sublanes: a float32 fold is layout-free for B a
         # multiple of 8, an int8 (32-row tiles) or bf16 (16-row tiles) one need not be.
+        if page_major:
+            kv = bufs[0][slot].astype(jnp.float32).reshape(pages_per_block * page_size, width)
+            return body(block, kv[:, :head_dim], kv[:, head_dim:], carry)
         k, v = (buf[slot].astype(jnp.float32).reshape(pages_per_block * page_size, head_dim)
                 for buf in bufs[:2])
         if len(bufs) == 4:  # int8 * scale in float32, as `dequantize_pages` rounds it

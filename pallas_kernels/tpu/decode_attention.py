@@ -16,7 +16,8 @@ in VMEM after the copy (common.py, "int8 pages").
 What has been run: Pallas TPU interpret mode on CPU (`pltpu.InterpretParams()`), jax 0.10.2, and
 compiled by XLA and Mosaic for v5e and v6e topologies on a CPU host (libtpu; tests/
 test_tpu_compile.py). Nothing here has run on a TPU or been timed. Known gaps for real hardware: one
-DMA per page of one contiguous B*D block (e.g. 16 * 128 * 2 B = 4 KiB in bf16), so small pages
+DMA per page and KV head (K and V each for the head-major pool, together for the page-major
+one) (e.g. 16 * 128 * 2 B = 4 KiB in bf16), so small pages
 mean many small copies; the pipeline restarts in every program (the next program's first block
 is not prefetched); G query rows per program leave the MXU mostly idle for small G; the reshape
 (pages, B, D) -> (pages*B, D) assumes Mosaic-friendly B (a multiple of 8) and D (ideally a
@@ -55,9 +56,9 @@ def _decode_kernel(row_ref, position_ref, table_ref,  # scalar prefetch: i32[T] 
                    *refs,  # pool in HBM: K, V [Hkv, N, B, D] (+ K, V scales f32[Hkv, N, 1, B]);
                    # o_ref [G, D]; VMEM buffers K, V [2, pages_per_block, B, D] (+ scales
                    # f32[2, pages_per_block, 1, B]); DMA semaphores (buffers, 2 slots)
-                   sm_scale: float, table_width: int, quantized: bool, window: int | None,
+                   sm_scale: float, table_width: int, num_pool: int, window: int | None,
                    soft_cap: float | None):
-    pool, o_ref, bufs, sems = split_refs(refs, quantized=quantized)
+    pool, o_ref, bufs, sems = split_refs(refs, num_pool=num_pool)
     t, h = pl.program_id(0), pl.program_id(1)
     row, position = row_ref[t], position_ref[t]
     pages_per_block, page_size = bufs[0].shape[1:3]
@@ -88,7 +89,11 @@ def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
                      window: int | None = None, soft_cap: float | None = None) -> jax.Array:
     """Inputs and output as `ragged_paged_attention` (validated there); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    if v_pages is None:  # page-major kv f[N, B, 2 * Hkv * D]
+        num_pages, page_size, lanes = k_pages.shape
+        num_kv_heads = lanes // (2 * head_dim)
+    else:
+        num_kv_heads, num_pages, page_size, _ = k_pages.shape
     num_seqs = page_tables.shape[0]
     group = num_q_heads // num_kv_heads
     pages_per_block = min(pages_per_block, page_tables.shape[1])
@@ -97,9 +102,8 @@ def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
     row, position = token_rows_and_positions(seq_lens, query_start, num_tokens)
     q_spec = pl.BlockSpec((None, None, group, head_dim), lambda t, h, *_: (t, h, 0, 0))
     pool = pool_operands(k_pages, v_pages, k_scale, v_scale)
-    quantized = len(pool) == 4
     kernel = functools.partial(_decode_kernel, sm_scale=float(sm_scale),
-                               table_width=table.shape[0] // num_seqs, quantized=quantized,
+                               table_width=table.shape[0] // num_seqs, num_pool=len(pool),
                                window=window, soft_cap=soft_cap)
     out = pl.pallas_call(
         kernel,
@@ -109,7 +113,7 @@ def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
             in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pool),
             out_specs=q_spec,
             scratch_shapes=kv_scratch(pages_per_block, page_size, head_dim, k_pages.dtype,
-                                      quantized=quantized),
+                                      quantized=len(pool) == 4, page_major=len(pool) == 1),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), q.dtype),
