@@ -138,7 +138,7 @@ def run_batch(engine: LLMEngine, input_path: str, output_path: str, *,
               max_in_flight: int | None = None) -> BatchSummary:
     """Run every request line of `input_path` through `engine` together; write `output_path`."""
     ctx = ctx or ProtocolContext.for_engine(engine)
-    max_in_flight = max_in_flight or max(256, 4 * engine.config.max_num_seqs)
+    max_in_flight = max_in_flight or max(256, 4 * engine.config.scheduler.max_num_seqs)
     with open(input_path, encoding="utf-8") as f:
         lines = [(_line_key(n, raw), raw) for n, raw in enumerate(f, 1) if raw.strip()]
     done = read_results(output_path)

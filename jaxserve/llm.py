@@ -13,7 +13,7 @@ Messages = list[dict[str, str]]
 
 
 class LLM:
-    """`LLM(model="smollm2-135m", **engine_options)`; options are EngineConfig fields."""
+    """`LLM(model="smollm2-135m", **engine_options)`: EngineConfig.from_options's flat options."""
 
     def __init__(self, model: str = "smollm2-135m", **engine_options: Any):
         self.engine = make_engine(EngineConfig.from_options(model=model, **engine_options))

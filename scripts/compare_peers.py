@@ -74,7 +74,7 @@ def run_jaxserve(loaded, requests, *, max_num_seqs: int) -> tuple[dict, list[lis
     llm = LLM.__new__(LLM)  # share the loaded weights: build the engine directly
     # Prefix caching off: the warm-up runs the same prompts, and cached prompt pages would be an
     # advantage the peers (which keep nothing between calls) do not get.
-    llm.engine = LLMEngine(EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(
+    llm.engine = LLMEngine(EngineConfig.from_options(max_num_seqs=max_num_seqs, max_num_batched_tokens=max(
         FLAGS.max_num_batched_tokens, max_num_seqs), max_model_len=max(
         r.prompt_len + r.output_len for r in requests) + 1, enable_prefix_caching=False), loaded)
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)

@@ -189,11 +189,14 @@ def offline(loaded, num_prompts: int, max_num_seqs: int, quantization: str = "no
 
 def pages_per_budget(cfg, budget: int) -> dict:
     """Pages of 16 slots (scratch page 0 included) that `budget` bytes of KV hold per dtype."""
-    from jaxserve.config import EngineConfig
+    from jaxserve.config import EngineConfig, ResolvedConfig
 
-    return {kv: EngineConfig(kv_cache_bytes=budget, dtype="float32",
-                             kv_cache_dtype=kv).resolve_num_pages(cfg, 2048)
-            for kv in ("float32", "bfloat16", "int8")}
+    def pages(kv: str) -> int:
+        config = EngineConfig.from_options(kv_cache_bytes=budget, kv_cache_dtype=kv)
+        return ResolvedConfig.of(config, cfg, dtype="float32", backend="xla",
+                                 attention_cost=1.0).num_pages(config, cfg)
+
+    return {kv: pages(kv) for kv in ("float32", "bfloat16", "int8")}
 
 
 def main(argv):

@@ -72,7 +72,7 @@ def main() -> None:
     common = dict(model=args.model, attention_backend="xla", page_size=16, num_pages=1024,
                   max_num_seqs=16, max_num_batched_tokens=256, huge_pages=False)
 
-    tp = LLMEngine(EngineConfig(tensor_parallel_size=args.tp, **common))
+    tp = LLMEngine(EngineConfig.from_options(tensor_parallel_size=args.tp, **common))
     shapes = tp.buckets.step_shapes(tp.runner.page_size)
     report = {"tensor_parallel": {
         "tp": args.tp, "layers": tp.model_config.num_layers,
@@ -80,8 +80,8 @@ def main() -> None:
         "largest": collectives(tp, largest_shape(tp.buckets, tp.runner.page_size))}}
     del tp
 
-    dp = make_engine(EngineConfig(data_parallel_size=args.dp, enable_prefix_caching=True,
-                                  **common))
+    dp = make_engine(EngineConfig.from_options(data_parallel_size=args.dp, enable_prefix_caching=True,
+                                               **common))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for i, prompt in enumerate(mixed_workload(args.requests, dp.model_config.vocab_size)):
         dp.add_request({"prompt_token_ids": prompt}, params, request_id=str(i))

@@ -24,10 +24,11 @@ DIES_AFTER_STEPS = 3
 
 def main() -> None:
     port, process_id, timeout_s = (int(a) for a in sys.argv[1:4])
-    config = EngineConfig(**{**OPTIONS, "speculative_config": None}, tensor_parallel_size=3,
-                          num_processes=3, process_id=process_id,
-                          coordinator_address=f"127.0.0.1:{port}",
-                          distributed_timeout_s=timeout_s)
+    config = EngineConfig.from_options(**{**OPTIONS, "speculative_config": None},
+                                       tensor_parallel_size=3, num_processes=3,
+                                       process_id=process_id,
+                                       coordinator_address=f"127.0.0.1:{port}",
+                                       distributed_timeout_s=timeout_s)
     engine = make_engine(config, random_model(SMOL_SHAPED, seed=3, weight_scale=0.3))
     print("joined", flush=True)
     if process_id == 0:

@@ -198,9 +198,11 @@ def make_sched(num_pages=64, max_model_len=256, eos=(), speculation=None, **cfg)
     cfg.setdefault("max_num_seqs", 8)
     cfg.setdefault("max_num_batched_tokens", 32)
     cfg.setdefault("watermark", 0.0)
-    return Scheduler(EngineConfig(**cfg), num_pages=num_pages, max_model_len=max_model_len,
-                     eos_token_ids=tuple(eos), model_fingerprint="fake-model",
-                     speculation=speculation)
+    config = EngineConfig.from_options(**cfg)
+    return Scheduler(config.scheduler, config.cache, num_pages=num_pages,
+                     max_model_len=max_model_len, eos_token_ids=tuple(eos),
+                     model_fingerprint="fake-model", speculation=speculation,
+                     prefill_keys_per_token=config.scheduler.prefill_keys_per_token or 0)
 
 
 def expected(requests, **kw):

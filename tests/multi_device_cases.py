@@ -50,7 +50,7 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def serve(loaded, max_tokens: int = 20, **options) -> dict:
-    engine = make_engine(EngineConfig(**{**OPTIONS, **options}), loaded)
+    engine = make_engine(EngineConfig.from_options(**{**OPTIONS, **options}), loaded)
     llm = LLM.from_engine(engine)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     work = prompts(loaded.config.vocab_size)

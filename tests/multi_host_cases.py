@@ -32,7 +32,7 @@ def main() -> None:
     else:
         from multi_device_cases import OPTIONS
 
-        engine = make_engine(EngineConfig(**{**OPTIONS, **joined}), smol)
+        engine = make_engine(EngineConfig.from_options(**{**OPTIONS, **joined}), smol)
         print(json.dumps({"steps": engine.follow()}))
 
 

@@ -97,7 +97,8 @@ def main() -> None:
         loaded = load_model(os.path.join(root, {"gguf": "tiny.gguf"}.get(source, source)),
                             lazy=True)
         for tp in (1, 2, 4):
-            engine = LLMEngine(EngineConfig(**OPTIONS, tensor_parallel_size=tp), loaded)
+            engine = LLMEngine(EngineConfig.from_options(**OPTIONS, tensor_parallel_size=tp),
+                               loaded)
             outs = LLM.from_engine(engine).generate(prompts, params, use_tqdm=False)
             runs[f"{source}-tp{tp}"] = {"outputs": [o.outputs[0].token_ids for o in outs],
                                         "leaves": leaves(engine),

@@ -133,8 +133,8 @@ def small_run(default_loaded):
     from jaxserve.engine import LLMEngine
     from jaxserve.tools.bench import run_engine
 
-    config = EngineConfig(max_num_seqs=8, num_pages=48, max_model_len=96,
-                          max_num_batched_tokens=256, enable_prefix_caching=False)
+    config = EngineConfig.from_options(max_num_seqs=8, num_pages=48, max_model_len=96,
+                                       max_num_batched_tokens=256, enable_prefix_caching=False)
     engine = LLMEngine(config, default_loaded)
     # The last prompt (100 tokens) exceeds max_model_len 96: it is rejected, not run.
     spec = WorkloadSpec(num_prompts=7, input_len="list:9,17,33,40,24,12,100",

@@ -214,8 +214,8 @@ def _greedy_matches_transformers(model, cfg, params, max_tokens=16):
     loaded = LoadedModel(config=cfg, params=params,
                          tokenizer=numbered_tokenizer(cfg.vocab_size, TINY["eos_token_id"]),
                          fingerprint="tiny-gguf", source="test")
-    config = EngineConfig(page_size=8, max_num_batched_tokens=32, max_num_seqs=4,
-                          attention_backend="xla")
+    config = EngineConfig.from_options(page_size=8, max_num_batched_tokens=32, max_num_seqs=4,
+                                       attention_backend="xla")
     llm = LLM.from_engine(LLMEngine(config, loaded))
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, cfg.vocab_size, 20)]
     out = llm.generate([{"prompt_token_ids": prompt}],

@@ -53,7 +53,7 @@ def test_huge_pages_change_no_output(default_loaded):
     params = SamplingParams(temperature=0, max_tokens=12)
     runs = {}
     for flag in (False, True):
-        engine = LLMEngine(EngineConfig(num_pages=64, max_num_seqs=2, huge_pages=flag),
+        engine = LLMEngine(EngineConfig.from_options(num_pages=64, max_num_seqs=2, huge_pages=flag),
                            default_loaded)
         assert (engine.stats()["huge_page_bytes"] > 0) <= flag
         ids = [engine.add_request(p, params).request_id for p in prompts]

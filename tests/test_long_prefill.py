@@ -1,7 +1,7 @@
 """A long prompt's chunked prefill beside a decoding stream: every token of a chunk attends the
 whole context before it, so at a fixed token budget a chunk deep into a long prompt costs many
 times the first one, and the neighbour's inter-token gap with it. The scheduler weighs a chunk's
-context (EngineConfig.prefill_keys_per_token): checked by hand on the fake model, then timed on
+context (SchedulerConfig.prefill_keys_per_token): checked by hand on the fake model, then timed on
 the tiny random model through the AsyncEngine, against the same run's full chunk steps."""
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ def test_engine_resolves_the_context_cost_from_the_model_and_backend():
                                                  attention_backend="xla"), loaded)
     cfg = loaded.config
     want = round(cfg.flops_per_token() / (4 * cfg.num_heads * cfg.head_dim * cfg.num_layers))
-    assert engine.config.prefill_keys_per_token == engine.scheduler.budget.keys_per_token == want
+    assert engine.resolved.prefill_keys_per_token == engine.scheduler.budget.keys_per_token == want
     pinned = LLMEngine(EngineConfig.from_options(num_pages=8, max_num_seqs=2,
                                                  max_num_batched_tokens=32,
                                                  attention_backend="xla",

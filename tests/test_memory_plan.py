@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import CacheConfig, EngineConfig
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine
 from jaxserve.engine.memory_plan import MARGIN, largest_shape
@@ -42,19 +42,19 @@ def wide_loaded():
 ])
 def test_bad_budgets_are_refused(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        EngineConfig(**options)
+        EngineConfig.from_options(**options)
 
 
 def test_accelerators_default_to_a_utilization_and_the_cpu_to_a_pool_size():
-    assert EngineConfig().planned_utilization("gpu") == 0.9
-    assert EngineConfig().planned_utilization("cpu") is None
-    assert EngineConfig(num_pages=64).planned_utilization("tpu") is None  # an override
-    assert EngineConfig(memory_utilization=0.5).planned_utilization("cpu") == 0.5
+    assert CacheConfig().planned_utilization("gpu") == 0.9
+    assert CacheConfig().planned_utilization("cpu") is None
+    assert CacheConfig(num_pages=64).planned_utilization("tpu") is None  # an override
+    assert CacheConfig(memory_utilization=0.5).planned_utilization("cpu") == 0.5
 
 
 def test_a_budget_below_the_weights_and_one_step_names_the_minimum():
     with pytest.raises(ValueError, match=r"the minimum is (\d+) bytes") as e:
-        LLMEngine(EngineConfig(memory_budget_bytes=64 * MIB), wide_loaded())
+        LLMEngine(EngineConfig.from_options(memory_budget_bytes=64 * MIB), wide_loaded())
     minimum = int(e.value.args[0].split("the minimum is ")[1].split()[0])
     assert minimum > 64 * MIB
 
@@ -64,11 +64,12 @@ def test_more_memory_than_the_device_holds_is_refused_before_allocating(name):
     """1e15 bytes: a one-line ValueError naming the request and the memory there is (it was an
     out-of-memory traceback from allocating the pool)."""
     with pytest.raises(ValueError, match=rf"{name}={10**15} .* holds: {memory.capacity()} bytes"):
-        LLMEngine(EngineConfig(**{name: 10**15}), tiny_loaded())
+        LLMEngine(EngineConfig.from_options(**{name: 10**15}), tiny_loaded())
 
 
 def test_num_pages_overrides_the_budget():
-    engine = LLMEngine(EngineConfig(memory_budget_bytes=GIB, num_pages=40), wide_loaded())
+    engine = LLMEngine(EngineConfig.from_options(memory_budget_bytes=GIB, num_pages=40),
+                       wide_loaded())
     assert engine.memory_plan is None and engine.num_pages == 40
     assert engine.stats()["activation_peak_bytes"] is None
 
@@ -80,9 +81,9 @@ def test_a_draft_model_pays_its_weights_and_pages_from_the_budget():
     loaded, budget = wide_loaded(), 512 * MIB
     options = dict(memory_budget_bytes=budget, page_size=16, max_num_seqs=4,
                    max_num_batched_tokens=128)
-    plain = LLMEngine(EngineConfig(**options), loaded)
+    plain = LLMEngine(EngineConfig.from_options(**options), loaded)
     spec = {"method": "draft", "num_speculative_tokens": 3, "adaptive": False}
-    drafted = LLMEngine(EngineConfig(speculative_config=spec, **options), loaded,
+    drafted = LLMEngine(EngineConfig.from_options(speculative_config=spec, **options), loaded,
                         draft_loaded=loaded)
     p, d = plain.memory_plan, drafted.memory_plan
     assert d.weight_bytes == 2 * p.weight_bytes and d.page_bytes == 2 * p.page_bytes
@@ -109,8 +110,8 @@ def test_a_draft_model_pays_its_weights_and_pages_from_the_budget():
 def test_the_activation_peak_does_not_depend_on_the_pool_size():
     """The plan reads the largest step's temporaries on a 2-page probe pool and then sizes the
     pool: valid only because a step's temporaries do not grow with the pool."""
-    engine = LLMEngine(EngineConfig(num_pages=8, page_size=16, max_num_seqs=8,
-                                    max_num_batched_tokens=128), wide_loaded())
+    engine = LLMEngine(EngineConfig.from_options(num_pages=8, page_size=16, max_num_seqs=8,
+                                                 max_num_batched_tokens=128), wide_loaded())
     shape = largest_shape(engine.buckets, 16)
     small = engine.runner.step_temp_bytes(shape, engine.buckets)
     engine.runner.reset_pool(300)
@@ -127,9 +128,9 @@ def test_a_full_pool_at_the_largest_chunk_stays_inside_the_plan():
     before = memory.in_use()
     # Chunks count their tokens alone (prefill_keys_per_token=0): every prefill step is the
     # largest chunk, however deep into its prompt.
-    engine = LLMEngine(EngineConfig(memory_budget_bytes=budget, page_size=16, max_num_seqs=16,
-                                    max_num_batched_tokens=512, enable_prefix_caching=False,
-                                    prefill_keys_per_token=0), loaded)
+    engine = LLMEngine(EngineConfig.from_options(
+        memory_budget_bytes=budget, page_size=16, max_num_seqs=16, max_num_batched_tokens=512,
+        enable_prefix_caching=False, prefill_keys_per_token=0), loaded)
     plan = engine.memory_plan
     assert plan.planned_bytes + plan.margin_bytes <= budget
     assert plan.margin_bytes == int(MARGIN * budget)
@@ -181,7 +182,7 @@ def test_three_gib_on_the_default_model(default_loaded, cold_compilation_cache):
     plans = {}
     for kv in ("float32", "int8"):
         release_compiled_steps()
-        engine = LLMEngine(EngineConfig(memory_budget_bytes=budget, kv_cache_dtype=kv),
+        engine = LLMEngine(EngineConfig.from_options(memory_budget_bytes=budget, kv_cache_dtype=kv),
                            default_loaded)
         plan = plans[kv] = engine.memory_plan
         assert 0.85 * budget <= plan.planned_bytes <= budget - plan.margin_bytes

@@ -92,8 +92,8 @@ def test_pallas_kernels_in_the_model_match_transformers(family, backend):
 
 
 def _engine(family, backend, **options):
-    config = EngineConfig(page_size=PAGE, max_num_batched_tokens=CHUNK, max_num_seqs=4,
-                          attention_backend=backend, **options)
+    config = EngineConfig.from_options(page_size=PAGE, max_num_batched_tokens=CHUNK,
+                                       max_num_seqs=4, attention_backend=backend, **options)
     return LLM.from_engine(LLMEngine(config, family_loaded(family)))
 
 
@@ -155,8 +155,8 @@ def test_mistral_window_with_draft_speculation():
     loaded = family_loaded("mistral")
     full = dataclasses.replace(loaded, config=dataclasses.replace(loaded.config,
                                                                   sliding_window=None))
-    config = EngineConfig(page_size=PAGE, max_num_batched_tokens=CHUNK, max_num_seqs=4,
-                          num_pages=10, speculative_config=spec)
+    config = EngineConfig.from_options(page_size=PAGE, max_num_batched_tokens=CHUNK,
+                                       max_num_seqs=4, num_pages=10, speculative_config=spec)
     with pytest.raises(ValueError, match="draft model must then be windowed"):
         LLMEngine(config, loaded, draft_loaded=full)
 

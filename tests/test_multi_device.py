@@ -147,17 +147,19 @@ def test_three_processes_equal_single_device(cases, three_processes):
 def test_sizes_that_do_not_fit_are_clear_errors():
     loaded = tiny_loaded()
     with pytest.raises(ValueError, match="must divide the model's 4 query heads"):
-        LLMEngine(EngineConfig(model="x", tensor_parallel_size=3, huge_pages=False), loaded)
+        LLMEngine(EngineConfig.from_options(model="x", tensor_parallel_size=3, huge_pages=False),
+                  loaded)
     with pytest.raises(ValueError, match="needs 2 devices; this process has 1"):
-        LLMEngine(EngineConfig(model="x", tensor_parallel_size=2, huge_pages=False), loaded)
+        LLMEngine(EngineConfig.from_options(model="x", tensor_parallel_size=2, huge_pages=False),
+                  loaded)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
-        EngineConfig(tensor_parallel_size=0)
+        EngineConfig.from_options(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="attention_backend='xla'"):
         backends.resolve("cpu", tensor_parallel_size=2)
     assert backends.resolve("auto", tensor_parallel_size=2) != "cpu"
     with pytest.raises(ValueError, match="'draft' runs its model on process 0 alone"):
-        EngineConfig(num_processes=2, coordinator_address="localhost:1234",
-                     speculative_config={"method": "draft"})
+        EngineConfig.from_options(num_processes=2, coordinator_address="localhost:1234",
+                                  speculative_config={"method": "draft"})
 
 
 @pytest.mark.slow

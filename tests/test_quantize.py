@@ -232,7 +232,7 @@ def test_int8_kv_keeps_the_f32_greedy_outputs(default_loaded, f32_greedy):
 
 def test_unknown_or_unservable_kv_dtypes_are_clear_errors():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
-        EngineConfig(kv_cache_dtype="int4")
+        EngineConfig.from_options(kv_cache_dtype="int4")
     from jaxserve import backends
 
     if jax.default_backend() == "cpu":

@@ -36,8 +36,8 @@ def engine(default_model_path):
     from jaxserve.config import EngineConfig
     from jaxserve.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(model=MODEL, max_num_seqs=64, num_pages=512,
-                                  max_num_batched_tokens=512))
+    return LLMEngine(EngineConfig.from_options(model=MODEL, max_num_seqs=64, num_pages=512,
+                                               max_num_batched_tokens=512))
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +371,7 @@ def test_metrics_count_what_was_sent(server, engine, client):
     # Prefix caching is on (the default): each admission queries its whole prompt (counted in
     # tokens); a hit is whole pages short of the last token, and every prompt here is shorter
     # than one page plus one token, so none can hit.
-    assert max(prompt_lens) <= engine.config.page_size
+    assert max(prompt_lens) <= engine.config.cache.page_size
     assert delta("jaxserve:prefix_cache_queries_total") == sum(prompt_lens)
     assert "jaxserve:prefix_cache_hits_total" in after
     assert delta("jaxserve:prefix_cache_hits_total") == 0

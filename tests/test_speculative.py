@@ -173,5 +173,5 @@ def test_ngram_proposal():
 ])
 def test_bad_speculative_configs_are_clear_errors(bad, message):
     with pytest.raises(ValueError, match=message):
-        EngineConfig(speculative_config=bad)
+        EngineConfig.from_options(speculative_config=bad)
     assert SpeculativeConfig.parse(None) is None

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 from jaxserve import LLM, SamplingParams
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.engine import LLMEngine
 from tiny_model import tiny_loaded
 
@@ -122,7 +122,7 @@ def test_bad_draft_configurations_fail_at_startup():
                          ({"method": "ngram", "model": "other"}, "method 'draft'"),
                          ({"method": "ngram", "quantization": "int8"}, "method 'draft'")]:
         with pytest.raises(ValueError, match=message):
-            EngineConfig(speculative_config=bad)
+            EngineConfig.from_options(speculative_config=bad)
     with pytest.raises(ValueError, match="vocabulary has 300 tokens, the target's 320"):
         make_llm(draft_spec(2), tiny_loaded(vocab_size=300))
     with pytest.raises(ValueError, match="unknown model"):
@@ -132,10 +132,12 @@ def test_bad_draft_configurations_fail_at_startup():
 def test_a_kv_byte_budget_pays_for_both_pools():
     target = tiny_loaded().config
     draft = one_layer_draft().config  # half the target's layers: half its KV per token
-    config = EngineConfig(kv_cache_bytes=3 * 10 * 8 * target.kv_bytes_per_token(4), page_size=8,
-                          dtype="float32")
-    assert config.resolve_num_pages(target, 256) == 30
-    assert config.resolve_num_pages(target, 256, draft=draft) == 20
+    config = EngineConfig.from_options(kv_cache_bytes=3 * 10 * 8 * target.kv_bytes_per_token(4),
+                                       page_size=8, dtype="float32")
+    resolved = ResolvedConfig.of(config, target, dtype="float32", backend="xla",
+                                 attention_cost=1.0)
+    assert resolved.num_pages(config, target) == 30
+    assert resolved.num_pages(config, target, draft=draft) == 20
 
 
 def test_draft_flags_map_onto_the_config():
@@ -153,7 +155,7 @@ def test_draft_flags_map_onto_the_config():
         finally:
             if not parsed:
                 flags.FLAGS.unparse_flags()
-    spec = EngineConfig.from_options(**options).speculative_config
+    spec = EngineConfig.from_options(**options).speculative
     assert (spec.method, spec.model, spec.quantization, spec.num_speculative_tokens) == \
         ("draft", "smollm2", "int8", 3)
 

@@ -41,7 +41,7 @@ def spec(request):
 
 
 def speculates_always(llm) -> bool:
-    return not llm.engine.config.speculative_config.adaptive
+    return not llm.engine.config.speculative.adaptive
 
 
 def texts_and_ids(outputs):
@@ -91,7 +91,7 @@ def test_stop_strings_inside_a_verification(plain, spec):
 
 def test_counters_add_up(spec):
     st = spec.stats()
-    k = spec.engine.config.speculative_config.num_speculative_tokens
+    k = spec.engine.config.speculative.num_speculative_tokens
     assert len(st["spec_accepted_per_position"]) == k
     assert sum(st["spec_accepted_per_position"]) == st["spec_accepted_tokens"]
     assert st["spec_accepted_tokens"] <= st["spec_draft_tokens"] <= k * st["spec_steps"]

@@ -213,13 +213,15 @@ class Bench:
         cfg = EngineConfig.from_options(**base)
         note = None
         var = dict(base, page_size=longest)
-        if cfg.kv_cache_bytes is None:  # same KV slots for both: convert the page budget
-            pages = cfg.resolve_num_pages(self.loaded.config, longest)
-            slots = (pages - 1) * cfg.page_size
+        page_size = cfg.cache.page_size
+        if cfg.cache.kv_cache_bytes is None:  # same KV slots for both: convert the page budget
+            pages = cfg.cache.resolve_num_pages(None, max_model_len=longest,
+                                                max_num_seqs=cfg.scheduler.max_num_seqs)
+            slots = (pages - 1) * page_size
             var["num_pages"] = 1 + max(1, slots // longest)
-            note = (f"paging: same KV budget of {slots} slots: {pages - 1} pages of {cfg.page_size} "
+            note = (f"paging: same KV budget of {slots} slots: {pages - 1} pages of {page_size} "
                     f"vs {var['num_pages'] - 1} reserved slots of {longest} (max_model_len)")
-        b, _ = self.run(f"page {cfg.page_size}", base, workload)
+        b, _ = self.run(f"page {page_size}", base, workload)
         v, _ = self.run(f"reserve {longest}/request", var, workload)
         return b, v, note
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import SchedulerConfig
 from jaxserve.core.sequence import Request
 
 
@@ -14,8 +14,9 @@ class RequestRejected(ValueError):
     """The request can never be served under this configuration; the message says why."""
 
 
-def check_request(request: Request, config: EngineConfig, *, max_model_len: int,
-                  pages_for: Callable[[int], int], num_usable_pages: int) -> None:
+def check_request(request: Request, config: SchedulerConfig, page_size: int, *,
+                  max_model_len: int, pages_for: Callable[[int], int],
+                  num_usable_pages: int) -> None:
     rid, prompt = request.request_id, request.prompt_token_ids
     if request.sequences:
         raise RequestRejected(f"request {rid!r} already has sequences; add each Request once")
@@ -36,7 +37,7 @@ def check_request(request: Request, config: EngineConfig, *, max_model_len: int,
         need = pages_for(kv_tokens)
         if need > num_usable_pages:
             raise RequestRejected(f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} needs "
-                                  f"{need} pages of {config.page_size} tokens per sequence but the "
+                                  f"{need} pages of {page_size} tokens per sequence but the "
                                   f"KV pool has {num_usable_pages}")
     if not config.enable_chunked_prefill and len(prompt) > config.max_num_batched_tokens:
         raise RequestRejected(f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens "

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import time
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_manager import KVManager
 from jaxserve.core.limits import RequestRejected, check_request
 from jaxserve.core.live_requests import LiveRequests
@@ -64,24 +64,23 @@ from jaxserve.core.step_results import accepted, stop_after
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, *, num_pages: int, max_model_len: int,
-                 eos_token_ids: tuple[int, ...], model_fingerprint: str,
-                 kv_window: int | None = None, speculation: Speculation | None = None):
-        """speculation: speculative decoding's owner (default: one of config's
-        speculative_config; the engine passes the one its Speculator drives)."""
+    def __init__(self, config: SchedulerConfig, cache: CacheConfig, *, num_pages: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...], model_fingerprint: str,
+                 kv_window: int | None = None, speculation: Speculation | None = None,
+                 prefill_keys_per_token: int = 0):
+        """speculation: speculative decoding's owner (default: none; the engine passes the one
+        its Speculator drives). prefill_keys_per_token: resolved (ResolvedConfig); 0: off."""
         self.config = config
-        self.page_size = config.page_size
+        self.page_size, self.cache_salt = cache.page_size, cache.cache_salt
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.pool = PagePool(num_pages)
         self.cache = (PrefixCache(self.pool, self.page_size, model_fingerprint)
-                      if config.enable_prefix_caching else None)
+                      if cache.enable_prefix_caching else None)
         # kv_window (ModelConfig.kv_window): pages before every layer's window are released.
         self.kv = KVManager(self.pool, self.page_size, self.cache, window=kv_window)
-        self.watermark_pages = int(config.watermark * self.pool.num_usable)
-        # The engine resolves None (EngineConfig.resolved_prefill_keys_per_token); here it is off.
-        self.budget = StepBudget(config.max_num_batched_tokens,
-                                 (config.prefill_keys_per_token or 0)
+        self.watermark_pages = int(cache.watermark * self.pool.num_usable)
+        self.budget = StepBudget(config.max_num_batched_tokens, prefill_keys_per_token
                                  if config.enable_chunked_prefill else 0, kv_window)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
@@ -92,7 +91,7 @@ class Scheduler:
                              prefix_cache_hits=0, num_steps=0, num_cow_copies=0,
                              num_scheduled_ahead=0)
         self.speculation = speculation if speculation is not None else Speculation(
-            config.speculative_config, max_model_len=max_model_len, page_size=config.page_size)
+            None, max_model_len=max_model_len, page_size=self.page_size)
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -100,7 +99,7 @@ class Scheduler:
         try:
             if request.request_id in self.live:
                 raise RequestRejected(f"request_id {request.request_id!r} is already live")
-            check_request(request, self.config, max_model_len=self.max_model_len,
+            check_request(request, self.config, self.page_size, max_model_len=self.max_model_len,
                           pages_for=self._pages_to_hold, num_usable_pages=self.pool.num_usable)
         except RequestRejected:
             self.counters["num_rejected_total"] += 1
@@ -254,7 +253,7 @@ class Scheduler:
         seats = self.live.seats
         if sum(map(seats, self.running)) + seats(seq) > self.config.max_num_seqs:
             return False
-        salt = seq.request.cache_salt if seq.request.cache_salt is not None else self.config.cache_salt
+        salt = seq.request.cache_salt if seq.request.cache_salt is not None else self.cache_salt
         hit = self.kv.find_prefix(seq, salt)
         hit_tokens = len(hit[0]) * self.page_size
         n = self._chunk_len(seq, hit_tokens, budget_left, plan) if budget_left > 0 else 0

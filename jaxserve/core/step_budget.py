@@ -3,7 +3,7 @@ verification token counts one. With chunked prefill, every token of a prefill ch
 tokens before the chunk, so it counts 1 + c / keys_per_token (c within the window when every
 layer is windowed): a chunk deep into a long prompt is shorter, and a step costs about what a
 max_num_batched_tokens chunk at a prompt's start does, so the streams decoding beside a long
-prompt keep their pace (EngineConfig.prefill_keys_per_token). Host-only."""
+prompt keep their pace (SchedulerConfig.prefill_keys_per_token). Host-only."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ log = logging.getLogger("jaxserve.engine")
 
 
 class EngineOverloaded(Exception):
-    """The waiting queue is at its configured limit (EngineConfig.max_waiting)."""
+    """The waiting queue is at its configured limit (SchedulerConfig.max_waiting)."""
 
 
 class EngineDead(Exception):
@@ -80,7 +80,7 @@ class RequestGroup:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05):
         self.engine = engine
-        self.max_waiting = engine.config.max_waiting
+        self.max_waiting = engine.config.scheduler.max_waiting
         self.observers: list[Observer] = []
         self.idle_wait_s = idle_wait_s
         self.last_error: BaseException | None = None

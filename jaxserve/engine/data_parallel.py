@@ -63,19 +63,20 @@ class DataParallelEngine:
     """The LLMEngine interface over data_parallel_size replicas (weights loaded once)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
-        loaded = loaded or load_model(config.model, dtype=backends.resolve_dtype(config.dtype),
-                                      lazy=True)
-        mesh = sharding.make_mesh(config.tensor_parallel_size, config.data_parallel_size)
+        loaded = loaded or load_model(config.load.model, lazy=True,
+                                      dtype=backends.resolve_dtype(config.load.dtype))
+        parallel = config.parallel
+        mesh = sharding.make_mesh(parallel.tensor_parallel_size, parallel.data_parallel_size)
         self.replicas = [LLMEngine(config, loaded, mesh=sharding.replica_mesh(mesh, i))
-                         for i in range(config.data_parallel_size)]
+                         for i in range(parallel.data_parallel_size)]
         first = self.replicas[0]
-        self.config, self.tokenizer, self.model_config = (first.config, first.tokenizer,
-                                                          first.model_config)
+        self.config, self.resolved = first.config, first.resolved
+        self.tokenizer, self.model_config = first.tokenizer, first.model_config
         self.max_model_len, self.backend, self.num_pages = (first.max_model_len, first.backend,
                                                             first.num_pages)
         for replica in self.replicas[1:]:  # one grammar cache (the same tokenizer and vocab)
             replica._grammars = first.grammars
-        self.router = Router(self.replicas, config.page_size, config.max_num_seqs)
+        self.router = Router(self.replicas, config.cache.page_size, config.scheduler.max_num_seqs)
         self._owner: dict[str, int] = {}  # unfinished request id -> replica
         self._ids = 0
 
@@ -100,7 +101,7 @@ class DataParallelEngine:
             request_id, self._ids = f"req-{self._ids}", self._ids + 1
         if request_id in self._owner:
             raise ValueError(f"request id {request_id!r} is already in use")
-        salt = cache_salt if cache_salt is not None else self.config.cache_salt
+        salt = cache_salt if cache_salt is not None else self.config.cache.cache_salt
         i = self.router.choose(ids, salt)
         request = self.replicas[i].add_request({"prompt_token_ids": ids, "prompt": text}, params,
                                                request_id=request_id, arrival_time=arrival_time,
@@ -159,10 +160,11 @@ def make_engine(config: EngineConfig, loaded: LoadedModel | None = None):
     """An LLMEngine, or a DataParallelEngine of data_parallel_size replicas. With several
     processes, joins them first (before anything else touches a device); then only process
     0's engine serves, the others `follow()` it."""
-    if config.num_processes > 1:
-        distributed.initialize(config.coordinator_address, config.num_processes,
-                               config.process_id, config.distributed_timeout_s)
-    if config.data_parallel_size > 1:
+    parallel = config.parallel
+    if parallel.num_processes > 1:
+        distributed.initialize(parallel.coordinator_address, parallel.num_processes,
+                               parallel.process_id, parallel.distributed_timeout_s)
+    if parallel.data_parallel_size > 1:
         return DataParallelEngine(config, loaded)
     return LLMEngine(config, loaded)
 

@@ -19,7 +19,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import backends
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ResolvedConfig
+from jaxserve.config.resolved import resolve_kv_cache_dtype
 from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
@@ -52,59 +53,58 @@ class LLMEngine:
         devices (sharding.replica_mesh), for a data-parallel front; default the first
         tensor_parallel_size devices."""
         self.startup = StartupTimeline()
-        config = dataclasses.replace(config, dtype=backends.resolve_dtype(config.dtype))
-        config = dataclasses.replace(config, kv_cache_dtype=config.resolved_kv_cache_dtype)
-        self.config = config
+        self.config = config  # as requested; what the engine resolves is self.resolved
+        load, cache, parallel = config.load, config.cache, config.parallel
+        dtype = backends.resolve_dtype(load.dtype)
         if loaded is None:
             with self.startup.phase("load the model"):
-                loaded = load_model(config.model, dtype=config.dtype, lazy=True)
+                loaded = load_model(load.model, dtype=dtype, lazy=True)
         self.model_config = loaded.config
-        sharding.check_fits(loaded.config, config.tensor_parallel_size, config.quantization)
+        sharding.check_fits(loaded.config, parallel.tensor_parallel_size, load.quantization)
         if mesh is None:
-            if config.data_parallel_size > 1:
+            if parallel.data_parallel_size > 1:
                 raise ValueError("data_parallel_size > 1 is served by several engines: "
                                  "jaxserve.engine.make_engine builds them")
-            mesh = sharding.replica_mesh(sharding.make_mesh(config.tensor_parallel_size), 0)
+            mesh = sharding.replica_mesh(sharding.make_mesh(parallel.tensor_parallel_size), 0)
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
-        draft = load_draft(config, loaded, draft_loaded)
+        draft = load_draft(config, loaded, draft_loaded, dtype=dtype)
         # The backend is chosen here, once, and passed down as an object.
         self.backend = backend = backends.get(backends.resolve(
-            config.attention_backend, config.dtype, config.quantization,
-            kv_cache_dtype=config.kv_cache_dtype,
-            pallas_kernels=config.pallas_kernels, head_dim=loaded.config.head_dim,
-            page_size=config.page_size, tensor_parallel_size=config.tensor_parallel_size))
-        config = dataclasses.replace(config, prefill_keys_per_token=(
-            config.resolved_prefill_keys_per_token(loaded.config, backend.attention_cost)))
-        self.config = config
+            load.attention_backend, dtype, load.quantization,
+            kv_cache_dtype=resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype),
+            pallas_kernels=load.pallas_kernels, head_dim=loaded.config.head_dim,
+            page_size=cache.page_size, tensor_parallel_size=parallel.tensor_parallel_size))
+        self.resolved = resolved = ResolvedConfig.of(
+            config, loaded.config, dtype=dtype, backend=backend.name,
+            attention_cost=backend.attention_cost)
+        self.max_model_len = resolved.max_model_len
         self.buckets = Buckets.for_engine(
-            config.max_num_seqs, config.max_num_batched_tokens,
-            math.ceil(self.max_model_len / config.page_size),
+            config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+            math.ceil(self.max_model_len / cache.page_size),
             query_block=backend.query_block, packed=backend.packed,
-            spec_tokens=(config.speculative_config.num_speculative_tokens
-                         if config.speculative_config else 0))
-        budget = memory_plan.budget(config, jax.default_backend())
+            spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0)
+        budget = memory_plan.budget(cache, parallel, jax.default_backend())
         held_before = memory.in_use(mesh.devices.flat[0]) if budget is not None else 0
         # With a budget, a probe pool of PROBE_PAGES until the plan has measured the rest.
-        num_pages = PROBE_PAGES if budget is not None else config.resolve_num_pages(
-            loaded.config, self.max_model_len, draft=draft.config if draft else None)
+        num_pages = PROBE_PAGES if budget is not None else resolved.num_pages(
+            config, loaded.config, draft=draft.config if draft else None)
         with self.startup.phase("place the weights"):
             self.runner = ModelRunner(loaded.config, loaded.params, num_pages=num_pages,
-                                      page_size=config.page_size, dtype=config.dtype,
-                                      kv_cache_dtype=config.kv_cache_dtype,
-                                      backend=backend, quantization=config.quantization,
+                                      page_size=cache.page_size, dtype=resolved.dtype,
+                                      kv_cache_dtype=resolved.kv_cache_dtype,
+                                      backend=backend, quantization=load.quantization,
                                       max_sample_rows=self.buckets.max_sample_rows,
-                                      huge_pages=config.huge_pages, mesh=mesh)
+                                      huge_pages=load.huge_pages, mesh=mesh)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # Speculation's one owner (Speculator.speculation) serves whichever scheduler plans.
-        self.speculator = Speculator(config, self.max_model_len, self.buckets, draft,
+        self.speculator = Speculator(config, resolved, self.buckets, draft,
                                      num_pages=num_pages, backend=backend, mesh=mesh)
         scheduler = functools.partial(
-            Scheduler, config, max_model_len=self.max_model_len, eos_token_ids=eos,
+            Scheduler, config.scheduler, cache, max_model_len=self.max_model_len,
+            eos_token_ids=eos, prefill_keys_per_token=resolved.prefill_keys_per_token,
             # A cached page is reused only under the weights and KV format that wrote it.
-            model_fingerprint=(f"{loaded.fingerprint}:{config.dtype}:{config.quantization}:"
-                               f"kv-{config.kv_cache_dtype}"),
+            model_fingerprint=(f"{loaded.fingerprint}:{resolved.dtype}:{load.quantization}:"
+                               f"kv-{resolved.kv_cache_dtype}"),
             kv_window=loaded.config.kv_window, speculation=self.speculator.speculation)
         self.scheduler = scheduler(num_pages=num_pages)
         self.memory_plan = None
@@ -130,7 +130,7 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
         self._eos_token_ids = eos
         self._ids = itertools.count()
-        self._rng = np.random.default_rng(config.seed)
+        self._rng = np.random.default_rng(load.seed)
         self.startup.built()
 
     # ----------------------------------------------------------------- requests
@@ -172,7 +172,8 @@ class LLMEngine:
             params.seed = int(self._rng.integers(0, 2**31 - 1))
         request = Request(request_id=request_id or f"req-{next(self._ids)}", prompt_token_ids=ids,
                           sampling_params=params, priority=params.priority,
-                          cache_salt=cache_salt if cache_salt is not None else self.config.cache_salt)
+                          cache_salt=(cache_salt if cache_salt is not None
+                                      else self.config.cache.cache_salt))
         request.grammar = grammar
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -210,7 +211,7 @@ class LLMEngine:
         """Whether the prefix cache holds the first full page of token_ids (under the salt, the
         engine's by default): a data-parallel router's affinity."""
         cache = self.scheduler.cache
-        salt = cache_salt if cache_salt is not None else self.config.cache_salt
+        salt = cache_salt if cache_salt is not None else self.config.cache.cache_salt
         return cache is not None and bool(cache.lookup(token_ids, salt, max_pages=1)[0])
 
     # ----------------------------------------------------------------- the step
@@ -243,7 +244,7 @@ class LLMEngine:
     def kv_usage(self) -> dict:
         """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
         return {**self.scheduler.kv_usage(),
-                "bytes_per_slot": self.config.kv_bytes_per_token(self.model_config)}
+                "bytes_per_slot": self.resolved.kv_bytes_per_token(self.model_config)}
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
@@ -251,7 +252,7 @@ class LLMEngine:
                      **self.startup.stats(),
                      activation_peak_bytes=(self.memory_plan.activation_peak_bytes
                                             if self.memory_plan else None),
-                     tensor_parallel_size=self.config.tensor_parallel_size,
+                     tensor_parallel_size=self.config.parallel.tensor_parallel_size,
                      **self.runner.memory_stats())
         stats.update(self.speculator.stats())
         return stats

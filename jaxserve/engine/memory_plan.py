@@ -24,7 +24,7 @@ import math
 
 import numpy as np
 
-from jaxserve.config import EngineConfig
+from jaxserve.config import CacheConfig, ParallelConfig
 from jaxserve.runtime import memory
 from jaxserve.runtime.buckets import Buckets
 
@@ -147,9 +147,9 @@ def plan(runner, buckets: Buckets, budget_bytes: int, held_before: int,
                       num_pages=int(num_pages))
 
 
-def budget(config: EngineConfig, platform: str) -> int | None:
+def budget(config: CacheConfig, parallel: ParallelConfig, platform: str) -> int | None:
     """The budget per device in bytes, or None: no plan, the pool is sized by num_pages or
-    kv_cache_bytes (which override a budget) or, on CPU, by EngineConfig.resolve_num_pages.
+    kv_cache_bytes (which override a budget) or, on CPU, by CacheConfig.resolve_num_pages.
     A budget or a KV size larger than the device's memory is refused (ValueError) before
     anything is allocated."""
     for name in ("memory_budget_bytes", "kv_cache_bytes"):
@@ -159,7 +159,7 @@ def budget(config: EngineConfig, platform: str) -> int | None:
                              f"holds: {capacity} bytes ({capacity / GIB:.1f} GiB)")
     if config.num_pages is not None or config.kv_cache_bytes is not None:
         return None
-    if config.num_processes > 1:  # the plan is one process's: the default pool size instead
+    if parallel.num_processes > 1:  # the plan is one process's: the default pool size instead
         if config.memory_budget_bytes or config.memory_utilization:
             raise ValueError("a memory budget is planned by one process: with num_processes > "
                              "1 give num_pages or kv_cache_bytes")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from jax.sharding import Mesh
 
 from jaxserve.backends import Backend
-from jaxserve.config import EngineConfig
+from jaxserve.config import EngineConfig, ResolvedConfig
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.speculation import Speculation
 from jaxserve.core.step_plan import StepPlan
@@ -21,39 +21,40 @@ from jaxserve.runtime.draft import DraftRunner, check_draft_window, check_shared
 from jaxserve.weights import LoadedModel, load_model
 
 
-def load_draft(config: EngineConfig, loaded: LoadedModel,
-               draft: LoadedModel | None) -> LoadedModel | None:
-    """Method "draft"'s model (given, the speculative config's, or the target's own weights),
-    checked to share the target's tokenizer and to read no page the target's window releases;
-    None for any other method."""
-    spec = config.speculative_config
+def load_draft(config: EngineConfig, loaded: LoadedModel, draft: LoadedModel | None, *,
+               dtype: str) -> LoadedModel | None:
+    """Method "draft"'s model (given, the speculative config's, or the target's own weights, in
+    the resolved dtype), checked to share the target's tokenizer and to read no page the
+    target's window releases; None for any other method."""
+    spec = config.speculative
     if spec is None or spec.method != "draft":
         return None
     if draft is None:
-        own = spec.model is None or spec.model == config.model
-        draft = loaded if own else load_model(spec.model, dtype=config.dtype, lazy=True)
+        own = spec.model is None or spec.model == config.load.model
+        draft = loaded if own else load_model(spec.model, dtype=dtype, lazy=True)
     check_shared_vocabulary(loaded.config, loaded.tokenizer, draft.config, draft.tokenizer)
     check_draft_window(loaded.config, draft.config)
     return draft
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, max_model_len: int, buckets: Buckets,
+    def __init__(self, config: EngineConfig, resolved: ResolvedConfig, buckets: Buckets,
                  draft: LoadedModel | None, *, num_pages: int, backend: Backend, mesh: Mesh):
         """mesh: the target's replica devices; a draft model runs whole on the first (it is
         small: sharding it would add two all-reduces a layer to each of its k steps)."""
-        spec = config.speculative_config
+        spec, page_size = config.speculative, config.cache.page_size
         # The scheduler takes this one (Scheduler(speculation=...)): one owner for both.
-        self.speculation = Speculation(spec, max_model_len=max_model_len,
-                                       page_size=config.page_size, token_buckets=buckets.tokens)
+        self.speculation = Speculation(spec, max_model_len=resolved.max_model_len,
+                                       page_size=page_size, token_buckets=buckets.tokens)
         self.drafter = None
         if draft is not None:
             self.drafter = DraftRunner(
                 draft.config, draft.params, self.speculation.draft_kv, buckets=buckets,
-                page_size=config.page_size, num_pages=num_pages,
-                max_tokens=config.max_num_batched_tokens, max_k=spec.num_speculative_tokens,
-                dtype=config.dtype, kv_cache_dtype=config.kv_cache_dtype, backend=backend,
-                quantization=spec.quantization, huge_pages=config.huge_pages,
+                page_size=page_size, num_pages=num_pages,
+                max_tokens=config.scheduler.max_num_batched_tokens,
+                max_k=spec.num_speculative_tokens, dtype=resolved.dtype,
+                kv_cache_dtype=resolved.kv_cache_dtype, backend=backend,
+                quantization=spec.quantization, huge_pages=config.load.huge_pages,
                 mesh=Mesh(mesh.devices[:, :1], mesh.axis_names))
         self._last_step_end: float | None = None
 

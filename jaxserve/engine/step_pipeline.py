@@ -80,7 +80,7 @@ class StepPipeline:
             self._in_flight = self._launch(plan)
         t_launched = time.perf_counter()
         current, self._in_flight = self._in_flight, None
-        if self.config.async_scheduling and not self.speculator.choose(self.scheduler):
+        if self.config.scheduler.async_scheduling and not self.speculator.choose(self.scheduler):
             plan = self.scheduler.schedule_next(current.plan)
             if plan is not None:
                 self._in_flight = self._launch(plan, after=current.out)
@@ -106,7 +106,7 @@ class StepPipeline:
     def _build(self, plan: StepPlan, ahead: bool = False) -> Built:
         """A plan made `ahead` of the previous step's tokens with a row whose controls depend on
         them (a grammar, penalties) has its controls built later."""
-        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.page_size)
+        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.cache.page_size)
         if ahead and any(seq.sampling_params.needs_previous_token for _, seq in plan.sample_rows):
             return Built(batch, num_rows, offsets, None, deferred=True)
         return Built(batch, num_rows, offsets, self._controls(plan, batch))

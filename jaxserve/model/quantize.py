@@ -137,7 +137,7 @@ def _levels(g: np.ndarray, lo: np.ndarray, hi: np.ndarray):
 
 
 def _weight_fn(method: str):
-    """The map of one [..., in, out] weight under EngineConfig.quantization (None: kept)."""
+    """The map of one [..., in, out] weight under LoadConfig.quantization (None: kept)."""
     if method == "int8":
         return quantize_weight
     if method == "bf16":
@@ -169,7 +169,7 @@ def quantize_head(params: dict, method: str) -> dict:
 
 
 def quantize(params: dict, method: str) -> dict:
-    """The loaders' params under EngineConfig.quantization: "none", "int8" (layer projections
+    """The loaders' params under LoadConfig.quantization: "none", "int8" (layer projections
     and the head; embeddings and norms stay float) or "bf16" (the same rounded to bfloat16)."""
     _weight_fn(method)  # an unknown method is an error before anything is read
     return quantize_head({**params, "layers": quantize_layer(params["layers"], method)}, method)

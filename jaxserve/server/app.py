@@ -223,7 +223,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     if config.keys:
         app.add_middleware(_AuthMiddleware, keys=config.keys,
                            public=("/metrics",) if config.public_metrics else ())
-    base_salt = aengine.engine.config.cache_salt or ""
+    base_salt = aengine.engine.config.cache.cache_salt or ""
 
     def cache_salt(request: Request) -> str | None:
         """The tenant's prefix-cache salt, derived server-side from its name (None: no keys,

@@ -126,7 +126,7 @@ def run_engine(engine, workload: WorkloadSpec, *, requests: list[BenchRequest] |
     warmup_s = time.monotonic() - t_warm
     stats0 = engine.stats()
     compilations_warm = stats0["compilations"]
-    page_size = engine.config.page_size
+    page_size = engine.config.cache.page_size
     bytes_per_slot = engine.kv_usage()["bytes_per_slot"]
 
     records = {r.index: RequestRecord(r.index, r.prompt_len, r.output_len) for r in requests}
@@ -222,7 +222,9 @@ def run_engine(engine, workload: WorkloadSpec, *, requests: list[BenchRequest] |
            for key in ("spec_steps", "spec_draft_tokens", "spec_accepted_tokens")},
         "num_pages": engine.num_pages, "page_size": page_size,
         "kv_pool_bytes": stats["kv_pool_bytes"], "weight_bytes": stats["weight_bytes"],
-        "config": dataclasses.asdict(engine.config), "backend": engine.backend.name,
+        # The options as requested, with what the engine resolved from them (dtype, ...).
+        "config": {**engine.config.options(), **dataclasses.asdict(engine.resolved)},
+        "backend": engine.backend.name,
         "start_seconds": stats.get("start_seconds"),
         "process_start_seconds": stats.get("process_start_seconds"),
         "max_model_len": engine.max_model_len,

@@ -1,0 +1,37 @@
+"""What the engine runs (LoadConfig, requested): the model, its numerics, its kernels and the
+engine's seed. "auto" values are resolved per device by the engine (config/resolved.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxserve.config.options import check_choices, option
+
+ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas")
+PALLAS_KERNELS = ("auto", "tpu", "gpu")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "int8", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadConfig:
+    model: str = option("smollm2-135m",
+                        "Model name (smollm2-135m), GGUF file, HF or orbax directory.")
+    # auto: bfloat16 on GPU and TPU (softmax statistics stay float32 inside the kernels),
+    # float32 on CPU (jaxserve.backends.resolve_dtype).
+    dtype: str = option("auto", "Weights, activations and KV dtype; auto: bfloat16 on GPU/TPU, "
+                        "float32 on CPU.", choices=DTYPES)
+    # "bf16": products summed in f32 on AMX tiles (CPUs with AMX-BF16, the "cpu" backend).
+    quantization: str = option("none", "int8: weight-only, groups of 32 inputs; bf16: bfloat16 "
+                               "weights and matmuls on AMX (CPU).", choices=QUANTIZATIONS)
+    attention_backend: str = option(
+        "auto", "auto: the Pallas kernels on TPU/GPU; on CPU the C++ kernels, else xla. pallas "
+        "on a CPU interprets (tests and debugging).", choices=ATTENTION_BACKENDS)
+    pallas_kernels: str = option("auto", "Pallas kernel family; auto: the device's own (tpu "
+                                 "when interpreted on CPU).", choices=PALLAS_KERNELS)
+    # jaxserve.backends.cpu.huge_pages collapses the weights' host memory.
+    huge_pages: bool = option(True, "Back the weights with 2 MiB pages (CPU, Linux 6.1+).")
+    seed: int = option(0, "Engine seed for unseeded requests.")
+
+    def __post_init__(self):
+        check_choices(self)

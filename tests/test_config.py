@@ -1,0 +1,95 @@
+"""The engine's configuration: sub-configs by concern, flags generated from their fields (one
+source of defaults, help and choices), flat options mapped in one place, and the requested
+config left as asked while the engine resolves its own values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from absl import flags
+
+from jaxserve.cli import engine_flags
+from jaxserve.config import (OPTION_GROUPS, CacheConfig, EngineConfig, ResolvedConfig,
+                             SpeculativeConfig, option_names)
+from jaxserve.config.options import option
+from jaxserve.engine import LLMEngine
+from tiny_model import tiny_loaded
+
+CONFIG_CLASSES = (*OPTION_GROUPS.values(), SpeculativeConfig)
+
+
+@pytest.mark.parametrize("cls", CONFIG_CLASSES, ids=lambda c: c.__name__)
+def test_every_flag_takes_its_default_help_and_choices_from_its_field(cls):
+    for field in dataclasses.fields(cls):
+        flag = flags.FLAGS[engine_flags.flag_name(field)]
+        switch = field.metadata["switch"]
+        assert flag.default == (None if switch else field.default), field.name
+        choices = field.metadata["choices"]
+        prefix = f"<{'|'.join(choices)}>: " if choices else ""  # absl's enum help starts so
+        assert flag.help.startswith(prefix + field.metadata["help"]), field.name
+        assert getattr(flag.parser, "enum_values", None) == (list(choices) if choices else None)
+
+
+def test_a_changed_field_default_shows_up_in_its_flag():
+    @dataclasses.dataclass(frozen=True)
+    class BiggerPages(CacheConfig):
+        page_size: int = option(32, "KV slots per page, doubled.")
+
+    values = flags.FlagValues()
+    engine_flags.define_flags(BiggerPages, values)
+    assert values["page_size"].default == 32
+    assert values["page_size"].help == "KV slots per page, doubled."
+    assert values["kv_cache_dtype"].default == CacheConfig().kv_cache_dtype
+
+
+def _parsed(*argv: str) -> flags.FlagValues:
+    values = flags.FlagValues()
+    for cls in CONFIG_CLASSES:
+        engine_flags.define_flags(cls, values)
+    values(["prog", *argv])
+    return values
+
+
+def test_flags_map_onto_the_nested_config():
+    config = EngineConfig.from_options(**engine_flags.engine_options(_parsed()))
+    assert config == EngineConfig() and config.speculative is None
+    config = EngineConfig.from_options(**engine_flags.engine_options(_parsed(
+        "--page_size=8", "--dtype=float32", "--max_num_seqs=4", "--max_num_batched_tokens=64",
+        "--tensor_parallel_size=2", "--num_speculative_tokens=3", "--speculative_adaptive=false")))
+    assert (config.cache.page_size, config.load.dtype, config.scheduler.max_num_seqs,
+            config.parallel.tensor_parallel_size) == (8, "float32", 4, 2)
+    assert config.speculative == SpeculativeConfig(num_speculative_tokens=3, adaptive=False)
+
+
+def test_flat_options_round_trip_and_unknown_names_list_the_known_ones():
+    config = EngineConfig.from_options(page_size=8, num_pages=40, scheduling="static",
+                                       speculative_config={"method": "ngram"})
+    assert EngineConfig.from_options(**config.options()) == config
+    assert set(config.options()) == set(option_names())
+    with pytest.raises(ValueError, match=r"unknown engine option\(s\) \['page_sizes'\]; known "
+                                         r"options: \['async_scheduling', "):
+        EngineConfig.from_options(page_sizes=8)
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        CacheConfig(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="EngineConfig.cache must be a CacheConfig"):
+        EngineConfig(cache={"page_size": 8})
+
+
+def test_the_engine_resolves_into_its_own_object_and_leaves_the_request_as_asked():
+    loaded = tiny_loaded()
+    config = EngineConfig.from_options(num_pages=16, max_num_seqs=2, max_num_batched_tokens=32,
+                                       attention_backend="xla")
+    asked = dataclasses.replace(config)  # an equal copy, to compare against afterwards
+    engine = LLMEngine(config, loaded)
+    assert engine.config is config and config == asked
+    assert (config.load.dtype, config.cache.kv_cache_dtype, config.scheduler.max_model_len,
+            config.scheduler.prefill_keys_per_token) == ("auto", "auto", None, None)
+    model = loaded.config
+    want = ResolvedConfig(dtype="float32", kv_cache_dtype="float32",
+                          max_model_len=model.max_position_embeddings,
+                          prefill_keys_per_token=engine.scheduler.budget.keys_per_token,
+                          backend="xla")
+    assert engine.resolved == want and engine.max_model_len == want.max_model_len
+    assert want.prefill_keys_per_token >= 1
+    assert engine.kv_usage()["bytes_per_slot"] == model.kv_bytes_per_token(4)
