@@ -58,7 +58,8 @@ def greedy(loaded, prompts, fmt: str) -> list[list[int]]:
 def dense_logprobs(cfg, params, token_ids, int8_kv: bool = False):
     """Log-softmax of the next-token logits at every position of one sequence, f32[T, V]:
     llama's layer without pages (causal attention over the sequence itself), for scoring; with
-    int8_kv, keys and values round-trip through the engine's int8 KV format first. The
+    int8_kv, keys and values round-trip through the engine's int8 KV format first (the params
+    then smoothed as the runner smooths them for int8 pages: model/kv_smoothing.py). The
     sequence is padded to a multiple of 64 at its end (causal: no earlier row sees it), so
     that few shapes are compiled."""
     import jax
@@ -108,10 +109,12 @@ def mean_kl(loaded, sequences, fmt: str, reference) -> float:
     import numpy as np
 
     from jaxserve.model import llama
+    from jaxserve.model.kv_smoothing import smooth_keys
     from jaxserve.model.quantize import quantize
 
     quantization, kv = FORMATS[fmt]
-    params = llama.per_layer_params(quantize(loaded.params, quantization))
+    params = loaded.params if kv != "int8" else smooth_keys(loaded.params, loaded.config)
+    params = llama.per_layer_params(quantize(params, quantization))
     kls = []
     for (ids, first), p in zip(sequences, reference, strict=True):
         q = np.asarray(dense_logprobs(loaded.config, params, ids, int8_kv=kv == "int8"))

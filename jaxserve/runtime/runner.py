@@ -30,6 +30,7 @@ from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVPool
+from jaxserve.model.kv_smoothing import smooth_layer
 from jaxserve.model.quantize import quantize_head, quantize_layer
 from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
@@ -145,15 +146,19 @@ def _signature(batch) -> tuple:
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
 
 
-def prepare_params(params: dict, quantization: str, backend: Backend):
+def prepare_params(params: dict, quantization: str, backend: Backend,
+                   smooth_keys_for: ModelConfig | None = None):
     """The loaders' params -> what the step runs, as host numpy: (the leaves outside the
-    layers, an iterator of the layers), quantized, in the execution layout and packed for the
-    backend's matmul. The layers are made one at a time as they are placed, so the host holds
-    one beyond the loaders' copy (a lazy load's: none)."""
+    layers, an iterator of the layers), keys smoothed for int8 pages when smooth_keys_for
+    gives the model's config (kv_smoothing.py), quantized, in the execution layout and packed
+    for the backend's matmul. The layers are made one at a time as they are placed, so the
+    host holds one beyond the loaders' copy (a lazy load's: none)."""
     pack = backend.pack_params or (lambda tree: tree)
     stacked = params["layers"]
-    layers = (pack({"layers": [llama.fuse_layer(quantize_layer(llama.layer_of(stacked, i),
-                                                                quantization))]})["layers"][0]
+    cfg = smooth_keys_for
+    smooth = (lambda layer: smooth_layer(layer, cfg)) if cfg is not None else (lambda x: x)
+    layers = (pack({"layers": [llama.fuse_layer(quantize_layer(
+                  smooth(llama.layer_of(stacked, i)), quantization))]})["layers"][0]
               for i in range(len(stacked["attn_norm"])))
     top = pack({**llama.head_params(quantize_head(params, quantization)), "layers": []})
     return {k: v for k, v in top.items() if k != "layers"}, layers
@@ -192,14 +197,16 @@ class ModelRunner:
     def _place(self, params, quantization: str, backend: Backend) -> dict:
         """The loaders' host params on this runner's devices; an unread orbax checkpoint
         (weights.orbax_io.OrbaxParams) is restored straight into the shardings, unless its
-        weights must first be quantized or packed on the host."""
+        weights must first be quantized, packed or smoothed for int8 KV on the host."""
+        int8_kv = self.kv_dtype == jnp.int8
         if hasattr(params, "restore"):
             # float weights are packed on the host only by the cpu backend (its panels)
-            if quantization == "none" and backend.pack_params is None:
+            if quantization == "none" and backend.pack_params is None and not int8_kv:
                 return sharding.restore_params(params, self.cfg, self.mesh, self.dtype)
             params = params.numpy()
-        return sharding.place_params(*prepare_params(params, quantization, backend), self.cfg,
-                                     self.mesh, self._cast)
+        return sharding.place_params(*prepare_params(
+            params, quantization, backend, self.cfg if int8_kv else None), self.cfg, self.mesh,
+            self._cast)
 
     def reset_pool(self, num_pages: int | None = None) -> None:
         """A zeroed KV pool (at start, after a failed step consumed the donated one, and of the

@@ -1,0 +1,144 @@
+"""Key smoothing for int8 KV pages (jaxserve/model/kv_smoothing.py): the folded weights give the
+float attention scores of the original ones (rope, GQA, q/k biases, q/k norms with and without
+Gemma's 1 + weight), the float model's greedy outputs are kept, the keys' int8 error falls
+where a key channel is an outlier, and the engine smooths only for int8 pages."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_model import tiny_loaded
+
+from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine import LLMEngine
+from jaxserve.model import llama
+from jaxserve.model.kv_cache import quantize_kv
+from jaxserve.model.kv_smoothing import smooth_keys, smooth_layer
+
+BASE = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                   num_heads=6, num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+CASES = {"rope-gqa": {}, "bias": {"attention_bias": True}, "qk-norm": {"qk_norm": True},
+         "qk-norm-offset": {"qk_norm": True, "norm_weight_offset": 1.0}}
+
+
+def _layer(cfg: ModelConfig, rng, outlier: float = 1.0) -> dict:
+    """One layer's attention weights in the loaders' layout ([in, out]); `outlier` multiplies
+    key channel 3 of every KV head (and its rope partner's weights stay as drawn)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    layer = {"attn_norm": 1 + 0.3 * rng.standard_normal(h),
+             "wq": rng.standard_normal((h, cfg.num_heads * d)) / h ** 0.5,
+             "wk": rng.standard_normal((h, cfg.num_kv_heads * d)) / h ** 0.5}
+    layer["wk"].reshape(h, cfg.num_kv_heads, d)[:, :, 3] *= outlier
+    if cfg.attention_bias:
+        layer["bq"] = rng.standard_normal(cfg.num_heads * d)
+        layer["bk"] = rng.standard_normal(cfg.num_kv_heads * d)
+    if cfg.qk_norm:
+        layer["q_norm"] = 1 + 0.3 * rng.standard_normal(d) - cfg.norm_weight_offset
+        layer["k_norm"] = 1 + 0.3 * rng.standard_normal(d) - cfg.norm_weight_offset
+        layer["k_norm"][3] *= outlier
+    return {k: np.asarray(v, np.float32) for k, v in layer.items()}
+
+
+def _queries_keys(cfg: ModelConfig, layer: dict, x, positions):
+    """q f32[T, Hq, D] and k f32[T, Hkv, D] after rope, as llama's layer computes them."""
+    t, d, eps, off = x.shape[0], cfg.head_dim, cfg.rms_norm_eps, cfg.norm_weight_offset
+    h = llama.rms_norm(jnp.asarray(x), layer["attn_norm"], eps, off)
+    q, k = h @ layer["wq"], h @ layer["wk"]
+    if cfg.attention_bias:
+        q, k = q + layer["bq"], k + layer["bk"]
+    q, k = q.reshape(t, cfg.num_heads, d), k.reshape(t, cfg.num_kv_heads, d)
+    if cfg.qk_norm:
+        q, k = llama.rms_norm(q, layer["q_norm"], eps, off), llama.rms_norm(k, layer["k_norm"], eps, off)
+    cos, sin = llama.rope_tables(jnp.asarray(positions), d, cfg.rope_theta)
+    return np.asarray(llama.apply_rope(q, cos, sin)), np.asarray(llama.apply_rope(k, cos, sin))
+
+
+def _scores(cfg: ModelConfig, q, k):
+    """f[Hq, Tq, Tk]: each query head against its KV head's keys."""
+    k = np.repeat(k, cfg.num_heads // cfg.num_kv_heads, axis=1)
+    return np.einsum("qhd,khd->hqk", q, k)
+
+
+def _int8(k):
+    q, scale = quantize_kv(jnp.asarray(k))
+    return np.asarray(q, np.float32) * np.asarray(scale)[..., None]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_folded_weights_keep_the_float_attention_scores(case):
+    cfg = dataclasses.replace(BASE, **CASES[case])
+    rng = np.random.default_rng(0)
+    layer = _layer(cfg, rng, outlier=8.0)
+    x, positions = rng.standard_normal((24, cfg.hidden_size)), rng.integers(0, 500, 24)
+    q, k = _queries_keys(cfg, layer, x, positions)
+    q2, k2 = _queries_keys(cfg, smooth_layer(layer, cfg), x, positions)
+    assert not np.allclose(k, k2, rtol=0.05)  # the keys did change
+    ref = _scores(cfg, q, k)
+    np.testing.assert_allclose(_scores(cfg, q2, k2), ref, rtol=1e-4,
+                               atol=1e-5 * np.abs(ref).max())
+    # stacked layers ([L, ...]) are smoothed alike, layer by layer
+    stacked = smooth_layer({n: np.stack([w, w]) for n, w in layer.items()}, cfg)
+    for n, w in smooth_layer(layer, cfg).items():
+        np.testing.assert_allclose(stacked[n][1], w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("case", ["rope-gqa", "qk-norm"])
+def test_smoothing_cuts_the_int8_key_error_of_an_outlier_channel(case):
+    """Key channel 3 drawn 12x larger: its int8 scale per token flattens the other channels.
+    The scores' error from int8 keys, as a share of the scores' spread."""
+    cfg = dataclasses.replace(BASE, **CASES[case])
+    rng = np.random.default_rng(1)
+    layer = _layer(cfg, rng, outlier=12.0)
+    x, positions = rng.standard_normal((64, cfg.hidden_size)), np.arange(64)
+
+    def error(lay):
+        q, k = _queries_keys(cfg, lay, x, positions)
+        ref = _scores(cfg, q, k)
+        return np.sqrt(np.mean((_scores(cfg, q, _int8(k)) - ref) ** 2)) / ref.std()
+
+    plain, smoothed = error(layer), error(smooth_layer(layer, cfg))
+    print(case, "int8 key score error", plain, "->", smoothed)
+    assert smoothed < 0.5 * plain
+
+
+def _greedy(loaded, **options):
+    engine = LLMEngine(EngineConfig.from_options(num_pages=32, page_size=8, max_num_seqs=3,
+                                                 attention_backend="xla", **options), loaded)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    ids = [engine.add_request({"prompt_token_ids": list(range(s, s + 11))}, params).request_id
+           for s in (10, 70, 140)]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return [done[i] for i in ids], engine
+
+
+@pytest.fixture(scope="module")
+def outlier_model():
+    """tiny_model with key channel 2 of each KV head 12x larger in every layer."""
+    loaded = tiny_loaded(seed=5)
+    wk = loaded.params["layers"]["wk"].copy()
+    cfg = loaded.config
+    wk.reshape(cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)[..., 2] *= 12
+    return dataclasses.replace(loaded, params={**loaded.params,
+                                               "layers": {**loaded.params["layers"], "wk": wk}})
+
+
+def test_float_greedy_outputs_are_kept_and_int8_pages_get_smoothed_keys(outlier_model):
+    cfg = outlier_model.config
+    f32, engine = _greedy(outlier_model)
+    smoothed = dataclasses.replace(outlier_model,
+                                   params=smooth_keys(outlier_model.params, cfg))
+    assert _greedy(smoothed)[0] == f32
+    # float pages run the loaders' weights; int8 pages the smoothed ones
+    hq = cfg.num_heads * cfg.head_dim
+    w_qkv = lambda e: np.asarray(e.runner.params["layers"][0]["w_qkv"])[:hq]  # noqa: E731
+    np.testing.assert_array_equal(w_qkv(engine), outlier_model.params["layers"]["wq"][0].T)
+    int8, int8_engine = _greedy(outlier_model, kv_cache_dtype="int8")
+    np.testing.assert_allclose(w_qkv(int8_engine), smoothed.params["layers"]["wq"][0].T,
+                               rtol=1e-6)
+    assert sum(a == b for a, b in zip(f32, int8)) >= 2, (f32, int8)
