@@ -10,6 +10,9 @@ each write what they measured before the next starts, so a broken setup costs on
                 context) as a fraction of a copy kernel's bandwidth measured in the same run,
                 beside JAX's own Pallas paged_attention (decode only) as a peer
   5 throughput  engine output tokens/s at 1, 64 and 256 concurrent requests (bf16, 128 + 128)
+  6 tpu_plan    no device: the default model compiled for v5e:2x2 and v6e:2x2 without a TPU
+                (`jaxserve compile --topology`), shapes, seconds and the memory plan per chip;
+                not in the default stages: `--stages tpu_plan` on any machine with libtpu
 
   PYTHONPATH=. python scripts/device_check.py --out $OUT      # on the device
   python scripts/device_check.py --write_reference             # on a CPU: the reference tokens
@@ -220,7 +223,7 @@ def throughput(args) -> dict:
     engine = _engine(loaded, max_num_seqs=max(levels), max_num_batched_tokens=2048,
                      num_pages=1 + max(levels) * -(-(in_len + out_len) // 16))
     rng = np.random.default_rng(2)
-    result = {"backend": engine.backend.name, "dtype": engine.resolved.dtype}
+    result = {"backend": engine.backend.name, "dtype": engine.config.dtype}
     for n in levels:
         prompts = [[int(t) for t in rng.integers(3, loaded.config.vocab_size, in_len)]
                    for _ in range(n)]
@@ -240,14 +243,39 @@ def throughput(args) -> dict:
     return result
 
 
+def tpu_plan(args) -> dict:
+    """No device needed: the default model's warm-up shapes compiled for v5e:2x2 and v6e:2x2
+    through libtpu's compile-only topologies (`jaxserve compile --topology`), with each plan."""
+    result = {"ok": True}
+    small = ["--max_num_seqs=8", "--max_num_batched_tokens=64"] if args.quick else []
+    for topology in ("v5e:2x2", "v6e:2x2"):
+        proc = subprocess.run([sys.executable, "-m", "jaxserve.cli.main", "compile", "--json",
+                               f"--topology={topology}", *small], cwd=ROOT,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True,
+                              text=True, timeout=1800)
+        if proc.returncode != 0:
+            result.update(ok=False, error=f"{topology}: {proc.stderr.strip()[-1000:]}")
+            return result
+        r = json.loads(proc.stdout)
+        d = r["per_device"]
+        result[topology] = {k: r[k] for k in ("shapes", "sampling_calls", "num_pages", "fits",
+                                              "compile_seconds")}
+        result[topology].update(failures=len(r["failures"]), **{
+            k: d[k] for k in ("weight_bytes", "kv_pool_bytes", "activation_peak_bytes")})
+        result["ok"] &= r["fits"] and not r["failures"]
+    return result
+
+
 STAGES = {"smoke": smoke, "kernels": kernel_tests, "parity": parity, "bandwidth": bandwidth,
-          "throughput": throughput}
+          "throughput": throughput, "tpu_plan": tpu_plan}
+DEVICE_STAGES = ("smoke", "kernels", "parity", "bandwidth", "throughput")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--stages", default=",".join(STAGES))
+    parser.add_argument("--stages", default=",".join(DEVICE_STAGES),
+                        help=f"of {', '.join(STAGES)}; tpu_plan needs no device")
     parser.add_argument("--quick", action="store_true", help="small shapes (a dry run)")
     parser.add_argument("--kernel_test_timeout", type=int, default=150)
     parser.add_argument("--write_reference", action="store_true")

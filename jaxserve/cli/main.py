@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "batch": ("jaxserve.cli.batch", "run an OpenAI batch file (JSONL) through the engine"),
     "bench": ("jaxserve.cli.bench", "serving benchmark under a stated workload"),
     "kv_budget": ("jaxserve.cli.kv_budget", "analytic KV-cache memory accounting"),
+    "compile": ("jaxserve.cli.compile", "compile the engine's shapes ahead of time: for a TPU "
+                "topology from any machine (plan and check), or into this host's cache"),
 }
 
 
@@ -34,6 +36,7 @@ def run(argv: list[str] | None = None) -> None:
     if name not in SUBCOMMANDS:
         print(f"jaxserve: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
+    _define_common_flags()
     module = importlib.import_module(SUBCOMMANDS[name][0])
     from absl import app
 
@@ -45,11 +48,38 @@ def run(argv: list[str] | None = None) -> None:
     app.run(_with_extras(name, module.main), argv=[f"jaxserve {name}"] + argv[2:])
 
 
+def _define_common_flags() -> None:
+    """Flags every subcommand takes."""
+    from absl import flags
+
+    if "compilation_cache_dir" not in flags.FLAGS:
+        flags.DEFINE_string(
+            "compilation_cache_dir", None,
+            "JAX's persistent compilation cache (default: $JAX_COMPILATION_CACHE_DIR, else "
+            "$XDG_CACHE_HOME/jaxserve/xla); `jaxserve compile` fills it for later starts.")
+
+
+def _use_cache_dir() -> None:
+    """--compilation_cache_dir, for this process and its children (JAX reads the variable)."""
+    import os
+
+    from absl import flags
+
+    path = flags.FLAGS.compilation_cache_dir
+    if path:
+        import jax
+
+        path = os.path.abspath(os.path.expanduser(path))
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+        jax.config.update("jax_compilation_cache_dir", path)
+
+
 def _with_extras(name: str, main):
     """main, with a missing optional dependency reported in one line (exit 2)."""
     from jaxserve.tools import MissingExtra
 
     def run_main(argv):
+        _use_cache_dir()
         try:
             return main(argv)
         except MissingExtra as e:

@@ -1,0 +1,85 @@
+"""`jaxserve compile`: the engine's shapes compiled ahead of time (engine/aot.py).
+
+  --topology v6e:2x2   compile for that TPU topology from any x86 machine with libtpu (no TPU,
+                       no weights: a config.json alone will do) and print the memory plan per
+                       device; a model that does not fit is refused (exit 1)
+  (no --topology)      build the engine on this host's backend and warm it up, so its compiles
+                       land in the persistent compilation cache that `serve`, `generate`,
+                       `batch` and `LLM` load from (--cache_dir, or JAX_COMPILATION_CACHE_DIR)
+
+With --topology and --cache_dir the TPU executables are written to that cache as a TPU host with
+the same libtpu and JAX would look them up; loading them on a real TPU is untested (no TPU was
+lent when this was written). The engine's flags apply (--tensor_parallel_size, --dtype,
+--kv_cache_dtype, --quantization, --max_num_seqs, --max_num_batched_tokens, --page_size,
+--memory_utilization, ...); on a TPU target dtype auto is bfloat16 and the attention the Pallas
+TPU kernels. Bad flags: one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from absl import flags
+
+from jaxserve.cli import engine_flags
+
+flags.DEFINE_string("topology", None,
+                    "A TPU topology in JAX's names (v5e:2x2, v6e:2x2, v6e:2x4, v5p:2x2x1, ...): "
+                    "compile for it from this machine (libtpu, no TPU) and plan its memory. "
+                    "Default: this host's backend, into the compilation cache.")
+flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
+flags.DEFINE_integer("compile_threads", 2, "Executables compiled at once (--topology).")
+flags.DEFINE_alias("cache_dir", "compilation_cache_dir")
+FLAGS = flags.FLAGS
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.2f} GiB"
+
+
+def _table(report: dict) -> str:
+    d = report["per_device"] or {}
+    lines = [f"{report['topology']} ({report['device_kind']}, {_gib(report['hbm_bytes_per_device'])}"
+             f" HBM per device), tensor_parallel_size {report['tensor_parallel_size']}, "
+             f"{report['dtype']} weights, {report['kv_cache_dtype']} KV, "
+             f"{report['attention_backend']}",
+             f"  compiled        {report['shapes']} shapes + {report['sampling_calls']} sampling "
+             f"calls in {report['compile_seconds']:.1f} s, {len(report['failures'])} failed"]
+    if d:
+        lines += [f"  {k:<15} {_gib(d[k + '_bytes'])}" for k in
+                  ("budget", "weight", "activation_peak", "runtime", "margin", "kv_pool")]
+        lines.append(f"  num_pages       {report['num_pages']} of {report['page_size']} tokens")
+    lines += [f"  FAILED {f['shape']}: {f['error']}" for f in report["failures"]]
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import aot
+
+    try:
+        config = EngineConfig.from_options(**engine_flags.engine_options())
+        if FLAGS.topology is None:
+            result = aot.warm_host_cache(config)
+        else:
+            report = aot.compile_for_topology(config, FLAGS.topology, FLAGS.compile_threads)
+            result = report.as_dict()
+    except ValueError as e:  # bad flags or model: one line
+        print(f"jaxserve compile: error: {e}", file=sys.stderr)
+        return 2
+    if FLAGS.json:
+        print(json.dumps(result))
+    elif FLAGS.topology is None:
+        print(f"{result['shapes']} shapes warmed on {result['backend']} in "
+              f"{result['compile_seconds']:.1f} s ({result['compilations']} compiled, the rest "
+              f"loaded); cache {result['cache_dir']}: {result['cache_files']} files")
+    else:
+        print(_table(result))
+        if not report.fits:
+            print(f"jaxserve compile: error: {report.refusal()}", file=sys.stderr)
+            return 1
+        if report.failures:
+            return 1
+    return 0

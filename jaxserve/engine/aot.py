@@ -1,0 +1,345 @@
+"""Ahead-of-time compiles of the engine's calls (`jaxserve compile`).
+
+For a TPU topology (runtime/topology.py), on any x86 host: every executable the engine's warm-up
+compiles (each step shape of Buckets.step_shapes, the sampling call per sample-row count and
+mode, the page copies) is compiled for that topology's devices from abstract inputs: the params
+as the runner would place them under tensor_parallel_size (runtime/abstract.py, no weight read),
+the KV pool of the planned size. The memory plan is the engine's (engine/memory_plan.py) with
+the compiled steps' memory analysis in place of measurements, per device:
+
+    budget (memory_utilization x HBM) = weights + activation peak + runtime + margin + KV pool
+
+the activation peak being the largest step's (plain or scoring) temporaries and outputs beside
+the donated pool, the runtime the compiled code (the largest step's code per compiled shape: an
+accelerator keeps a loaded program in its memory), the margin memory_plan.MARGIN of the budget.
+
+For this host's own backend: the engine is built and warmed up, so its compiles land in JAX's
+persistent compilation cache, where `serve`, `generate`, `batch` and `LLM` find them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+import os
+import time
+from types import SimpleNamespace
+
+import jax
+import numpy as np
+
+from jaxserve import backends
+from jaxserve.config import DEFAULT_MEMORY_UTILIZATION, EngineConfig, ModelConfig
+from jaxserve.engine import memory_plan
+from jaxserve.engine.memory_plan import GIB, MARGIN, MemoryPlan
+from jaxserve.runtime import abstract, sharding
+from jaxserve.runtime.batch import build_batch, warmup_plan
+from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.logit_controls import no_controls
+from jaxserve.runtime.runner import ModelRunner, _copy_pages, _jitted_step, _sample_rows
+from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM
+from jaxserve.runtime.topology import Topology, tpu_topology
+from jaxserve.weights.model_config import read_model_config
+
+PROBE_PAGES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What the engine would run on one replica of the topology."""
+
+    model: ModelConfig
+    topology: Topology
+    mesh: jax.sharding.Mesh
+    backend: backends.Backend
+    buckets: Buckets
+    dtype: str
+    kv_dtype: str
+    page_size: int
+    max_model_len: int
+
+
+@dataclasses.dataclass
+class CompileReport:
+    target: Target
+    plan: MemoryPlan | None  # None: the largest step did not compile (see failures)
+    fits: bool
+    shapes: int = 0  # step and page-copy shapes compiled: the engine's warm-up count
+    sampling_calls: int = 0
+    failures: list = dataclasses.field(default_factory=list)  # {"shape", "error"}
+    compile_seconds: float = 0.0
+    generated_code_bytes: int = 0  # measured, over every executable compiled
+    step_peak_bytes: int = 0  # the most a compiled step holds: arguments, temporaries, outputs
+
+    def as_dict(self) -> dict:
+        t, p = self.target, self.plan
+        per_device = None if p is None else {
+            "weight_bytes": p.weight_bytes, "kv_pool_bytes": p.kv_pool_bytes,
+            "activation_peak_bytes": p.activation_peak_bytes, "runtime_bytes": p.runtime_bytes,
+            "margin_bytes": p.margin_bytes, "budget_bytes": p.budget_bytes,
+            "page_bytes": p.page_bytes, "generated_code_bytes": self.generated_code_bytes,
+            "step_peak_bytes": self.step_peak_bytes}
+        return {"topology": t.topology.name, "device_kind": t.topology.device_kind,
+                "hbm_bytes_per_device": t.topology.hbm_bytes_per_device,
+                "tensor_parallel_size": sharding.tp_size(t.mesh), "dtype": t.dtype,
+                "kv_cache_dtype": t.kv_dtype, "attention_backend": t.backend.name,
+                "max_model_len": t.max_model_len, "page_size": t.page_size,
+                "shapes": self.shapes, "sampling_calls": self.sampling_calls,
+                "failures": self.failures,
+                "per_device": per_device, "num_pages": None if p is None else p.num_pages,
+                "fits": self.fits,
+                "compile_seconds": round(self.compile_seconds, 2)}
+
+    def refusal(self) -> str:
+        """Why the model does not fit, in GiB per device."""
+        p, t = self.plan, self.target
+        if p is None:
+            return (f"the largest step does not compile for {t.topology.name}: "
+                    f"{self.failures[0]['error']}")
+        held = self.step_peak_bytes + self.generated_code_bytes
+        if p.num_pages >= 2 and held > t.topology.hbm_bytes_per_device:
+            return (f"{t.topology.name}: the compiled steps and code hold {held / GIB:.2f} GiB "
+                    f"per device, more than its {t.topology.hbm_bytes_per_device / GIB:.0f} GiB "
+                    "HBM")
+        terms = {"weights": p.weight_bytes, "activations": p.activation_peak_bytes,
+                 "runtime": p.runtime_bytes, "margin": p.margin_bytes, "2 KV pages": 2 * p.page_bytes}
+        held = " + ".join(f"{k} {v / GIB:.2f} GiB" for k, v in terms.items() if v)
+        return (f"{t.topology.name} at tensor_parallel_size {sharding.tp_size(t.mesh)} cannot "
+                f"hold the model: per device, {held} > a budget of {p.budget_bytes / GIB:.2f} "
+                f"GiB ({t.topology.hbm_bytes_per_device / GIB:.0f} GiB HBM)")
+
+
+def options_of(config: EngineConfig) -> dict:
+    """The config's flat options (EngineConfig.from_options's names)."""
+    if hasattr(config, "options"):
+        return config.options()
+    return dataclasses.asdict(config)
+
+
+def _tpu_backend(o: dict) -> backends.Backend:
+    """The attention backend a TPU would resolve: auto and pallas -> the Pallas TPU kernels."""
+    if o["attention_backend"] in ("auto", "pallas"):
+        if o["pallas_kernels"] not in ("auto", "tpu"):
+            raise ValueError(f"pallas_kernels={o['pallas_kernels']!r} does not run on a TPU")
+        return backends.get("pallas-tpu")
+    if o["attention_backend"] == "xla":
+        return backends.get("xla")
+    raise ValueError(f"attention_backend={o['attention_backend']!r} does not run on a TPU "
+                     "(auto, pallas or xla)")
+
+
+def tpu_target(config: EngineConfig, topology_name: str) -> Target:
+    """The engine's configuration resolved for a TPU topology; ValueError for what the engine
+    would refuse there."""
+    o = options_of(config)
+    model = read_model_config(o["model"])
+    tp = o["tensor_parallel_size"]
+    if o["quantization"] not in ("none", "int8"):
+        raise ValueError(f"quantization={o['quantization']!r} runs on the CPU backend; on a "
+                         "TPU use none or int8 (dtype bfloat16 is the default there)")
+    sharding.check_fits(model, tp, o["quantization"])
+    spec = o["speculative_config"]
+    if spec is not None and spec["method"] == "draft":
+        raise ValueError("jaxserve compile does not compile a draft model's calls yet; use "
+                         "speculative method ngram or none")
+    topology = tpu_topology(topology_name)
+    need = tp * o["data_parallel_size"]
+    if need > len(topology.devices):
+        raise ValueError(f"tensor_parallel_size {tp} x data_parallel_size "
+                         f"{o['data_parallel_size']} needs {need} devices; {topology_name} "
+                         f"has {len(topology.devices)}")
+    mesh = sharding.replica_mesh(sharding.make_mesh(tp, devices=topology.devices), 0)
+    dtype = "bfloat16" if o["dtype"] == "auto" else o["dtype"]
+    kv_dtype = dtype if o["kv_cache_dtype"] == "auto" else o["kv_cache_dtype"]
+    backend = _tpu_backend(o)
+    max_model_len = min(o["max_model_len"] or model.max_position_embeddings,
+                        model.max_position_embeddings)
+    spec_tokens = spec["num_speculative_tokens"] if spec else 0
+    buckets = Buckets.for_engine(o["max_num_seqs"], o["max_num_batched_tokens"],
+                                 math.ceil(max_model_len / o["page_size"]),
+                                 query_block=backend.query_block, packed=backend.packed,
+                                 spec_tokens=spec_tokens)
+    return Target(model, topology, mesh, backend, buckets, dtype, kv_dtype, o["page_size"],
+                  max_model_len)
+
+
+class _Compiler:
+    """The target's calls lowered on abstract inputs and compiled."""
+
+    def __init__(self, target: Target):
+        self.t = target
+        self.params = abstract.abstract_params(target.model, target.mesh, target.dtype)
+        self.step = _jitted_step(target.model, target.backend, target.mesh)
+        self.feed = abstract.replicated(np.zeros(target.buckets.max_sample_rows, np.int32),
+                                        target.mesh)
+
+    def pool(self, num_pages: int):
+        t = self.t
+        return abstract.abstract_pool(t.model, t.mesh, num_pages, t.page_size, t.kv_dtype)
+
+    def batch(self, shape, prompt_logprobs: int | None = None):
+        b, t = self.t.buckets, self.t
+        return build_batch(warmup_plan(shape, b, t.page_size, prompt_logprobs), b, t.page_size)[0]
+
+    def compile_step(self, batch, pool):
+        step = abstract.replicated(dataclasses.replace(batch, sampling=None), self.t.mesh)
+        return self.step.lower(self.params, pool=pool, batch=step, feed=self.feed).compile()
+
+    def compile_sampling(self, batch, mode: str, controls: bool):
+        rows, vocab = batch.logits_indices.shape[0], self.t.model.vocab_size
+        logits = abstract.replicated(np.zeros((rows, vocab), np.float32), self.t.mesh)
+        sampling = abstract.replicated(dataclasses.replace(batch.sampling, mode=mode), self.t.mesh)
+        ctl = abstract.replicated(no_controls(rows, vocab), self.t.mesh) if controls else None
+        return _sample_rows.lower(logits, sampling, ctl, backend=self.t.backend,
+                                  feed_size=self.feed.shape[0]).compile()
+
+    def compile_copies(self, n: int, pool):
+        idx = abstract.replicated(np.zeros(n, np.int32), self.t.mesh)
+        return _copy_pages.lower(pool, idx, idx).compile()
+
+
+def warmup_batches(buckets: Buckets, page_size: int):
+    """(batch, rows) of each step the engine's warm-up compiles (runner.warmup), without a
+    runner: ModelRunner._warmup_batches reads only its page size, so a stand-in holding that
+    one attribute serves (runner.py has no room under its line cap for a public twin)."""
+    return ModelRunner._warmup_batches(SimpleNamespace(page_size=page_size), buckets, False)
+
+
+def _step_bytes(compiled) -> int:
+    """What a compiled step allocates beside its arguments (runner.step_temp_bytes's count)."""
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> MemoryPlan:
+    """The engine's memory plan, from the largest step compiled (plain and scoring) on a probe
+    pool; the pool's size from the budget, or from num_pages / kv_cache_bytes when given.
+
+    Unlike on the host, a step's temporaries may grow with the pool: XLA's TPU compiler lays out
+    again (copies) a pool whose head_dim is below the 128 lanes of a vector register, every step.
+    So the largest step is compiled again with a larger pool, and where it grew, each page is
+    charged its share of the growth too (the warm-up's compiles at the planned size check it)."""
+    t, b, o = target, target.buckets, options_of(config)
+    weights = abstract.bytes_per_device(compiler.params)
+    page_bytes = abstract.bytes_per_device(compiler.pool(1))
+    hbm = t.topology.hbm_bytes_per_device
+    budget = o["memory_budget_bytes"] or int(
+        (o["memory_utilization"] or DEFAULT_MEMORY_UTILIZATION) * hbm)
+    margin = int(MARGIN * budget)
+    plan = functools.partial(MemoryPlan, budget_bytes=budget, weight_bytes=weights,
+                             margin_bytes=margin, page_bytes=page_bytes, page_size=t.page_size)
+    if weights + margin + 2 * page_bytes > budget:  # no step need be compiled to know
+        return plan(activation_peak_bytes=0, runtime_bytes=0, num_pages=0)
+    shape = memory_plan.largest_shape(b, t.page_size)
+    probe = compiler.pool(PROBE_PAGES)
+    compiled = [compiler.compile_step(compiler.batch(shape, k), probe)
+                for k in (None, b.logprobs[-1])]
+    activation = max(_step_bytes(c) for c in compiled)
+    code = compiled[0].memory_analysis().generated_code_size_in_bytes
+    warmup_shapes = sum(1 for _ in warmup_batches(b, t.page_size)) + len(b.copies)
+    runtime = int(code) * warmup_shapes
+    rest = budget - weights - runtime - margin
+    num_pages = (rest - activation) // page_bytes
+    if o["num_pages"] is not None or o["kv_cache_bytes"] is not None:
+        num_pages = o["num_pages"] or o["kv_cache_bytes"] // page_bytes
+    if num_pages > PROBE_PAGES:
+        # An eighth of the size: at the full size such copies may not compile at all.
+        size = max(PROBE_PAGES + 1, num_pages // 8)
+        grown = _step_bytes(compiler.compile_step(compiler.batch(shape), compiler.pool(size)))
+        per_page = max(0, grown - _step_bytes(compiled[0])) / (size - PROBE_PAGES)
+        if per_page and o["num_pages"] is None and o["kv_cache_bytes"] is None:
+            num_pages = int((rest - activation) // (page_bytes + per_page))
+        activation += math.ceil(per_page * max(0, num_pages - PROBE_PAGES))
+    return plan(activation_peak_bytes=activation, runtime_bytes=runtime,
+                num_pages=int(max(num_pages, 0)))
+
+
+def _jobs(compiler: _Compiler, pool):
+    """(what, kind, compile) of every executable the engine's warm-up compiles (runner.warmup):
+    each step, its sampling call per sample-row count in each mode without and with logit
+    controls (masks only), and each page-copies bucket."""
+    b, sampled = compiler.t.buckets, set()
+    for batch, _ in warmup_batches(b, compiler.t.page_size):
+        rows = batch.logits_indices.shape[0]
+        yield (f"step of {batch.token_ids.shape[0]} tokens, {batch.attn.page_tables.shape[0]} "
+               f"rows, {rows} sampled", "step",
+               lambda batch=batch: compiler.compile_step(batch, pool))
+        if rows not in sampled:
+            sampled.add(rows)
+            for controls in (False, True):
+                for mode in (GREEDY, RANDOM, FILTERED):
+                    yield (f"sampling of {rows} rows, mode {mode}"
+                           + (", logit controls" if controls else ""), "sampling",
+                           lambda batch=batch, mode=mode, controls=controls:
+                           compiler.compile_sampling(batch, mode, controls))
+    for n in b.copies:
+        yield f"page copy of {n} pages", "copies", lambda n=n: compiler.compile_copies(n, pool)
+
+
+def _failure(what: str, e: Exception) -> dict:
+    line = (str(e).strip().splitlines() or [""])[0][:400]
+    return {"shape": what, "error": f"{type(e).__name__}: {line}"}
+
+
+def compile_for_topology(config: EngineConfig, topology_name: str,
+                         threads: int = 2) -> CompileReport:
+    """Plan the engine's memory on the topology and, when the model fits, compile every
+    executable of its warm-up, `threads` at a time. A compile that fails is reported, not
+    raised; bad configurations raise ValueError."""
+    start = time.perf_counter()
+    target = tpu_target(config, topology_name)
+    compiler = _Compiler(target)
+    try:
+        plan = plan_memory(config, target, compiler)
+    except Exception as e:  # noqa: BLE001 - the compiler's refusal is the answer
+        report = CompileReport(target, None, False, failures=[_failure("largest step (memory "
+                                                                       "plan)", e)])
+        report.compile_seconds = time.perf_counter() - start
+        return report
+    fits = plan.num_pages >= 2 and plan.planned_bytes <= plan.budget_bytes
+    report = CompileReport(target, plan, fits)
+    if fits:
+        pool = compiler.pool(plan.num_pages)
+        jobs = list(_jobs(compiler, pool))
+        with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as workers:
+            futures = [(what, kind, workers.submit(fn)) for what, kind, fn in jobs]
+            for what, kind, future in futures:
+                try:
+                    compiled = future.result()
+                except Exception as e:  # noqa: BLE001 - one shape's failure is reported
+                    report.failures.append(_failure(what, e))
+                    continue
+                m = compiled.memory_analysis()
+                report.generated_code_bytes += int(m.generated_code_size_in_bytes)
+                if kind == "step":
+                    report.step_peak_bytes = max(report.step_peak_bytes, int(
+                        m.argument_size_in_bytes + m.temp_size_in_bytes
+                        + m.output_size_in_bytes - m.alias_size_in_bytes))
+                if kind == "sampling":
+                    report.sampling_calls += 1
+                else:
+                    report.shapes += 1
+    # What the compiled steps hold, checked against the chip (the plan's own terms are estimates).
+    held = report.step_peak_bytes + report.generated_code_bytes
+    report.fits &= held <= target.topology.hbm_bytes_per_device
+    report.compile_seconds = time.perf_counter() - start
+    return report
+
+
+def warm_host_cache(config: EngineConfig) -> dict:
+    """Build the engine on this host's backend and run its warm-up, so that every shape lands in
+    JAX's persistent compilation cache (the runner turns it on; JAX_COMPILATION_CACHE_DIR or
+    --compilation_cache_dir names where). Returns the warm-up's counts and the cache's files."""
+    from jaxserve.engine import make_engine
+
+    start = time.perf_counter()
+    engine = make_engine(config)
+    cache_dir = jax.config.jax_compilation_cache_dir
+    warm = engine.warmup()
+    files = len(os.listdir(cache_dir)) if cache_dir and os.path.isdir(cache_dir) else 0
+    return {"topology": None, "backend": jax.default_backend(),
+            "device_kind": jax.devices()[0].device_kind, "shapes": warm["shapes"],
+            "compilations": warm["compilations"], "cache_dir": cache_dir, "cache_files": files,
+            "compile_seconds": round(time.perf_counter() - start, 2)}
