@@ -108,15 +108,19 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout)
 
-    def warm_up(self, full: bool = False) -> concurrent.futures.Future:
-        """Compile the step shapes on the loop thread, ahead of anything queued after it;
-        `readiness()` says "warming up" until it is done. The future holds the warm-up report."""
+    def warm_up(self, full: bool = False, background: bool = True,
+                **options) -> concurrent.futures.Future:
+        """Compile the step shapes from the loop thread, ahead of anything queued after it;
+        `readiness()` says "warming up" until it is done: with background=True, until the
+        smallest steps are in (LLMEngine.warmup), the rest compiling on while requests are
+        served (a step whose shape is not compiled yet waits for it); options go to
+        LLMEngine.warmup. The future holds the warm-up report."""
         self.start()
         self.warming_up = True
 
         def run(engine: LLMEngine) -> dict:
             try:
-                return engine.warmup(full=full)
+                return engine.warmup(full=full, background=background, **options)
             finally:
                 self.warming_up = False
 

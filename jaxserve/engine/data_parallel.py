@@ -132,8 +132,8 @@ class DataParallelEngine:
                 self._owner.pop(out.request_id, None)
         return results
 
-    def warmup(self, full: bool = False) -> dict:
-        return _summed([r.warmup(full) for r in self.replicas])
+    def warmup(self, full: bool = False, **options) -> dict:
+        return _summed([r.warmup(full, **options) for r in self.replicas])
 
     def kv_usage(self) -> dict:
         return _summed([r.kv_usage() for r in self.replicas])

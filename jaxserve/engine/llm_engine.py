@@ -11,6 +11,7 @@ import functools
 import itertools
 import logging
 import math
+import os
 import threading
 import time
 
@@ -42,6 +43,11 @@ from jaxserve.weights import LoadedModel, load_model
 Prompt = str | list[int] | dict
 log = logging.getLogger("jaxserve.engine")
 PROBE_PAGES = 2
+# Warm-up's compile threads: XLA compiles (and loads from the persistent cache) with the GIL
+# released, so threads overlap; a background warm-up is ready once the steps of at most
+# READY_TOKENS tokens are compiled (docs/serving.md: start-up).
+COMPILE_THREADS = max(2, min(os.cpu_count() or 2, 8))
+READY_TOKENS = 1
 
 
 class LLMEngine:
@@ -221,19 +227,28 @@ class LLMEngine:
         return self.pipeline.step()
 
     # ----------------------------------------------------------------- compilation
-    def warmup(self, full: bool = False) -> dict:
+    def warmup(self, full: bool = False, *, background: bool = False,
+               compile_threads: int = COMPILE_THREADS,
+               ready_tokens: int = READY_TOKENS) -> dict:
         """Compile step shapes before traffic arrives (Buckets.step_shapes: every shape of a
         packed backend; otherwise every decode-only and prefill-only bucket, and with full=True
-        every combination the scheduler can produce) and the copy-on-write copies. No request
-        state changes. Returns counts and seconds."""
+        every combination the scheduler can produce), their sampling calls and the
+        copy-on-write copies, in `compile_threads` threads. With background=True it returns
+        once the steps of at most `ready_tokens` tokens are in; the rest compile on in the
+        background, and a step that needs one of them waits for it (stats():
+        compilations_pending). No request state changes. Returns counts and seconds."""
         t0, before = time.perf_counter(), self.compilations
-        shapes = self.runner.warmup(self.buckets, full, on_shape=self.startup.shape_timer())
+        shapes = self.runner.warmup(self.buckets, full, on_shape=self.startup.shape_timer(),
+                                    threads=compile_threads,
+                                    first_tokens=ready_tokens if background else None,
+                                    on_done=self.startup.all_compiled)
         if self.speculator.warmup_count():
             with self.startup.phase("compile the draft model's calls"):
                 shapes += self.speculator.warmup()
         seconds = time.perf_counter() - t0
         self.startup.ready(seconds)
-        return {"shapes": shapes, "compilations": self.compilations - before, "seconds": seconds}
+        return {"shapes": shapes, "compilations": self.compilations - before, "seconds": seconds,
+                "compilations_pending": self.runner.compilations_pending}
 
     # ----------------------------------------------------------------- introspection
     @property
@@ -248,7 +263,9 @@ class LLMEngine:
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
-        stats.update(compilations=self.compilations, **self.pipeline.stats(),
+        stats.update(compilations=self.compilations,
+                     compilations_pending=self.runner.compilations_pending,
+                     **self.pipeline.stats(),
                      **self.startup.stats(),
                      activation_peak_bytes=(self.memory_plan.activation_peak_bytes
                                             if self.memory_plan else None),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import time
+import threading
 from typing import Callable
 
 import jax
@@ -37,6 +37,7 @@ from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
 from jaxserve.runtime import distributed, sharding
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
+from jaxserve.runtime.precompile import Precompiler
 from jaxserve.runtime.sampling import (FILTERED, GREEDY, RANDOM, XLA, SamplingMetadata,
                                        sample)
 
@@ -188,6 +189,8 @@ class ModelRunner:
         self._no_feed = jax.device_put(np.zeros(max_sample_rows, np.int32),
                                        NamedSharding(self.mesh, PartitionSpec()))
         self._signatures: set = set()
+        self._precompiler: Precompiler | None = None  # warm-up's compiles, keyed as _signatures
+        self._left, self._left_lock = set(), threading.Lock()  # this warm-up's unfinished jobs
         # Only the weights: they are streamed whole every step. The pool's pages are read in
         # scattered small runs, which 2 MiB pages do not speed up, and collapsing a large pool
         # would add seconds to every start.
@@ -238,7 +241,18 @@ class ModelRunner:
 
     @property
     def compilations(self) -> int:
+        """Shapes compiled: by warm-up's jobs once done, and every shape a call met."""
         return len(self._signatures)
+
+    @property
+    def compilations_pending(self) -> int:  # warm-up's compiles queued or running
+        return self._precompiler.pending() if self._precompiler is not None else 0
+
+    def _compiled(self, key) -> None:
+        """Before a call of signature `key`: its warm-up compile done (run here if not begun)."""
+        if self._precompiler is not None:
+            self._precompiler.wait(key)
+        self._signatures.add(key)
 
     def memory_stats(self) -> dict:
         """Bytes of the weights and the KV pool, over all devices and on one (under tensor
@@ -264,7 +278,7 @@ class ModelRunner:
                                                  controls if sample else None, sample))
         if copies is not None:
             self._copy_local(*copies)
-        self._signatures.add(_signature(batch))
+        self._compiled(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
         self.pool, out = self._step(self.params, pool=self.pool,
                                     batch=dataclasses.replace(batch, sampling=None), feed=feed)
@@ -281,7 +295,7 @@ class ModelRunner:
         self._sample_local(out, sampling, controls)
 
     def _sample_local(self, out: dict, sampling: SamplingMetadata, controls) -> None:
-        self._signatures.add(("sample", _signature((sampling, controls))))
+        self._compiled(("sample", _signature((sampling, controls))))
         out["sampled"], out["feed"] = _sample_rows(out["logits"], sampling, controls,
                                                    backend=self.backend,
                                                    feed_size=self._no_feed.shape[0])
@@ -292,7 +306,7 @@ class ModelRunner:
         self._copy_local(src, dst)
 
     def _copy_local(self, src, dst) -> None:
-        self._signatures.add(("copies", len(src)))
+        self._compiled(("copies", len(src)))
         self.pool = _copy_pages(self.pool, src, dst)
 
     def follow(self) -> int:
@@ -317,15 +331,6 @@ class ModelRunner:
     def execute(self, batch: StepBatch, num_rows: int, copies=None,
                 controls: LogitControls | None = None) -> StepOutput:
         return self.fetch(self.dispatch(batch, copies, controls=controls), num_rows)
-
-    def _warm_sampling(self, out, batch: StepBatch) -> None:
-        """Compile the sampling call of a step's sample rows in each sampling mode, without
-        logit controls and with masks only (structured outputs); penalties and logit_bias
-        compile their entry bucket on first use (a small function: about a second)."""
-        for controls in (None, no_controls(batch.logits_indices.shape[0], self.cfg.vocab_size)):
-            for mode in (GREEDY, RANDOM, FILTERED):
-                self.sample(out, dataclasses.replace(batch.sampling, mode=mode), controls)
-                jax.block_until_ready(out["sampled"])
 
     def _shape_batch(self, shape, buckets: Buckets, prompt_logprobs: int | None = None):
         plan = warmup_plan(shape, buckets, self.page_size, prompt_logprobs)
@@ -363,29 +368,82 @@ class ModelRunner:
         """How many shapes `warmup` compiles (steps and copies), without compiling them."""
         return sum(1 for _ in self._warmup_batches(buckets, full)) + len(buckets.copies)
 
+    def _warmup_jobs(self, buckets: Buckets, full: bool):
+        """(key, what, compile, tokens) of each executable warm-up compiles, on the real
+        arguments' types (so the jitted functions' caches keep them): each step shape, after the
+        first step of each sample-row count its sampling call in each sampling mode, without
+        logit controls and with masks only (structured outputs; penalties and logit_bias
+        compile their entry bucket on first use, about a second), and the page copies."""
+        pool, sampled = self.pool, set()
+        for batch, _ in self._warmup_batches(buckets, full):
+            key, step = _signature(batch), dataclasses.replace(batch, sampling=None)
+            tokens, rows = batch.token_ids.shape[0], batch.logits_indices.shape[0]
+            yield (key, f"step of {tokens} tokens, {batch.attn.page_tables.shape[0]} rows, "
+                   f"{rows} sampled", functools.partial(self._compile_step, pool, step), tokens)
+            if rows in sampled:
+                continue
+            sampled.add(rows)
+            for controls in (None, no_controls(rows, self.cfg.vocab_size)):
+                for mode in (GREEDY, RANDOM, FILTERED):
+                    sampling = dataclasses.replace(batch.sampling, mode=mode)
+                    what = f"sampling of {rows} rows, mode {mode}" + (
+                        ", logit controls" if controls else "")
+                    yield (("sample", _signature((sampling, controls))), what,
+                           functools.partial(self._compile_sampling, key, sampling, controls),
+                           tokens)
+        for n in buckets.copies:  # copy-on-write: forks and prefix hits mid-page only, last
+            yield (("copies", n), f"page copy of {n} pages",
+                   functools.partial(self._compile_copies, pool, np.zeros(n, np.int32)),
+                   float("inf"))
+
+    # The compiled executables stay in the jitted functions' caches alone (release_compiled_steps
+    # frees them): a job returns at most the type of what its step's sampling call receives.
+    def _compile_step(self, pool, step: StepBatch) -> jax.ShapeDtypeStruct:
+        compiled = self._step.lower(self.params, pool=pool, batch=step, feed=self._no_feed)
+        return compiled.compile().out_info[1]["logits"]
+
+    def _compile_sampling(self, step_key, sampling: SamplingMetadata, controls) -> None:
+        logits = self._precompiler.wait(step_key)  # what step_key's step gives it
+        logits = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
+        _sample_rows.lower(logits, sampling, controls, backend=self.backend,
+                           feed_size=self._no_feed.shape[0]).compile()
+
+    def _compile_copies(self, pool, zeros: np.ndarray) -> None:
+        _copy_pages.lower(pool, zeros, zeros).compile()
+
     def warmup(self, buckets: Buckets, full: bool = False,
-               on_shape: Callable[[str, float], None] | None = None) -> int:
-        """Compile the step shapes of Buckets.step_shapes, their sampling calls, and every
-        copies bucket (no request state changes); on_shape(what, seconds) after each. Returns
-        how many shapes were run."""
-        run, sampled = 0, set()
-        for batch, rows in self._warmup_batches(buckets, full):
-            start = time.perf_counter()
-            out = self.dispatch(batch)
-            self.fetch(out, rows)
-            # The sampling call's shapes depend on the sample rows alone: once per row count.
-            if batch.logits_indices.shape[0] not in sampled:
-                sampled.add(batch.logits_indices.shape[0])
-                self._warm_sampling(out, batch)
-            run += 1
-            if on_shape is not None:
-                on_shape(f"step of {batch.token_ids.shape[0]} tokens, "
-                         f"{batch.attn.page_tables.shape[0]} rows, "
-                         f"{batch.logits_indices.shape[0]} sampled", time.perf_counter() - start)
-        start = time.perf_counter()
-        for n in buckets.copies:  # copy-on-write shapes: scratch page 0 onto itself
-            self.copy_pages(np.zeros(n, np.int32), np.zeros(n, np.int32))
-        if on_shape is not None and buckets.copies:
-            jax.block_until_ready(self.pool)
-            on_shape(f"{len(buckets.copies)} page-copy shapes", time.perf_counter() - start)
-        return run + len(buckets.copies)
+               on_shape: Callable[[str, float], None] | None = None, *, threads: int = 2,
+               first_tokens: int | None = None, on_done: Callable[[], None] | None = None) -> int:
+        """Compile ahead of time, in `threads` threads, the step shapes of Buckets.step_shapes,
+        their sampling calls and every copies bucket (no request state changes); on_shape(what,
+        seconds) after each, in the thread that compiled it. Returns once every one is compiled,
+        or with first_tokens, once the steps of at most that many tokens are: the rest go on in
+        the background (compilations_pending; with threads=0 each waits for the call that needs
+        it), smallest first, page copies last; on_done() after the last. A call whose shape is
+        queued or compiling waits for it: nothing compiles twice. Returns how many step and
+        copies shapes there are."""
+        if self._precompiler is None:
+            self._precompiler = Precompiler(threads, self._job_done)
+        jobs = list(self._warmup_jobs(buckets, full))
+        later = lambda job: first_tokens is not None and job[3] > first_tokens  # noqa: E731
+        jobs.sort(key=later)  # stable: the smallest shapes first within each part
+        self._on_shape, self._on_done = on_shape, on_done
+        self._left = {job[0] for job in jobs}  # before any can finish
+        for job in jobs:
+            if not self._precompiler.submit(*job[:3]):  # an earlier warm-up's
+                self._settle(job[0])
+        self._precompiler.wait_all(job[0] for job in jobs if not later(job))
+        return sum(1 for job in jobs if not isinstance(job[0][0], str) or job[0][0] == "copies")
+
+    def _job_done(self, key, what: str, seconds: float) -> None:  # in the compiling thread
+        self._signatures.add(key)
+        if self._on_shape is not None:
+            self._on_shape(what, seconds)
+        self._settle(key)
+
+    def _settle(self, key) -> None:
+        with self._left_lock:
+            last = key in self._left and len(self._left) == 1
+            self._left.discard(key)
+        if last and self._on_done is not None:
+            self._on_done()
