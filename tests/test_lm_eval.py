@@ -19,10 +19,14 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
+from lm_eval.api.registry import get_model  # noqa: E402
 from serving import serve_app  # noqa: E402
 from tiny_model import tiny_loaded  # noqa: E402
 
 TASKS = ["js_choice", "js_gen", "js_ppl"]
+# Through the chat template: a prefilled answer ("The answer is") the choices continue, and
+# generations after the template's generation prompt.
+CHAT_TASKS = ["js_prefixed", "js_gen"]
 ENGINE = dict(num_pages=160, page_size=16, max_num_seqs=16, max_num_batched_tokens=256,
               huge_pages=False)
 MAX_LEN = 256  # the tiny model's context
@@ -57,6 +61,17 @@ doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
 doc_to_target: "{{{{choices[answer]}}}}"
 generation_kwargs: {{until: ["\\n", "e"], max_gen_toks: 12, do_sample: false, temperature: 0.0}}
 metric_list: [{{metric: exact_match}}]
+""",
+    "js_prefixed": """task: js_prefixed
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: {docs}}}}}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+gen_prefix: "The answer is"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list: [{{metric: acc}}]
 """,
     "js_ppl": """task: js_ppl
 dataset_path: json
@@ -96,13 +111,18 @@ def engine(workdir):
 
 
 def _evaluate(model, workdir, **kwargs) -> dict:
+    """TASKS as they are, and CHAT_TASKS through the chat template: {"plain": .., "chat": ..}."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     # lm-eval's own ~14k task files are not indexed (half a minute on this machine)
     tasks = TaskManager(include_path=str(workdir / "tasks"), include_defaults=False)
-    return simple_evaluate(model=model, tasks=TASKS, log_samples=True, task_manager=tasks,
-                           **kwargs)
+    if isinstance(model, str):
+        model = get_model(model).create_from_arg_obj(kwargs.pop("model_args"))
+    return {"plain": simple_evaluate(model=model, tasks=TASKS, log_samples=True,
+                                     task_manager=tasks, **kwargs),
+            "chat": simple_evaluate(model=model, tasks=CHAT_TASKS, log_samples=True,
+                                    task_manager=tasks, apply_chat_template=True, **kwargs)}
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +154,14 @@ def _responses(results: dict, task: str) -> list:
     return [s["resps"] for s in sorted(results["samples"][task], key=lambda s: s["doc_id"])]
 
 
-def _assert_same(ours: dict, reference: dict) -> None:
-    for task in TASKS:
+def _assert_same(ours: dict, reference: dict, tasks=TASKS) -> None:
+    for task in tasks:
         mine, theirs = _responses(ours, task), _responses(reference, task)
         assert len(mine) == len(theirs) == len(DOCS if task != "js_ppl" else TEXTS)
         for a, b in zip(mine, theirs):  # written samples hold numbers and flags as strings
             if task == "js_gen":
                 assert a == b  # generations: the same text
-            elif task == "js_choice":  # [[(logprob, greedy)], ...] per choice
+            elif task in ("js_choice", "js_prefixed"):  # [[(logprob, greedy)], ...] a choice
                 np.testing.assert_allclose([float(r[0][0]) for r in a],
                                            [float(r[0][0]) for r in b], atol=1e-4)
                 assert [str(r[0][1]) for r in a] == [str(r[0][1]) for r in b]
@@ -171,15 +191,32 @@ def test_greedy_continuations_are_flagged(engine):
     assert lp_other < lp_greedy < 0
 
 
-def test_in_process_equals_local_completions_over_http(in_process, over_http):
-    _assert_same(in_process, over_http)
-    for task in TASKS:  # the metrics follow from the responses
-        for key, value in in_process["results"][task].items():
+def _assert_same_metrics(ours: dict, reference: dict, tasks=TASKS) -> None:
+    for task in tasks:  # the metrics follow from the responses
+        for key, value in ours["results"][task].items():
             if isinstance(value, float):
-                assert value == pytest.approx(over_http["results"][task][key], rel=1e-5), key
-    gens = [r[0][0] for r in _responses(in_process, "js_gen")]
+                assert reference["results"][task][key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_in_process_equals_local_completions_over_http(in_process, over_http):
+    _assert_same(in_process["plain"], over_http["plain"])
+    _assert_same_metrics(in_process["plain"], over_http["plain"])
+    gens = [r[0][0] for r in _responses(in_process["plain"], "js_gen")]
     assert all("\n" not in g and "e" not in g for g in gens), gens  # cut at the stop strings
     assert any(gens), "every generation stopped at once: the stop strings test nothing"
+
+
+def test_chat_template_prompts_equal_local_completions(in_process, over_http):
+    """With --apply_chat_template both render the model's template the same way, a prefilled
+    answer left open (transformers' continue_final_message on the HTTP side)."""
+    chat = in_process["chat"]
+    _assert_same(chat, over_http["chat"], CHAT_TASKS)
+    _assert_same_metrics(chat, over_http["chat"], CHAT_TASKS)
+    [prefixed] = [s for s in chat["samples"]["js_prefixed"] if s["doc_id"] == 0]
+    context = prefixed["arguments"][0][0]  # (context, continuation) of the first choice
+    assert context == f"<user>{DOCS[0]['question']}\n<assistant>The answer is", context
+    [gen] = [s for s in chat["samples"]["js_gen"] if s["doc_id"] == 0]
+    assert gen["arguments"][0][0].endswith("\n<assistant>")  # (context, gen_kwargs)
 
 
 def test_rolling_windows_cover_a_text_longer_than_the_context(engine):
@@ -244,8 +281,5 @@ def test_cli_on_two_data_parallel_replicas_equals_one_in_process(in_process, wor
     for task in TASKS:
         [path] = glob.glob(str(out / "*" / f"samples_{task}_*.jsonl"))
         samples[task] = [json.loads(line) for line in open(path)]
-    _assert_same(in_process, {"samples": samples, "results": written["results"]})
-    for task in TASKS:
-        for key, value in in_process["results"][task].items():
-            if isinstance(value, float):
-                assert written["results"][task][key] == pytest.approx(value, rel=1e-5), key
+    _assert_same(in_process["plain"], {"samples": samples})
+    _assert_same_metrics(in_process["plain"], written)

@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "kv_budget": ("jaxserve.cli.kv_budget", "analytic KV-cache memory accounting"),
     "compile": ("jaxserve.cli.compile", "compile the engine's shapes ahead of time: for a TPU "
                 "topology from any machine (plan and check), or into this host's cache"),
+    "eval": ("jaxserve.cli.eval", "lm-evaluation-harness tasks on the in-process engine"),
 }
 
 
