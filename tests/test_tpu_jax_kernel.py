@@ -103,3 +103,20 @@ def test_page_major_write_and_copy_match_head_major(flat):
     expected = dict(k_pages=head.layers[0].k, v_pages=head.layers[0].v)
     np.testing.assert_array_equal(kv, np.asarray(page_major(expected, heads=4)).reshape(kv.shape))
     assert not kv[:, :, h:].any() and kv[4].any() and kv[3].any()
+
+
+def test_tensor_parallel_shards_each_layout_on_its_head_axis():
+    """pool_specs: head-major arrays (pages and int8 scales) on axis 0, page-major on axis 2,
+    where a shard of 2 * Hkv' (or 2 * Hkv' * D lanes) / tp is whole heads, K and V together.
+    (test_multi_device's Pallas case, head dim 8, runs the head-major pool under shard_map.)"""
+    from jax.sharding import PartitionSpec as P
+
+    from jaxserve.runtime.sharding import pool_specs
+
+    head = KVPool.zeros(1, 4, 3, 2, 8, jnp.int8)
+    paged = KVPool.zeros(1, 4, 3, 2, 128, jnp.bfloat16, KVLayout(2, page_major=True, flat=True),
+                         devices=2)
+    assert jax.tree_util.tree_leaves(pool_specs(head), is_leaf=lambda x: isinstance(x, P)) \
+        == [P("tp")] * 4
+    assert pool_specs(paged).layers[0].kv == P(None, None, "tp")
+    assert paged.layers[0].kv.shape == (3, 2, 2 * 2 * 2 * 128)  # 2 devices x 2 heads x K, V
