@@ -94,12 +94,13 @@ def test_shapes_are_the_engines_warmup(v5e_report, tiny_dir):
     assert v5e_report["sampling_calls"] == 6 * len(rows)  # 3 modes, with and without controls
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
-@pytest.mark.parametrize("tied", [False, True])
-def test_abstract_params_are_the_runners(quantization, tied):
-    """The params compiled against have the tree, shapes and dtypes the runner places."""
+@pytest.mark.parametrize("quantization, tied, head_dim", [
+    ("none", False, 32), ("int8", False, 32), ("none", True, 64), ("int8", True, 64)])
+def test_abstract_params_are_the_runners(quantization, tied, head_dim):
+    """The params and pool compiled against have the tree, shapes and dtypes the runner places
+    (head_dim 64: the TPU kernels' flat page-major pool; 32: head-major)."""
     model = ModelConfig(**{**dict(vocab_size=512, hidden_size=128, intermediate_size=256,
-                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=head_dim,
                                   eos_token_ids=(1,)),
                            "tie_word_embeddings": tied})
     runner = ModelRunner(model, random_model(model).params, num_pages=4, page_size=16,
@@ -110,7 +111,8 @@ def test_abstract_params_are_the_runners(quantization, tied):
     assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), placed) == real
     assert abstract.bytes_per_device(placed) == sum(
         x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
-    pool = abstract.abstract_pool(model, runner.mesh, 4, 16, "bfloat16")
+    pool = abstract.abstract_pool(model, runner.mesh, 4, 16, "bfloat16", runner.backend,
+                                  "bfloat16")
     assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), pool) == \
         jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), runner.pool)
     assert sharding.tp_size(runner.mesh) == 1

@@ -40,7 +40,7 @@ from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import no_controls
 from jaxserve.runtime.runner import ModelRunner, _copy_pages, _jitted_step, _sample_rows
 from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM
-from jaxserve.runtime.topology import Topology, tpu_topology
+from jaxserve.runtime.topology import Topology, compile_target, tpu_topology
 from jaxserve.weights.model_config import read_model_config
 
 PROBE_PAGES = 2
@@ -105,7 +105,8 @@ class CompileReport:
                     "HBM")
         terms = {"weights": p.weight_bytes, "activations": p.activation_peak_bytes,
                  "runtime": p.runtime_bytes, "margin": p.margin_bytes, "2 KV pages": 2 * p.page_bytes}
-        held = " + ".join(f"{k} {v / GIB:.2f} GiB" for k, v in terms.items() if v)
+        held = " + ".join(f"{k} {v / GIB:.2f} GiB" if v >= GIB / 100 else
+                          f"{k} {v / 2 ** 20:.1f} MiB" for k, v in terms.items() if v)
         return (f"{t.topology.name} at tensor_parallel_size {sharding.tp_size(t.mesh)} cannot "
                 f"hold the model: per device, {held} > a budget of {p.budget_bytes / GIB:.2f} "
                 f"GiB ({t.topology.hbm_bytes_per_device / GIB:.0f} GiB HBM)")
@@ -170,6 +171,7 @@ class _Compiler:
 
     def __init__(self, target: Target):
         self.t = target
+        self.device = target.mesh.devices.flat[0]
         self.params = abstract.abstract_params(target.model, target.mesh, target.dtype)
         self.step = _jitted_step(target.model, target.backend, target.mesh)
         self.feed = abstract.replicated(np.zeros(target.buckets.max_sample_rows, np.int32),
@@ -177,7 +179,8 @@ class _Compiler:
 
     def pool(self, num_pages: int):
         t = self.t
-        return abstract.abstract_pool(t.model, t.mesh, num_pages, t.page_size, t.kv_dtype)
+        return abstract.abstract_pool(t.model, t.mesh, num_pages, t.page_size, t.kv_dtype,
+                                      t.backend, t.dtype)
 
     def batch(self, shape, prompt_logprobs: int | None = None):
         b, t = self.t.buckets, self.t
@@ -185,19 +188,22 @@ class _Compiler:
 
     def compile_step(self, batch, pool):
         step = abstract.replicated(dataclasses.replace(batch, sampling=None), self.t.mesh)
-        return self.step.lower(self.params, pool=pool, batch=step, feed=self.feed).compile()
+        with compile_target(self.device):
+            return self.step.lower(self.params, pool=pool, batch=step, feed=self.feed).compile()
 
     def compile_sampling(self, batch, mode: str, controls: bool):
         rows, vocab = batch.logits_indices.shape[0], self.t.model.vocab_size
         logits = abstract.replicated(np.zeros((rows, vocab), np.float32), self.t.mesh)
         sampling = abstract.replicated(dataclasses.replace(batch.sampling, mode=mode), self.t.mesh)
         ctl = abstract.replicated(no_controls(rows, vocab), self.t.mesh) if controls else None
-        return _sample_rows.lower(logits, sampling, ctl, backend=self.t.backend,
-                                  feed_size=self.feed.shape[0]).compile()
+        with compile_target(self.device):
+            return _sample_rows.lower(logits, sampling, ctl, backend=self.t.backend,
+                                      feed_size=self.feed.shape[0]).compile()
 
     def compile_copies(self, n: int, pool):
         idx = abstract.replicated(np.zeros(n, np.int32), self.t.mesh)
-        return _copy_pages.lower(pool, idx, idx).compile()
+        with compile_target(self.device):
+            return _copy_pages.lower(pool, idx, idx).compile()
 
 
 def warmup_batches(buckets: Buckets, page_size: int):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxserve.backends import Backend, pool_layout
 from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import GROUP, Int8Weight
@@ -84,18 +85,21 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str, quantization: str 
     return _placed(top, mesh)
 
 
-def abstract_pool(cfg: ModelConfig, mesh: Mesh, num_pages: int, page_size: int,
-                  kv_dtype: str) -> KVPool:
-    """The runner's KV pool (reset_pool) of num_pages pages, sharded on its head axis."""
+def abstract_pool(cfg: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, kv_dtype: str,
+                  backend: Backend, dtype: str) -> KVPool:
+    """The runner's KV pool (reset_pool) of num_pages pages in the backend's layout, each
+    array with its sharding over the mesh's tp devices."""
     from jaxserve.runtime.runner import DTYPES
 
     tp = sharding.tp_size(mesh)
-    pool = jax.eval_shape(lambda: KVPool.zeros(cfg.num_layers, sharding.pool_kv_heads(cfg, tp),
-                                               num_pages, page_size, cfg.head_dim,
-                                               DTYPES[kv_dtype]))
-    placed = sharding.pool_sharding(mesh)
+    heads = sharding.pool_kv_heads(cfg, tp)
+    layout = pool_layout(backend, heads // tp, cfg.head_dim, DTYPES[kv_dtype],
+                         num_q_heads=cfg.num_heads // tp, q_dtype=DTYPES[dtype])
+    pool = jax.eval_shape(lambda: KVPool.zeros(cfg.num_layers, heads, num_pages, page_size,
+                                               cfg.head_dim, DTYPES[kv_dtype], layout, tp))
     return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), pool)
+        lambda x, placed: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), pool,
+        sharding.pool_sharding(mesh, pool))
 
 
 def replicated(tree, mesh: Mesh):

@@ -90,3 +90,13 @@ def tpu_topology(name: str) -> Topology:
     devices = tuple(desc.devices)
     return Topology(name, devices, devices[0].device_kind,
                     _hbm_bytes(devices[0], len(devices), _chips(name)))
+
+
+def compile_target(device):
+    """A context in which lowering targets `device` (a topology's chip), where this process's
+    own devices are CPUs: Mosaic's device-dependent rules and JAX's kernel's tuned block sizes
+    read it (pallas_kernels/tpu/jax_kernel.py). Thread-local: enter it in the compiling thread."""
+    from pallas_kernels.tpu import jax_kernel
+
+    return jax_kernel.compile_target(device)
+
