@@ -26,8 +26,11 @@ from jaxserve.cli import engine_flags
 
 flags.DEFINE_string("topology", None,
                     "A TPU topology in JAX's names (v5e:2x2, v6e:2x2, v6e:2x4, v5p:2x2x1, ...): "
-                    "compile for it from this machine (libtpu, no TPU) and plan its memory. "
-                    "Default: this host's backend, into the compilation cache.")
+                    "compile for it from this machine (libtpu, no TPU, no weights) and plan its "
+                    "memory. With --cache_dir its executables are written there for a TPU host "
+                    "with the same libtpu and JAX; loading them on a real TPU is untested (no "
+                    "TPU has been lent). Default: this host's backend, warmed into the "
+                    "compilation cache that serve, generate, batch and LLM load from.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 flags.DEFINE_integer("compile_threads", 2, "Executables compiled at once (--topology).")
 flags.DEFINE_alias("cache_dir", "compilation_cache_dir")

@@ -171,7 +171,6 @@ class _Compiler:
 
     def __init__(self, target: Target):
         self.t = target
-        self.device = target.mesh.devices.flat[0]
         self.params = abstract.abstract_params(target.model, target.mesh, target.dtype)
         self.step = _jitted_step(target.model, target.backend, target.mesh)
         self.feed = abstract.replicated(np.zeros(target.buckets.max_sample_rows, np.int32),
@@ -188,7 +187,7 @@ class _Compiler:
 
     def compile_step(self, batch, pool):
         step = abstract.replicated(dataclasses.replace(batch, sampling=None), self.t.mesh)
-        with compile_target(self.device):
+        with compile_target(self.t.mesh):
             return self.step.lower(self.params, pool=pool, batch=step, feed=self.feed).compile()
 
     def compile_sampling(self, batch, mode: str, controls: bool):
@@ -196,13 +195,13 @@ class _Compiler:
         logits = abstract.replicated(np.zeros((rows, vocab), np.float32), self.t.mesh)
         sampling = abstract.replicated(dataclasses.replace(batch.sampling, mode=mode), self.t.mesh)
         ctl = abstract.replicated(no_controls(rows, vocab), self.t.mesh) if controls else None
-        with compile_target(self.device):
+        with compile_target(self.t.mesh):
             return _sample_rows.lower(logits, sampling, ctl, backend=self.t.backend,
                                       feed_size=self.feed.shape[0]).compile()
 
     def compile_copies(self, n: int, pool):
         idx = abstract.replicated(np.zeros(n, np.int32), self.t.mesh)
-        with compile_target(self.device):
+        with compile_target(self.t.mesh):
             return _copy_pages.lower(pool, idx, idx).compile()
 
 

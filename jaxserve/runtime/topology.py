@@ -92,11 +92,10 @@ def tpu_topology(name: str) -> Topology:
                     _hbm_bytes(devices[0], len(devices), _chips(name)))
 
 
-def compile_target(device):
-    """A context in which lowering targets `device` (a topology's chip), where this process's
-    own devices are CPUs: Mosaic's device-dependent rules and JAX's kernel's tuned block sizes
-    read it (pallas_kernels/tpu/jax_kernel.py). Thread-local: enter it in the compiling thread."""
-    from pallas_kernels.tpu import jax_kernel
-
-    return jax_kernel.compile_target(device)
-
+def compile_target(mesh: jax.sharding.Mesh):
+    """A context in which lowering targets `mesh`'s chips (a topology's), where this process's
+    own devices are CPUs: its abstract mesh names the chip, which Mosaic's device-dependent
+    rules and JAX's kernel's tuned block sizes read (as pallas_kernels/tpu/jax_kernel.py's
+    compile_target does for one chip), and matches the mesh a tensor-parallel step's shard_map
+    runs on. Thread-local: enter it in the compiling thread."""
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
