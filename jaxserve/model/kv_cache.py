@@ -10,7 +10,8 @@ The pool's layout is the attention backend's choice (its `kv_layout`, a KVLayout
 attention backends name their KV cache shape: head-major KVCache [Hkv, N, B, D] (the CPU and
 XLA backends, and the TPU kernels of pallas_kernels/tpu where JAX's does not apply), or
 page-major PagedKV [N, B, 2 * Hkv', D] with K and V interleaved on the head axis, so that one
-DMA moves a whole page of every head (JAX's TPU ragged paged attention). Above the model's
+DMA moves a whole page of every head (JAX's TPU ragged paged attention), or the same bytes as
+lanes [N, B, 2 * Hkv * D] (our TPU kernels, float pages). Above the model's
 write and attention nothing sees the layout: caches copy their own pages (`copy_pages`) and
 name their head axis (`HEAD_AXIS`, for tensor-parallel sharding)."""
 
@@ -104,11 +105,12 @@ class KVLayout:
 
 @pytree_dataclass
 class KVPool:
-    """The paged KV cache: one KVCache per layer, all indexed by the same page ids. Separate
+    """The paged KV cache: one cache per layer in the backend's layout (KVCache or PagedKV), all
+    indexed by the same page ids. Separate
     arrays per layer (not one [L, ...] array) let each layer's write and gather touch only its
     own buffer, and compile faster than slicing one stacked pool in the unrolled model."""
 
-    layers: tuple  # L x KVCache
+    layers: tuple  # L x (KVCache | PagedKV)
 
     @classmethod
     def zeros(cls, num_layers: int, num_kv_heads: int, num_pages: int, page_size: int,
