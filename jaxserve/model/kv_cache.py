@@ -106,9 +106,9 @@ class KVLayout:
 @pytree_dataclass
 class KVPool:
     """The paged KV cache: one cache per layer in the backend's layout (KVCache or PagedKV), all
-    indexed by the same page ids. Separate
-    arrays per layer (not one [L, ...] array) let each layer's write and gather touch only its
-    own buffer, and compile faster than slicing one stacked pool in the unrolled model."""
+    indexed by the same page ids. Separate arrays per layer (not one [L, ...] array) let each
+    layer's write and gather touch only its own buffer, and compile faster than slicing one
+    stacked pool in the unrolled model."""
 
     layers: tuple  # L x (KVCache | PagedKV)
 
