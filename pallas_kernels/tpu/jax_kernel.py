@@ -21,7 +21,7 @@ layout, padding and options are tested on CPU with JAX's `ref_ragged_paged_atten
 kernel's place, and the kernel itself is compiled for v5e and v6e (tests/test_tpu_compile.py).
 
 Block sizes: JAX's tuned table, looked up for the device kind that Mosaic lowers for
-(`tpu_info.get_device_kind`, which honours `compile_target`); JAX's own lookup reads
+(`target_device_kind`, which honours `compile_target`); JAX's own lookup reads
 `jax.devices()`, a CPU in a compile-only process, so the adapter passes explicit sizes.
 """
 
@@ -32,7 +32,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax._src.pallas.mosaic import tpu_info
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as jax_rpa
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
 
@@ -70,8 +69,8 @@ def padded_kv_heads(num_kv_heads: int, dtype) -> int:
 def compile_target(device):
     """Lower JAX's kernel (and Mosaic's device-dependent rules) for `device`, a TPU device of a
     libtpu topology, in a process whose jax.devices() are CPUs: an abstract mesh whose abstract
-    device is that chip, which `tpu_info.get_device_kind` (Mosaic's lowering) and this adapter's
-    block-size lookup read instead of the default device. Scoped to the `with` block (a
+    device is that chip, which Mosaic's lowering (its tpu_info.get_device_kind) and this
+    adapter's block-size lookup read instead of the default device. Scoped to the `with` block (a
     thread-local JAX context); not needed where the process runs on the TPU itself."""
     mesh = jax.sharding.AbstractMesh(
         (1,), ("compile_target",), abstract_device=jax.sharding.AbstractDevice(
@@ -80,11 +79,18 @@ def compile_target(device):
         yield
 
 
+def target_device_kind() -> str:
+    """The chip Mosaic lowers for: compile_target's abstract device, else the default device (as
+    Mosaic's own lookup, jax._src.pallas.mosaic.tpu_info.get_device_kind, reads it)."""
+    abstract = jax.sharding.get_abstract_mesh().abstract_device
+    return abstract.device_kind if abstract is not None else jax.devices()[0].device_kind
+
+
 def block_sizes(q_dtype, kv_dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
                 page_size: int, num_tokens: int, pages_per_seq: int) -> tuple[int, int]:
     """(KV pages, queries) per block from JAX's tuned table for the target chip (JAX's
     defaults where the table has no entry), clamped to the table width and token count."""
-    kind = tpu_info.get_device_kind()
+    kind = target_device_kind()
     if "TPU" not in kind:
         kind = _DEFAULT_KIND
     heads, combined = jax_rpa.get_min_heads_per_blk(num_q_heads, 2 * num_kv_heads, q_dtype,
