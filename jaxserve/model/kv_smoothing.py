@@ -1,28 +1,39 @@
 """Keys made friendlier to int8 KV pages, folded into the weights at load: q.k is unchanged, so
 the float model computes the same attention, while the per-token, per-head int8 scale of a key
-(kv_cache.quantize_kv) is no longer set by a few outlier channels.
+(kv_cache.quantize_kv) is no longer set by a few outlier channels. No kernel changes, no new
+bytes per token.
 
 Rope rotates channel i with channel i + D/2 (rope.py's half-split pairs) by a position's angle,
 a complex multiplication of z = k_i + 1j * k_{i+D/2}. Only a complex scalar per pair commutes
 with it, so that is all a fold may apply: the key pair is multiplied by exp(1j * phi) / s and
 every query head of its KV head's group by exp(1j * phi) * s (a rotation keeps q.k, the scales
-cancel). A low-frequency pair barely turns, so its keys stay near one direction: phi turns that
-direction to 45 degrees, sharing its magnitude between the two int8 channels; s divides each
-pair by the square root of its typical size (SmoothQuant's alpha 1/2), so no pair sets the scale
-for the rest. Both come from the weights alone (no calibration pass): a layer's normalised input
-is taken as white, so a pair's second moments are those of its W_k columns (times attn_norm)
-plus its bias. With q/k norms (RMSNorm of each head before rope) only a per-channel scale fits:
-it goes into the norm weights, shared by the heads, with no rotation.
+cancel). A low-frequency pair barely turns, so its keys stay near one direction and one of its
+channels carries them: phi turns that direction to 45 degrees, sharing the magnitude between
+the two int8 channels (most of the gain); s divides each pair by the square root of its largest
+size (SmoothQuant's alpha 1/2), so no pair sets the scale for the rest. With q/k norms (RMSNorm
+of each head before rope) only a per-channel scale fits, in the norm weights, shared by heads.
 
-Values need nothing: their int8 error costs a sixteenth of the keys' (docs/memory.md)."""
+phi and s come from a calibration pass: the float model over fixed seeded token ids, its keys
+as the pages would hold them. Estimating them from the weights alone (the normalised input
+taken as white) kept half the gain: on the default model's held-out prompts int8 keys' KL
+1.22e-3 -> 5.7e-4 from the weights, 3.6e-4 calibrated (scripts/quantization_agreement.py's
+measure). Values need nothing: int8 values alone cost 7.6e-5."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.model import llama
+from jaxserve.model.kv_cache import KVCache
+from jaxserve.model.rope import rope_tables
 
-ALPHA = 0.5  # s = (typical pair size) ** ALPHA: 1/2 measured best of 1/4, 1/2, 3/4 and 1
+ALPHA = 0.5  # s = (a pair's largest size) ** ALPHA: 1/2 measured best of 1/4, 1/2, 3/4 and 1
+CALIBRATION_TOKENS = 128
 
 
 def _halves(w: np.ndarray, heads: int, d: int):
@@ -40,62 +51,119 @@ def _turn(w: np.ndarray, heads: int, d: int, phi: np.ndarray, s: np.ndarray) -> 
     return out.reshape(np.shape(w)).astype(np.asarray(w).dtype)
 
 
-def key_transform(layer: dict, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
-    """(phi, s) f64[..., Hkv, D / 2] of one layer (or stacked layers: any leading axes) of the
-    loaders' layout: the turn that gives each key pair equal second moments in its two channels,
-    and the pair's scale."""
-    d, hkv = cfg.head_dim, cfg.num_kv_heads
-    norm = cfg.norm_weight_offset + np.asarray(layer["attn_norm"], np.float64)
-    wk = np.asarray(layer["wk"], np.float64) * norm[..., None]
-    wx, wy = _halves(wk, hkv, d)  # [..., H, Hkv, D/2]: columns of each pair
-    a, b, c = ((u * v).sum(axis=-3) for u, v in ((wx, wx), (wy, wy), (wx, wy)))
-    if "bk" in layer:
-        bx, by = _halves(np.asarray(layer["bk"], np.float64), hkv, d)
-        a, b, c = a + bx * bx, b + by * by, c + bx * by
+class _DenseAttention:
+    """The calibration pass's attention backend: a layer's "cache" is this pass's own keys and
+    values (f32[T, Hkv, D], positions 0..T-1), attended causally in full."""
+
+    @staticmethod
+    def write_kv(cache, k, v, slot_mapping):
+        del cache, slot_mapping
+        return KVCache(k.astype(jnp.float32), v.astype(jnp.float32))
+
+    @staticmethod
+    def attention(q, cache, md, *, sm_scale, window, soft_cap):
+        del md
+        t, group = q.shape[0], q.shape[1] // cache.k.shape[1]
+        k, v = (jnp.repeat(a, group, axis=1) for a in (cache.k, cache.v))
+        s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k) * sm_scale
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        pos = jnp.arange(t)
+        seen = pos[None, :] <= pos[:, None]
+        if window is not None:
+            seen &= pos[None, :] > pos[:, None] - window
+        p = jax.nn.softmax(jnp.where(seen[None], s, -jnp.inf), axis=-1)
+        return jnp.einsum("hqk,khd->qhd", p, v).astype(q.dtype)
+
+
+def calibration_keys(params: dict, cfg: ModelConfig) -> list[np.ndarray]:
+    """Each layer's keys f32[T, Hkv, D] (after norms and rope, as pages store them) over
+    CALIBRATION_TOKENS fixed token ids (seeded, after BOS where the model has one), from the
+    float model run layer by layer on the loaders' params (a lazy load reads each layer)."""
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, cfg.vocab_size, CALIBRATION_TOKENS)
+    if cfg.bos_token_id is not None:
+        ids[0] = cfg.bos_token_id
+    f32 = lambda tree: jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), tree)  # noqa: E731
+    md = SimpleNamespace(slot_mapping=None)
+    positions = jnp.arange(len(ids))
+    rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    local_rope = rope
+    if cfg.rope_local_theta is not None:
+        local_rope = rope_tables(positions, cfg.head_dim, cfg.rope_local_theta)
+    x = llama.embed({"embed": np.asarray(params["embed"], np.float32)}, jnp.asarray(ids))
+    if cfg.embed_scale:
+        x = x * np.float32(cfg.hidden_size ** 0.5)
+    # one compile per window kind (the layers' shapes are alike), not op by op (the default
+    # model: 5.0 s with its compile, 8.5 s eagerly, under load)
+    layer = jax.jit(lambda rope, x, lp, window: llama.decoder_layer(
+        cfg, _DenseAttention, md, rope, window, x, None, lp, lambda y: y), static_argnums=3)
+    stacked, keys = params["layers"], []
+    for i in range(len(stacked["attn_norm"])):
+        window = cfg.layer_window(i)
+        lp = llama.fuse_layer(f32(llama.layer_of(stacked, i)))
+        x, cache = layer(rope if window is None else local_rope, x, lp, window)
+        keys.append(np.asarray(cache.k))
+    return keys
+
+
+def key_transform(keys: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """(phi f64[Hkv, D / 2], s f64[Hkv, D]) of one layer from its calibration keys
+    f[T, Hkv, D]: the turn that gives each pair equal second moments in its two channels
+    (a pair that turns with position has them already), and the scale of each channel (a
+    pair's two alike). Under qk_norm no turn, and one scale per channel for every head."""
+    d = cfg.head_dim
+    k = np.asarray(keys, np.float64)
+    x, y = k[..., :d // 2], k[..., d // 2:]
+    a, b, c = ((u * v).mean(axis=0) for u, v in ((x, x), (y, y), (x, y)))
     phi = 0.5 * np.arctan2(a - b, 2 * c)  # after the turn: a' == b'
-    size = np.sqrt(a + b)
-    s = size / np.exp(np.mean(np.log(np.maximum(size, 1e-30)), axis=-1, keepdims=True))
-    return phi, np.maximum(s, 1e-6) ** ALPHA
-
-
-def _norm_scale(layer: dict, cfg: ModelConfig) -> np.ndarray:
-    """qk_norm: s f64[..., D] per channel (pairs equal), shared by every head: each channel's
-    typical key size after the norm, its weight times its W_k columns' share of the head."""
-    d, hkv = cfg.head_dim, cfg.num_kv_heads
-    wk = np.asarray(layer["wk"], np.float64)
-    col = np.sqrt((wk * wk).sum(axis=-2)).reshape(*wk.shape[:-2], hkv, d)
-    col = col / np.sqrt(np.mean(col * col, axis=-1, keepdims=True))
-    size = np.abs(cfg.norm_weight_offset + np.asarray(layer["k_norm"], np.float64))
-    size = size * col.mean(axis=-2)
-    pair = np.sqrt(size[..., :d // 2] ** 2 + size[..., d // 2:] ** 2)
-    s = pair / np.exp(np.mean(np.log(np.maximum(pair, 1e-30)), axis=-1, keepdims=True))
-    s = np.maximum(s, 1e-6) ** ALPHA
-    return np.concatenate([s, s], axis=-1)
-
-
-def smooth_layer(layer: dict, cfg: ModelConfig) -> dict:
-    """One layer (or the stacked layers) of the loaders' layout, float weights [in, out], with
-    its keys turned and scaled per rope pair and its queries the inverse way (q.k unchanged)."""
-    out = dict(layer)
+    size = np.sqrt(x * x + y * y).max(axis=0)  # [Hkv, D/2], rope keeps it
     if cfg.qk_norm:
-        s, offset = _norm_scale(layer, cfg), cfg.norm_weight_offset
-        for name, m in (("q_norm", s), ("k_norm", 1 / s)):
+        phi, size = np.zeros_like(phi), np.broadcast_to(size.max(axis=0), size.shape)
+    size = np.maximum(size, 1e-6 * size.max())
+    s = (size / np.exp(np.mean(np.log(size), axis=-1, keepdims=True))) ** ALPHA
+    return phi, np.concatenate([s, s], axis=-1)
+
+
+def smooth_layer(layer: dict, cfg: ModelConfig, turn: tuple[np.ndarray, np.ndarray]) -> dict:
+    """One layer of the loaders' layout (float weights [in, out]) with its keys turned by phi
+    and divided by s per rope pair, and its queries turned and multiplied alike (q.k
+    unchanged); turn = key_transform's (phi, s)."""
+    phi, s = turn
+    out = dict(layer)
+    if cfg.qk_norm:  # the norms' weights, shared by the heads, take s (phi is 0)
+        offset = cfg.norm_weight_offset
+        for name, m in (("q_norm", s[0]), ("k_norm", 1 / s[0])):
             w = np.asarray(layer[name])
             out[name] = ((offset + w.astype(np.float64)) * m - offset).astype(w.dtype)
         return out
-    phi, s = key_transform(layer, cfg)
+    s = s[..., :cfg.head_dim // 2]
     group = cfg.num_heads // cfg.num_kv_heads
-    q_phi, q_s = (np.repeat(x, group, axis=-2) for x in (phi, s))  # query heads of each group
-    for name, heads, p, m in (("wk", cfg.num_kv_heads, phi[..., None, :, :], 1 / s[..., None, :, :]),
-                              ("wq", cfg.num_heads, q_phi[..., None, :, :], q_s[..., None, :, :]),
-                              ("bk", cfg.num_kv_heads, phi, 1 / s),
-                              ("bq", cfg.num_heads, q_phi, q_s)):
+    q_phi, q_s = (np.repeat(v, group, axis=0) for v in (phi, s))  # query heads of each group
+    for name, heads, p, m in (("wk", cfg.num_kv_heads, phi, 1 / s), ("bk", cfg.num_kv_heads, phi, 1 / s),
+                              ("wq", cfg.num_heads, q_phi, q_s), ("bq", cfg.num_heads, q_phi, q_s)):
         if name in layer:
             out[name] = _turn(layer[name], heads, cfg.head_dim, p, m)
     return out
 
 
+def key_transforms(params: dict, cfg: ModelConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+    """key_transform of every layer, from one calibration pass."""
+    return [key_transform(k, cfg) for k in calibration_keys(params, cfg)]
+
+
+def layer_smoother(params: dict, cfg: ModelConfig | None):
+    """(i, layer i of the loaders' params) -> that layer smoothed, after one calibration pass
+    over `params`; cfg None (float pages): the layer as it is."""
+    if cfg is None:
+        return lambda i, layer: layer
+    turns = key_transforms(params, cfg)
+    return lambda i, layer: smooth_layer(layer, cfg, turns[i])
+
+
 def smooth_keys(params: dict, cfg: ModelConfig) -> dict:
     """The loaders' params (layers stacked, in memory) with every layer smoothed."""
-    layers = {k: np.asarray(v) for k, v in params["layers"].items()}
-    return {**params, "layers": smooth_layer(layers, cfg)}
+    stacked = {k: np.asarray(v) for k, v in params["layers"].items()}
+    smooth = layer_smoother(params, cfg)
+    layers = [smooth(i, llama.layer_of(stacked, i)) for i in range(len(stacked["attn_norm"]))]
+    return {**params, "layers": {k: np.stack([lp[k] for lp in layers]) for k in stacked}}

@@ -104,8 +104,9 @@ def head_params(params: dict) -> dict:
     return out
 
 
-def _layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: AttentionMetadata, rope, window, x,
-           cache: KVCache, lp, sum_shards):
+def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: AttentionMetadata,
+                  rope, window, x, cache: KVCache, lp, sum_shards):
+    """One layer of `forward` (x f[T, H] -> (x, cache)); also kv_smoothing's calibration."""
     t = x.shape[0]
     d = cfg.head_dim
     hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -156,8 +157,8 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=N
     caches = []
     for i, (lp, cache) in enumerate(zip(params["layers"], pool.layers, strict=True)):
         window = cfg.layer_window(i)  # static per layer: the loop is unrolled
-        x, cache = _layer(cfg, backend, md, rope if window is None else local_rope, window, x,
-                          cache, lp, sum_shards)
+        x, cache = decoder_layer(cfg, backend, md, rope if window is None else local_rope,
+                                 window, x, cache, lp, sum_shards)
         caches.append(cache)
     return KVPool(tuple(caches)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps,
                                            cfg.norm_weight_offset)

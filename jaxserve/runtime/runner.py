@@ -30,7 +30,7 @@ from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVPool
-from jaxserve.model.kv_smoothing import smooth_layer
+from jaxserve.model.kv_smoothing import layer_smoother
 from jaxserve.model.quantize import quantize_head, quantize_layer
 from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
@@ -156,10 +156,9 @@ def prepare_params(params: dict, quantization: str, backend: Backend,
     host holds one beyond the loaders' copy (a lazy load's: none)."""
     pack = backend.pack_params or (lambda tree: tree)
     stacked = params["layers"]
-    cfg = smooth_keys_for
-    smooth = (lambda layer: smooth_layer(layer, cfg)) if cfg is not None else (lambda x: x)
+    smooth = layer_smoother(params, smooth_keys_for)
     layers = (pack({"layers": [llama.fuse_layer(quantize_layer(
-                  smooth(llama.layer_of(stacked, i)), quantization))]})["layers"][0]
+                  smooth(i, llama.layer_of(stacked, i)), quantization))]})["layers"][0]
               for i in range(len(stacked["attn_norm"])))
     top = pack({**llama.head_params(quantize_head(params, quantization)), "layers": []})
     return {k: v for k, v in top.items() if k != "layers"}, layers
