@@ -108,10 +108,11 @@ def test_smoothing_cuts_the_int8_key_error_of_an_outlier_channel(case):
     assert smoothed < 0.5 * plain
 
 
-def _greedy(loaded, **options):
+def _greedy(loaded, max_tokens: int = 16, **options):
+    options = {"attention_backend": "xla", **options}
     engine = LLMEngine(EngineConfig.from_options(num_pages=32, page_size=8, max_num_seqs=3,
-                                                 attention_backend="xla", **options), loaded)
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+                                                 **options), loaded)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request({"prompt_token_ids": list(range(s, s + 11))}, params).request_id
            for s in (10, 70, 140)]
     done = {}
@@ -123,7 +124,7 @@ def _greedy(loaded, **options):
 @pytest.fixture(scope="module")
 def outlier_model():
     """tiny_model with key channel 2 of each KV head 12x larger in every layer."""
-    loaded = tiny_loaded(seed=5)
+    loaded = tiny_loaded(seed=5, d=16)  # head dim 16: the GPU kernel's smallest
     wk = loaded.params["layers"]["wk"].copy()
     cfg = loaded.config
     wk.reshape(cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim)[..., 2] *= 12
@@ -144,7 +145,7 @@ def test_float_greedy_outputs_are_kept_and_int8_pages_get_smoothed_keys(outlier_
     int8, int8_engine = _greedy(outlier_model, kv_cache_dtype="int8")
     np.testing.assert_allclose(w_qkv(int8_engine), smoothed.params["layers"]["wq"][0].T,
                                rtol=1e-6)
-    assert sum(a == b for a, b in zip(f32, int8)) >= 2, (f32, int8)
+    assert all(a[:4] == b[:4] for a, b in zip(f32, int8)), (f32, int8)  # a seeded model's noise
 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen2-window"])
@@ -158,3 +159,17 @@ def test_the_calibration_pass_runs_each_family_and_keeps_its_float_greedy_output
     assert not np.allclose(smoothed.params["layers"]["wk" if name != "gemma3" else "k_norm"],
                            loaded.params["layers"]["wk" if name != "gemma3" else "k_norm"])
     assert _greedy(smoothed)[0] == _greedy(loaded)[0]
+
+
+@pytest.mark.parametrize("backend", [{"attention_backend": "cpu"},
+                                     {"attention_backend": "pallas", "pallas_kernels": "tpu"},
+                                     {"attention_backend": "pallas", "pallas_kernels": "gpu"}],
+                         ids=["cpu", "pallas-tpu-interpret", "pallas-gpu-interpret"])
+def test_every_attention_backend_serves_the_smoothed_int8_pages_alike(outlier_model, backend):
+    """The smoothing is in the weights only: each backend's int8 pages give XLA's tokens."""
+    from jaxserve.backends.cpu import kernels as cpu_kernels
+
+    if backend["attention_backend"] == "cpu" and not cpu_kernels.available():
+        pytest.skip("the CPU kernel did not build")
+    xla, _ = _greedy(outlier_model, 6, kv_cache_dtype="int8")
+    assert _greedy(outlier_model, 6, kv_cache_dtype="int8", **backend)[0] == xla
