@@ -193,8 +193,9 @@ def pages_per_budget(cfg, budget: int) -> dict:
 
     def pages(kv: str) -> int:
         config = EngineConfig.from_options(kv_cache_bytes=budget, kv_cache_dtype=kv)
-        return ResolvedConfig.of(config, cfg, dtype="float32", backend="xla",
-                                 attention_cost=1.0).num_pages(config, cfg)
+        resolved = ResolvedConfig.of(config, cfg, dtype="float32", backend="xla",
+                                     attention_cost=1.0)
+        return resolved.num_pages(config, resolved.kv_bytes_per_token(cfg))
 
     return {kv: pages(kv) for kv in ("float32", "bfloat16", "int8")}
 

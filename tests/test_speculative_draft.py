@@ -136,8 +136,9 @@ def test_a_kv_byte_budget_pays_for_both_pools():
                                        page_size=8, dtype="float32")
     resolved = ResolvedConfig.of(config, target, dtype="float32", backend="xla",
                                  attention_cost=1.0)
-    assert resolved.num_pages(config, target) == 30
-    assert resolved.num_pages(config, target, draft=draft) == 20
+    assert resolved.num_pages(config, resolved.kv_bytes_per_token(target)) == 30
+    both = resolved.kv_bytes_per_token(target) + resolved.kv_bytes_per_token(draft)
+    assert resolved.num_pages(config, both) == 20
 
 
 def test_draft_flags_map_onto_the_config():

@@ -10,6 +10,8 @@ head-major one."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -78,6 +80,24 @@ def test_the_tpu_backend_chooses_the_layout():
     assert layout(tpu, 8, 128, jnp.int8) == KVLayout(8)  # per-token scales: head-major
     assert layout(tpu, 2, 32, jnp.bfloat16) == KVLayout(2)  # 2D = 64 lanes: not whole tiles
     assert layout(cpu, 3, 128, jnp.bfloat16) == KVLayout(3)
+
+
+def test_a_byte_budget_counts_the_heads_the_pool_stores():
+    """3 KV heads padded to 4 for JAX's kernel hold 4/3 of the model's bytes a token, so
+    kv_cache_bytes buys pages of the pool's real size; heads fewer than tp repeat."""
+    from jaxserve.config import ModelConfig
+    from jaxserve.runtime.sharding import pool_bytes_per_token
+
+    cfg = ModelConfig(vocab_size=256, hidden_size=384, intermediate_size=512, num_layers=2,
+                      num_heads=3, num_kv_heads=3, head_dim=128)
+    model = cfg.kv_bytes_per_token(2)
+    per_token = lambda b, tp=1: pool_bytes_per_token(  # noqa: E731
+        cfg, get(b), tp, jnp.bfloat16, jnp.bfloat16, 2, 0)
+    assert per_token("xla") == per_token("pallas-tpu-interpret") == model
+    assert per_token("pallas-tpu") == model * 4 // 3
+    two = dataclasses.replace(cfg, num_heads=4, num_kv_heads=2)  # tp 4 repeats each twice
+    assert pool_bytes_per_token(two, get("xla"), 4, jnp.bfloat16, jnp.bfloat16, 2, 0) == \
+        2 * two.kv_bytes_per_token(2)
 
 
 @pytest.mark.parametrize("flat", [False, True])

@@ -61,12 +61,9 @@ class ResolvedConfig:
         """One token's KV bytes over all layers of `model`, scales included."""
         return model.kv_bytes_per_token(*kv_slot_bytes(self.kv_cache_dtype))
 
-    def num_pages(self, config: EngineConfig, model: ModelConfig,
-                  draft: ModelConfig | None = None) -> int:
-        """The pool's pages without a memory plan (CacheConfig.resolve_num_pages); a draft
-        model's pool has as many pages, of its own shape: a byte budget pays for both."""
-        token_bytes = self.kv_bytes_per_token(model)
-        if draft is not None:
-            token_bytes += self.kv_bytes_per_token(draft)
+    def num_pages(self, config: EngineConfig, token_bytes: int) -> int:
+        """The pool's pages without a memory plan (CacheConfig.resolve_num_pages), token_bytes
+        being one token's KV bytes as the pool stores them (a draft model's pool has as many
+        pages, of its own shape: a byte budget pays for both)."""
         return config.cache.resolve_num_pages(token_bytes, max_model_len=self.max_model_len,
                                               max_num_seqs=config.scheduler.max_num_seqs)

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import backends
-from jaxserve.config import EngineConfig, ResolvedConfig
+from jaxserve.config import EngineConfig, ModelConfig, ResolvedConfig, kv_slot_bytes
 from jaxserve.config.resolved import resolve_kv_cache_dtype
 from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
@@ -36,7 +36,7 @@ from jaxserve.engine.startup import StartupTimeline
 from jaxserve.engine.step_pipeline import StepPipeline
 from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.runner import ModelRunner
+from jaxserve.runtime.runner import DTYPES, ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
 
@@ -84,6 +84,7 @@ class LLMEngine:
             config, loaded.config, dtype=dtype, backend=backend.name,
             attention_cost=backend.attention_cost)
         self.max_model_len = resolved.max_model_len
+        self._tp = parallel.tensor_parallel_size
         self.buckets = Buckets.for_engine(
             config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
             math.ceil(self.max_model_len / cache.page_size),
@@ -93,7 +94,8 @@ class LLMEngine:
         held_before = memory.in_use(mesh.devices.flat[0]) if budget is not None else 0
         # With a budget, a probe pool of PROBE_PAGES until the plan has measured the rest.
         num_pages = PROBE_PAGES if budget is not None else resolved.num_pages(
-            config, loaded.config, draft=draft.config if draft else None)
+            config, self._pool_bytes_per_token(loaded.config)
+            + (self._pool_bytes_per_token(draft.config) if draft else 0))
         with self.startup.phase("place the weights"):
             self.runner = ModelRunner(loaded.config, loaded.params, num_pages=num_pages,
                                       page_size=cache.page_size, dtype=resolved.dtype,
@@ -259,7 +261,14 @@ class LLMEngine:
     def kv_usage(self) -> dict:
         """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
         return {**self.scheduler.kv_usage(),
-                "bytes_per_slot": self.resolved.kv_bytes_per_token(self.model_config)}
+                "bytes_per_slot": self._pool_bytes_per_token(self.model_config)}
+
+    def _pool_bytes_per_token(self, model: ModelConfig) -> int:
+        """One token's KV bytes in this backend's pool layout (padded heads included)."""
+        r = self.resolved
+        return sharding.pool_bytes_per_token(model, self.backend, self._tp,
+                                             DTYPES[r.kv_cache_dtype], DTYPES[r.dtype],
+                                             *kv_slot_bytes(r.kv_cache_dtype))
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.backends import Backend, pool_layout
+from jaxserve.backends import Backend
 from jaxserve.config import ModelConfig
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import GROUP, Int8Weight
@@ -92,9 +92,7 @@ def abstract_pool(cfg: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, 
     from jaxserve.runtime.runner import DTYPES
 
     tp = sharding.tp_size(mesh)
-    heads = sharding.pool_kv_heads(cfg, tp)
-    layout = pool_layout(backend, heads // tp, cfg.head_dim, DTYPES[kv_dtype],
-                         num_q_heads=cfg.num_heads // tp, q_dtype=DTYPES[dtype])
+    heads, layout = sharding.pool_layout_of(cfg, backend, tp, DTYPES[kv_dtype], DTYPES[dtype])
     pool = jax.eval_shape(lambda: KVPool.zeros(cfg.num_layers, heads, num_pages, page_size,
                                                cfg.head_dim, DTYPES[kv_dtype], layout, tp))
     return jax.tree_util.tree_map(

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxserve.backends import Backend, pool_layout
+from jaxserve.backends import Backend
 from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
@@ -221,10 +221,7 @@ class ModelRunner:
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         cfg = self.cfg
         tp = sharding.tp_size(self.mesh)
-        heads = sharding.pool_kv_heads(cfg, tp)
-        # The backend's layout for each device's heads (page-major pads them: padded count).
-        layout = pool_layout(self.backend, heads // tp, cfg.head_dim, self.kv_dtype,
-                             num_q_heads=cfg.num_heads // tp, q_dtype=self.dtype)
+        heads, layout = sharding.pool_layout_of(cfg, self.backend, tp, self.kv_dtype, self.dtype)
         zeros = functools.partial(KVPool.zeros, cfg.num_layers, heads, self.num_pages,
                                   self.page_size, cfg.head_dim, self.kv_dtype, layout, tp)
         # Made in place on each device (never whole on one): sharded on the head axis.

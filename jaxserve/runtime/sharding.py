@@ -34,6 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxserve.backends import pool_layout
 from jaxserve.config import ModelConfig, kv_heads_per_device
 from jaxserve.model.quantize import GROUP
 
@@ -67,6 +68,23 @@ def tp_size(mesh: Mesh) -> int:
 def pool_kv_heads(cfg: ModelConfig, tp: int) -> int:
     """KV heads in the pool: the model's, or tp when there are fewer (each repeated)."""
     return kv_heads_per_device(cfg.num_kv_heads, tp) * tp
+
+
+def pool_layout_of(cfg: ModelConfig, backend, tp: int, kv_dtype, q_dtype):
+    """(KV heads the pool holds over all devices, one device's KVLayout): the backend's layout
+    of each device's heads (JAX's TPU kernel pads them), the heads repeated up to tp."""
+    heads = pool_kv_heads(cfg, tp)
+    return heads, pool_layout(backend, heads // tp, cfg.head_dim, kv_dtype,
+                              num_q_heads=cfg.num_heads // tp, q_dtype=q_dtype)
+
+
+def pool_bytes_per_token(cfg: ModelConfig, backend, tp: int, kv_dtype, q_dtype,
+                         dtype_bytes: int, scale_bytes: int) -> int:
+    """One token's KV bytes as the pool stores them over all devices (padded and repeated
+    heads included), so a byte budget buys the pages it pays for."""
+    _, layout = pool_layout_of(cfg, backend, tp, kv_dtype, q_dtype)
+    stored = layout.heads * tp
+    return cfg.kv_bytes_per_token(dtype_bytes, scale_bytes) * stored // cfg.num_kv_heads
 
 
 def check_fits(cfg: ModelConfig, tp: int, quantization: str = "none") -> None:
