@@ -223,7 +223,7 @@ def throughput(args) -> dict:
     engine = _engine(loaded, max_num_seqs=max(levels), max_num_batched_tokens=2048,
                      num_pages=1 + max(levels) * -(-(in_len + out_len) // 16))
     rng = np.random.default_rng(2)
-    result = {"backend": engine.backend.name, "dtype": engine.config.dtype}
+    result = {"backend": engine.backend.name, "dtype": engine.resolved.dtype}
     for n in levels:
         prompts = [[int(t) for t in rng.integers(3, loaded.config.vocab_size, in_len)]
                    for _ in range(n)]
