@@ -64,6 +64,29 @@ def test_without_threads_the_caller_runs_a_queued_job_and_gets_its_error():
         pool.wait("c")
 
 
+def test_stop_waits_for_the_running_compile_and_starts_no_other():
+    """At exit no thread may still be compiling (XLA aborts the process mid-teardown)."""
+    started, gate, ran = threading.Event(), threading.Event(), []
+
+    def slow():
+        started.set()
+        gate.wait(10)
+        ran.append("slow")
+
+    pool = Precompiler(1, lambda *_: None)
+    pool.submit("slow", "slow", slow)
+    pool.submit("next", "next", lambda: ran.append("next"))
+    assert started.wait(10)
+    stopper = threading.Thread(target=pool.stop)
+    stopper.start()
+    time.sleep(0.2)
+    assert stopper.is_alive()  # waits for the compile under way
+    gate.set()
+    stopper.join(10)
+    assert not stopper.is_alive() and ran == ["slow"]
+    assert pool.wait("next") is None and ran == ["slow", "next"]  # a caller still runs it
+
+
 def greedy(engine: LLMEngine) -> list[list[int]]:
     for prompt in PROMPTS:
         engine.add_request({"prompt_token_ids": prompt},

@@ -8,8 +8,10 @@ thread is running waits for that thread."""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import threading
+import weakref
 import time
 from typing import Callable, Hashable
 
@@ -49,7 +51,9 @@ class Precompiler:
         self._lock = threading.Lock()
         self._queue: collections.deque = collections.deque()
         self._threads, self._live = threads, 0
+        self._workers: list[threading.Thread] = []
         self._on_done = on_done
+        _LIVE.add(self)
 
     def submit(self, key: Hashable, name: str, compile_fn: Callable[[], object]) -> bool:
         """Queue a compile unless one of `key` is already known; returns whether it was queued."""
@@ -60,8 +64,20 @@ class Precompiler:
             self._queue.append((key, job))
             if self._live < self._threads:
                 self._live += 1
-                threading.Thread(target=self._work, name="jaxserve-compile", daemon=True).start()
+                worker = threading.Thread(target=self._work, name="jaxserve-compile", daemon=True)
+                self._workers.append(worker)
+                worker.start()
         return True
+
+    def stop(self) -> None:
+        """Start no further job and wait for the threads' current ones: a process must not
+        exit while XLA compiles in a daemon thread (the C++ runtime aborts mid-teardown).
+        Jobs left queued still run in a caller that waits for them."""
+        with self._lock:
+            self._queue.clear()
+            workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.join()
 
     def _work(self) -> None:
         while True:
@@ -96,3 +112,7 @@ class Precompiler:
     def pending(self) -> int:
         """Jobs not finished yet (queued or compiling)."""
         return sum(1 for job in list(self._jobs.values()) if not job.done.is_set())
+
+
+_LIVE: "weakref.WeakSet[Precompiler]" = weakref.WeakSet()
+atexit.register(lambda: [p.stop() for p in list(_LIVE)])
