@@ -91,7 +91,8 @@ def calibration_keys(params: dict, cfg: ModelConfig) -> list[np.ndarray]:
     local_rope = rope
     if cfg.rope_local_theta is not None:
         local_rope = rope_tables(positions, cfg.head_dim, cfg.rope_local_theta)
-    x = llama.embed({"embed": np.asarray(params["embed"], np.float32)}, jnp.asarray(ids))
+    # the pass's rows alone in float32 (a whole float32 copy of the table outlived the pass)
+    x = jnp.asarray(llama.embed({"embed": np.asarray(params["embed"])}, ids), jnp.float32)
     if cfg.embed_scale:
         x = x * np.float32(cfg.hidden_size ** 0.5)
     # one compile per window kind (the layers' shapes are alike), not op by op (the default
