@@ -15,8 +15,9 @@ import pytest
 
 from jaxserve import backends
 from jaxserve.config import EngineConfig, ModelConfig
-from jaxserve.engine import LLMEngine, aot
+from jaxserve.engine import LLMEngine
 from jaxserve.runtime import abstract, sharding
+from jaxserve.runtime.batch import warmup_batches
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.weights.model_config import read_model_config
 from jaxserve.weights.random_init import random_model
@@ -90,7 +91,7 @@ def test_shapes_are_the_engines_warmup(v5e_report, tiny_dir):
     assert engine.backend.packed
     assert v5e_report["shapes"] == engine.runner.warmup_count(engine.buckets)
     rows = {b.logits_indices.shape[0] for b, _ in
-            aot.warmup_batches(engine.buckets, engine.runner.page_size)}
+            warmup_batches(engine.buckets, engine.runner.page_size)}
     assert v5e_report["sampling_calls"] == 6 * len(rows)  # 3 modes, with and without controls
 
 

@@ -25,7 +25,6 @@ import functools
 import math
 import os
 import time
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -35,10 +34,10 @@ from jaxserve.config import DEFAULT_MEMORY_UTILIZATION, EngineConfig, ModelConfi
 from jaxserve.engine import memory_plan
 from jaxserve.engine.memory_plan import GIB, MARGIN, MemoryPlan
 from jaxserve.runtime import abstract, sharding
-from jaxserve.runtime.batch import build_batch, warmup_plan
+from jaxserve.runtime.batch import build_batch, warmup_batches, warmup_plan
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import no_controls
-from jaxserve.runtime.runner import ModelRunner, _copy_pages, _jitted_step, _sample_rows
+from jaxserve.runtime.runner import _copy_pages, _jitted_step, _sample_rows
 from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM
 from jaxserve.runtime.topology import Topology, compile_target, tpu_topology
 from jaxserve.weights.model_config import read_model_config
@@ -203,13 +202,6 @@ class _Compiler:
         idx = abstract.replicated(np.zeros(n, np.int32), self.t.mesh)
         with compile_target(self.t.mesh):
             return _copy_pages.lower(pool, idx, idx).compile()
-
-
-def warmup_batches(buckets: Buckets, page_size: int):
-    """(batch, rows) of each step the engine's warm-up compiles (runner.warmup), without a
-    runner: ModelRunner._warmup_batches reads only its page size, so a stand-in holding that
-    one attribute serves (runner.py has no room under its line cap for a public twin)."""
-    return ModelRunner._warmup_batches(SimpleNamespace(page_size=page_size), buckets, False)
 
 
 def _step_bytes(compiled) -> int:

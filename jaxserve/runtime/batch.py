@@ -189,3 +189,18 @@ def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int,
         s = seq(n)
         plan.chunks.append(ScheduledChunk(s, 0, n, [s]))
     return plan
+
+
+def warmup_batches(buckets: Buckets, page_size: int, full: bool = False):
+    """(batch, rows) of each step shape of Buckets.step_shapes that warm-up compiles, on dummy
+    plans that use only the scratch page 0. With speculative decoding, a step that verifies
+    drafts samples more rows: a variant of the shape wherever that changes its sample rows."""
+    for shape in buckets.step_shapes(page_size, full):
+        plan = warmup_plan(shape, buckets, page_size)
+        sizes = set()
+        for verifying in (False, True) if buckets.spec_tokens else (False,):
+            batch, rows, _ = build_batch(plan, buckets, page_size, verifying=verifying)
+            r = batch.logits_indices.shape[0]
+            if r not in sizes:
+                sizes.add(r)
+                yield batch, rows

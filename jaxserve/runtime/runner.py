@@ -33,7 +33,7 @@ from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.kv_smoothing import layer_smoother
 from jaxserve.model.quantize import quantize_head, quantize_layer
 from jaxserve.runtime import memory
-from jaxserve.runtime.batch import StepBatch, build_batch, warmup_plan
+from jaxserve.runtime.batch import StepBatch, build_batch, warmup_batches, warmup_plan
 from jaxserve.runtime import distributed, sharding
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
@@ -346,23 +346,9 @@ class ModelRunner:
         """Run one step of `shape` on dummy sequences of the scratch page 0."""
         self.execute(*self._shape_batch(shape, buckets))
 
-    def _warmup_batches(self, buckets: Buckets, full: bool):
-        """(batch, rows) of each step shape of Buckets.step_shapes, on dummy plans that use
-        only the scratch page 0. With speculative decoding, a step that verifies drafts
-        samples more rows: a variant of the shape wherever that changes its sample rows."""
-        for shape in buckets.step_shapes(self.page_size, full):
-            plan = warmup_plan(shape, buckets, self.page_size)
-            sizes = set()
-            for verifying in (False, True) if buckets.spec_tokens else (False,):
-                batch, rows, _ = build_batch(plan, buckets, self.page_size, verifying=verifying)
-                r = batch.logits_indices.shape[0]
-                if r not in sizes:
-                    sizes.add(r)
-                    yield batch, rows
-
     def warmup_count(self, buckets: Buckets, full: bool = False) -> int:
         """How many shapes `warmup` compiles (steps and copies), without compiling them."""
-        return sum(1 for _ in self._warmup_batches(buckets, full)) + len(buckets.copies)
+        return sum(1 for _ in warmup_batches(buckets, self.page_size, full)) + len(buckets.copies)
 
     def _warmup_jobs(self, buckets: Buckets, full: bool):
         """(key, what, compile, tokens) of each executable warm-up compiles, on the real
@@ -371,7 +357,7 @@ class ModelRunner:
         logit controls and with masks only (structured outputs; penalties and logit_bias
         compile their entry bucket on first use, about a second), and the page copies."""
         pool, sampled = self.pool, set()
-        for batch, _ in self._warmup_batches(buckets, full):
+        for batch, _ in warmup_batches(buckets, self.page_size, full):
             key, step = _signature(batch), dataclasses.replace(batch, sampling=None)
             tokens, rows = batch.token_ids.shape[0], batch.logits_indices.shape[0]
             yield (key, f"step of {tokens} tokens, {batch.attn.page_tables.shape[0]} rows, "
