@@ -73,8 +73,7 @@ def main(argv):
                                      include_defaults=FLAGS.include_defaults),
             random_seed=seeds[0], numpy_random_seed=seeds[1], torch_random_seed=seeds[2],
             fewshot_random_seed=seeds[3], confirm_run_unsafe_code=FLAGS.confirm_run_unsafe_code)
-        if FLAGS.num_processes > 1:
-            llm.engine.stop_followers()
+        llm.engine.stop_followers()
     except ValueError as e:  # bad input (an unknown task, a gen_kwarg out of range): no traceback
         print(f"jaxserve eval: error: {e}", file=sys.stderr)
         return 2

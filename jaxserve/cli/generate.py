@@ -49,8 +49,7 @@ def main(argv):
         else:
             out = llm.generate(FLAGS.prompt, params)[0]
         t_gen = time.perf_counter() - t1
-        if FLAGS.num_processes > 1:  # a data-parallel engine has no followers
-            llm.engine.stop_followers()
+        llm.engine.stop_followers()
     except ValueError as e:  # bad input: a clear message, no traceback
         print(f"jaxserve generate: error: {e}", file=sys.stderr)
         return 2

@@ -132,6 +132,11 @@ class DataParallelEngine:
                 self._owner.pop(out.request_id, None)
         return results
 
+    def stop_followers(self) -> None:
+        """The replicas' (data parallelism runs in one process: each has none to stop)."""
+        for replica in self.replicas:
+            replica.stop_followers()
+
     def warmup(self, full: bool = False, **options) -> dict:
         return _summed([r.warmup(full, **options) for r in self.replicas])
 

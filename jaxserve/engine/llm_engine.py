@@ -84,7 +84,6 @@ class LLMEngine:
             config, loaded.config, dtype=dtype, backend=backend.name,
             attention_cost=backend.attention_cost)
         self.max_model_len = resolved.max_model_len
-        self._tp = parallel.tensor_parallel_size
         self.buckets = Buckets.for_engine(
             config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
             math.ceil(self.max_model_len / cache.page_size),
@@ -265,10 +264,9 @@ class LLMEngine:
 
     def _pool_bytes_per_token(self, model: ModelConfig) -> int:
         """One token's KV bytes in this backend's pool layout (padded heads included)."""
-        r = self.resolved
-        return sharding.pool_bytes_per_token(model, self.backend, self._tp,
-                                             DTYPES[r.kv_cache_dtype], DTYPES[r.dtype],
-                                             *kv_slot_bytes(r.kv_cache_dtype))
+        r, tp = self.resolved, self.config.parallel.tensor_parallel_size
+        return sharding.pool_bytes_per_token(model, self.backend, tp, DTYPES[r.kv_cache_dtype],
+                                             DTYPES[r.dtype], *kv_slot_bytes(r.kv_cache_dtype))
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
