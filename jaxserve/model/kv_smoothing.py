@@ -86,25 +86,33 @@ def calibration_keys(params: dict, cfg: ModelConfig) -> list[np.ndarray]:
         ids[0] = cfg.bos_token_id
     f32 = lambda tree: jax.tree_util.tree_map(lambda a: np.asarray(a, np.float32), tree)  # noqa: E731
     md = SimpleNamespace(slot_mapping=None)
-    positions = jnp.arange(len(ids))
-    rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    local_rope = rope
-    if cfg.rope_local_theta is not None:
-        local_rope = rope_tables(positions, cfg.head_dim, cfg.rope_local_theta)
     # the pass's rows alone in float32 (a whole float32 copy of the table outlived the pass)
-    x = jnp.asarray(llama.embed({"embed": np.asarray(params["embed"])}, ids), jnp.float32)
+    x = np.asarray(llama.embed({"embed": np.asarray(params["embed"])}, ids), np.float32)
     if cfg.embed_scale:
         x = x * np.float32(cfg.hidden_size ** 0.5)
-    # one compile per window kind (the layers' shapes are alike), not op by op (the default
-    # model: 5.0 s with its compile, 8.5 s eagerly, under load)
-    layer = jax.jit(lambda rope, x, lp, window: llama.decoder_layer(
-        cfg, _DenseAttention, md, rope, window, x, None, lp, lambda y: y), static_argnums=3)
+
+    def layer(x, lp, window):
+        positions = jnp.arange(len(ids))
+        if window is not None and cfg.rope_local_theta is not None:
+            rope = rope_tables(positions, cfg.head_dim, cfg.rope_local_theta)
+        else:
+            rope = rope_tables(positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        return llama.decoder_layer(cfg, _DenseAttention, md, rope, window, x, None, lp,
+                                   lambda y: y)
+
+    # One compile per window kind (the layers' shapes are alike), not op by op (the default
+    # model: 5.0 s with its compile, 8.5 s eagerly, under load). Every device op of the pass
+    # is in it, and its code is dropped after: nothing compiled outlives the pass (the memory
+    # plan would charge it to the engine as runtime).
+    layer = jax.jit(layer, static_argnums=2)
     stacked, keys = params["layers"], []
-    for i in range(len(stacked["attn_norm"])):
-        window = cfg.layer_window(i)
-        lp = llama.fuse_layer(f32(llama.layer_of(stacked, i)))
-        x, cache = layer(rope if window is None else local_rope, x, lp, window)
-        keys.append(np.asarray(cache.k))
+    try:
+        for i in range(len(stacked["attn_norm"])):
+            lp = llama.fuse_layer(f32(llama.layer_of(stacked, i)))
+            x, cache = layer(x, lp, cfg.layer_window(i))
+            keys.append(np.asarray(cache.k))
+    finally:
+        layer.clear_cache()
     return keys
 
 
