@@ -7,7 +7,6 @@ tokens and the scheduler applies them)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import logging
 import math
@@ -103,17 +102,9 @@ class LLMEngine:
                                       max_sample_rows=self.buckets.max_sample_rows,
                                       huge_pages=load.huge_pages, mesh=mesh)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        # Speculation's one owner (Speculator.speculation) serves whichever scheduler plans.
+        # Speculation's one owner (Speculator.speculation), which the scheduler asks for drafts.
         self.speculator = Speculator(config, resolved, self.buckets, draft,
                                      num_pages=num_pages, backend=backend, mesh=mesh)
-        scheduler = functools.partial(
-            Scheduler, config.scheduler, cache, max_model_len=self.max_model_len,
-            eos_token_ids=eos, prefill_keys_per_token=resolved.prefill_keys_per_token,
-            # A cached page is reused only under the weights and KV format that wrote it.
-            model_fingerprint=(f"{loaded.fingerprint}:{resolved.dtype}:{load.quantization}:"
-                               f"kv-{resolved.kv_cache_dtype}"),
-            kv_window=loaded.config.kv_window, speculation=self.speculator.speculation)
-        self.scheduler = scheduler(num_pages=num_pages)
         self.memory_plan = None
         if budget is not None:
             drafter = self.speculator.drafter
@@ -124,13 +115,22 @@ class LLMEngine:
                     + self.speculator.warmup_count(),
                     draft=drafter.model if drafter else None)
             log.info("%s", self.memory_plan.describe(self.max_model_len))
-            self.scheduler = scheduler(num_pages=self.runner.num_pages)  # the planned pool
+        # The scheduler is built once, on the pool the plan sized.
         self.num_pages = self.runner.num_pages
+        self.scheduler = Scheduler(
+            config.scheduler, cache, max_model_len=self.max_model_len,
+            eos_token_ids=eos, prefill_keys_per_token=resolved.prefill_keys_per_token,
+            # A cached page is reused only under the weights and KV format that wrote it.
+            model_fingerprint=(f"{loaded.fingerprint}:{resolved.dtype}:{load.quantization}:"
+                               f"kv-{resolved.kv_cache_dtype}"),
+            kv_window=loaded.config.kv_window, speculation=self.speculator.speculation,
+            num_pages=self.num_pages)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests = RequestTable(self.scheduler, self.outputs)
         self.pipeline = StepPipeline(
-            config, self.buckets, self.scheduler, self.runner, self.speculator, self.outputs,
-            self.requests, loaded.config.vocab_size,
+            self.buckets, self.scheduler, self.runner, self.speculator, self.outputs,
+            self.requests, vocab_size=loaded.config.vocab_size, page_size=cache.page_size,
+            async_scheduling=config.scheduler.async_scheduling,
             grammar_limits=lambda: self._grammars.limits if self._grammars else None)
         # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
         self._grammars: GrammarCompiler | None = None

@@ -49,7 +49,7 @@ class Speculator:
         self.drafter = None
         if draft is not None:
             self.drafter = DraftRunner(
-                draft.config, draft.params, self.speculation.draft_kv, buckets=buckets,
+                draft.config, draft.params, buckets=buckets,
                 page_size=page_size, num_pages=num_pages,
                 max_tokens=config.scheduler.max_num_batched_tokens,
                 max_k=spec.num_speculative_tokens, dtype=resolved.dtype,
@@ -75,7 +75,13 @@ class Speculator:
         prompts took (its prefill, not the step's cost)."""
         if self.drafter is None:
             return plan, 0.0
-        proposed = self.drafter.propose(plan)
+        record = self.speculation.draft_kv
+        record.prune()
+        rows = [(c, record.computed(c.seq)) for c in plan.chunks
+                if c.num_drafts and not c.seq.is_finished]
+        proposed = self.drafter.propose(rows)
+        for chunk, drafts in proposed:
+            record.wrote(chunk.seq, chunk.start, drafts)
         return (plan.with_drafts(proposed) if proposed else plan), self.drafter.catch_up_seconds
 
     def observe(self, launched: Launched, started: float, ended: float) -> None:
@@ -93,8 +99,9 @@ class Speculator:
         self._last_step_end = ended
 
     def reset(self) -> None:
-        """After a failed step: the draft pool went with it."""
+        """After a failed step: the draft pool went with it, and the record of what it held."""
         if self.drafter is not None:
+            self.speculation.draft_kv.clear()
             self.drafter.reset()
 
     def warmup(self) -> int:

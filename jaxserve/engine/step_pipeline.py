@@ -14,7 +14,6 @@ import logging
 import time
 from typing import Callable
 
-from jaxserve.config import EngineConfig
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.scheduler import Scheduler
@@ -45,11 +44,12 @@ class Built:
 
 
 class StepPipeline:
-    def __init__(self, config: EngineConfig, buckets: Buckets, scheduler: Scheduler,
-                 runner: ModelRunner, speculator: Speculator, outputs: OutputProcessor,
-                 requests: RequestTable, vocab_size: int,
+    def __init__(self, buckets: Buckets, scheduler: Scheduler, runner: ModelRunner,
+                 speculator: Speculator, outputs: OutputProcessor, requests: RequestTable, *,
+                 vocab_size: int, page_size: int, async_scheduling: bool,
                  grammar_limits: Callable[[], GrammarLimits | None]):
-        self.config, self.buckets, self.vocab_size = config, buckets, vocab_size
+        self.buckets, self.vocab_size, self.page_size = buckets, vocab_size, page_size
+        self.async_scheduling = async_scheduling
         self.scheduler, self.runner, self.speculator = scheduler, runner, speculator
         self.outputs, self.requests, self.grammar_limits = outputs, requests, grammar_limits
         self._in_flight: Launched | None = None  # the step on the device, not yet fetched
@@ -80,7 +80,7 @@ class StepPipeline:
             self._in_flight = self._launch(plan)
         t_launched = time.perf_counter()
         current, self._in_flight = self._in_flight, None
-        if self.config.scheduler.async_scheduling and not self.speculator.choose(self.scheduler):
+        if self.async_scheduling and not self.speculator.choose(self.scheduler):
             plan = self.scheduler.schedule_next(current.plan)
             if plan is not None:
                 self._in_flight = self._launch(plan, after=current.out)
@@ -106,7 +106,7 @@ class StepPipeline:
     def _build(self, plan: StepPlan, ahead: bool = False) -> Built:
         """A plan made `ahead` of the previous step's tokens with a row whose controls depend on
         them (a grammar, penalties) has its controls built later."""
-        batch, num_rows, offsets = build_batch(plan, self.buckets, self.config.cache.page_size)
+        batch, num_rows, offsets = build_batch(plan, self.buckets, self.page_size)
         if ahead and any(seq.sampling_params.needs_previous_token for _, seq in plan.sample_rows):
             return Built(batch, num_rows, offsets, None, deferred=True)
         return Built(batch, num_rows, offsets, self._controls(plan, batch))

@@ -3,11 +3,11 @@
 The draft's KV pool has the draft model's shape and the target's num_pages and page_size, and is
 indexed by the same page ids: a sequence's pages hold its draft KV beside its target KV, so one
 allocation (lookahead slots included) and one rollback serve both. What the pool holds of each
-sequence is the host's record (core/draft_kv.py). `propose` computes what the draft has not seen
-of each row: a long stretch (a prompt) in calls of its own, timed apart (`catch_up_seconds`:
-a prefill, not a cost of the step), then in one jitted call the last token or two, which give
-the first draft, and the other k - 1 greedy decode steps in a loop on the device, writing draft
-KV at the lookahead slots.
+sequence is the host's record (core/draft_kv.py), which the engine's Speculator keeps and passes
+in. `propose` computes what the draft has not seen of each row: a long stretch (a prompt) in
+calls of its own, timed apart (`catch_up_seconds`: a prefill, not a cost of the step), then in
+one jitted call the last token or two, which give the first draft, and the other k - 1 greedy
+decode steps in a loop on the device, writing draft KV at the lookahead slots.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import numpy as np
 
 from jaxserve.backends import Backend
 from jaxserve.config import ModelConfig
-from jaxserve.core.draft_kv import DraftKV
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan
 from jaxserve.core.structured_output import bitmask_words, fill_masks
@@ -132,7 +131,7 @@ class DraftRunner:
     """The draft model's params and KV pool (in a ModelRunner of its own) and its two jitted
     calls: `propose` and the catch-up of rows too long to compute in one call."""
 
-    def __init__(self, cfg: ModelConfig, params: dict, draft_kv: DraftKV, *, buckets: Buckets,
+    def __init__(self, cfg: ModelConfig, params: dict, *, buckets: Buckets,
                  page_size: int, num_pages: int, max_tokens: int, max_k: int, dtype: str,
                  kv_cache_dtype: str, backend: Backend, quantization: str,
                  huge_pages: bool = False,
@@ -142,7 +141,6 @@ class DraftRunner:
                                  dtype=dtype, kv_cache_dtype=kv_cache_dtype, backend=backend,
                                  quantization=quantization, max_sample_rows=1,
                                  huge_pages=huge_pages, mesh=mesh)
-        self.draft_kv = draft_kv
         self.buckets, self.page_size, self.max_tokens = buckets, page_size, max_tokens
         self._catch_up, self._propose = _jitted(cfg, backend, max_k)
         self._signatures: set = set()
@@ -157,18 +155,18 @@ class DraftRunner:
 
     def reset(self) -> None:
         """A fresh pool (after a failed step), holding nothing of any sequence."""
-        self.draft_kv.clear()
         self.model.reset_pool()
 
-    def propose(self, plan: StepPlan) -> list[tuple[ScheduledChunk, list[int]]]:
-        """Drafts for the plan's verification chunks (num_drafts each), to give the plan
-        (StepPlan.with_drafts)."""
-        self.draft_kv.prune()
-        chunks = [c for c in plan.chunks if c.num_drafts and not c.seq.is_finished]
+    def propose(self, rows: list[tuple[ScheduledChunk, int]]
+                ) -> list[tuple[ScheduledChunk, list[int]]]:
+        """Drafts for verification chunks (num_drafts each), to give their plan
+        (StepPlan.with_drafts); each row is a chunk and how many of its sequence's leading
+        positions the draft's pool holds already (the host's record, core/draft_kv.py)."""
         self.catch_up_seconds = 0.0
-        if not chunks:
+        if not rows:
             return []
-        firsts = [min(self.draft_kv.computed(c.seq), c.start) for c in chunks]
+        chunks = [c for c, _ in rows]
+        firsts = [min(computed, c.start) for c, computed in rows]
         if any(c.start - f > 1 for c, f in zip(chunks, firsts)):
             t0 = time.perf_counter()
             self._catch_up_to([(c.seq, f, c.start) for c, f in zip(chunks, firsts)])
@@ -201,12 +199,7 @@ class DraftRunner:
                                                 logits_indices=batch.logits_indices,
                                                 num_drafts=num_drafts, first_mask=first_mask)
         drafts = np.asarray(jax.device_get(drafts))
-        out = []
-        for i, chunk in enumerate(chunks):
-            proposed = drafts[i, :chunk.num_drafts].tolist()
-            self.draft_kv.wrote(chunk.seq, chunk.start, proposed)
-            out.append((chunk, proposed))
-        return out
+        return [(chunk, drafts[i, :chunk.num_drafts].tolist()) for i, chunk in enumerate(chunks)]
 
     def _catch_up_to(self, rows: list[tuple[Sequence, int, int]]) -> None:
         """Draft KV for each row's tokens [first, end), in calls of at most max_tokens tokens."""
