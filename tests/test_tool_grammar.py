@@ -6,6 +6,8 @@ markup the grammar names stays in the detokenized text; the request picks the gr
 
 from __future__ import annotations
 
+import json
+
 import llguidance
 import pytest
 import tokenizers
@@ -26,7 +28,7 @@ TIME = {"name": "get_time", "parameters": {
 HERMES = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n' \
          "</tool_call>"
 MARKUP = ("<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", "[ARGS]",
-          "<|python_tag|>")
+          "<|python_tag|>", "<|python_start|>", "<|python_end|>")
 
 
 def byte_tokenizer(special: tuple[str, ...] = (), template: str | None = None) -> Tokenizer:
@@ -85,6 +87,7 @@ def test_mistral_and_llama3_json(special):
     call = '{"name": "get_time", "parameters": {"zone": 2}}'
     assert accepts("llama3_json", f"<|python_tag|>{call}; {call}", special=special) == "accept"
     assert accepts("llama3_json", f" {call}", special=special, parallel=False) == "accept"
+    assert accepts("llama3_json", f" <|python_tag|> {call}", special=special) == "accept"
     assert accepts("llama3_json", "It is {not} a call.", special=special) == "accept"
     assert accepts("llama3_json", '{"name": "x', special=special).endswith('"x')
 
@@ -127,8 +130,22 @@ def test_keywords_llguidance_cannot_enforce_do_not_refuse_the_tools():
         llguidance.LLMatcher.grammar_from_lark(grammar.lark)) == ""
 
 
-def test_pythonic_is_not_constrained():
-    assert tool_grammar(PARSERS["pythonic"](), [WEATHER], byte_tokenizer(), None, True) is None
+@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+def test_pythonic(special):
+    two = "[get_weather(city='Pa\\'ris', unit=\"c\"), get_time(zone=-3)]"
+    assert accepts("pythonic", two, special=special) == "accept"
+    assert accepts("pythonic", f" <|python_start|>{two} <|python_end|>", special=special) == \
+        "accept"
+    assert accepts("pythonic", "It is [not] a call.", special=special) == "accept"
+    assert accepts("pythonic", two, special=special, parallel=False).endswith("c\"),")
+    assert accepts("pythonic", "[1, 2]", special=special).endswith("[1")  # text may not open so
+    assert accepts("pythonic", "[get_wind", special=special).endswith("get_wi")  # a tool's name
+    assert accepts("pythonic", '[get_time(zone="1', special=special).endswith('zone="')  # type
+    assert accepts("pythonic", '[get_weather(unit="c"', special=special).endswith(
+        "(u")  # a required argument first
+    assert accepts("pythonic", '[get_weather(city="P", unit="k"', special=special).endswith(
+        'unit="k')  # an enum
+    assert accepts("pythonic", "[get_time(zone=1)] and", special=special).endswith("] a")
 
 
 def test_special_markup_stays_in_the_text():
@@ -171,3 +188,80 @@ def test_a_close_tag_inside_a_string_argument_is_text():
         grown = parser.parse(text[:n], False)
         assert final.content.startswith(grown.content) and len(grown.calls) <= 1
         assert all(final.calls[0].arguments.startswith(c.arguments) for c in grown.calls)
+
+
+RICH = {"name": "rich.tool", "parameters": {
+    "type": "object", "$defs": {"point": {"type": "object", "properties": {
+        "x": {"type": "number", "minimum": -1.5, "maximum": 2}, "y": {"type": "integer"}},
+        "required": ["x"]}},
+    "properties": {
+        "s": {"type": "string", "minLength": 1, "maxLength": 4},
+        "n": {"type": ["integer", "null"]},
+        "f": {"type": "number"},
+        "b": {"type": "boolean"},
+        "e": {"enum": ["it's", 'd"e', "é", 3, True, None, [1, "a"]]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 2}, "minItems": 1,
+                 "maxItems": 3},
+        "at": {"$ref": "#/$defs/point"},
+        "either": {"anyOf": [{"type": "boolean"}, {"type": "array", "maxItems": 2}]},
+        "free": {},
+        "class": {"type": "string"}},  # a Python keyword: left out (optional)
+    "required": ["s", "e", "at"], "additionalProperties": False}}
+
+
+def random_walk(lark: str, tok: Tokenizer, rng, start: str, steps: int = 400) -> str:
+    """Text sampled from the grammar after `start`: a random allowed token each step, markup,
+    closers and the end favoured so the walk ends."""
+    import numpy as np
+
+    lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=300, eos_token=[256])
+    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(lark),
+                                   log_level=0)
+    favoured = set(tok.encode("\"',)]}=", add_special_tokens=False)) | {256}
+    ids = tok.encode(start, add_special_tokens=False)
+    assert matcher.consume_tokens(ids)
+    for _ in range(steps):
+        allowed = np.flatnonzero(np.unpackbits(np.frombuffer(
+            matcher.compute_bitmask(), np.uint8), bitorder="little")[:300])
+        weights = np.array([30.0 if t in favoured else 1.0 for t in allowed])
+        token = int(rng.choice(allowed, p=weights / weights.sum()))
+        if token == 256:
+            break
+        assert matcher.consume_token(token)
+        ids.append(token)
+    return tok.decode(ids, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+def test_every_pythonic_call_the_grammar_allows_is_read_and_valid(special):
+    """Random walks through the pythonic grammar: the parser reads each text as calls of the
+    offered tools, and every call's arguments are valid against its tool's schema."""
+    import numpy as np
+
+    jsonschema = pytest.importorskip("jsonschema")
+    tok = byte_tokenizer(MARKUP if special else ())
+    tools = [WEATHER, TIME, RICH]
+    grammar = tool_grammar(PARSERS["pythonic"](), tools, tok, None, True)
+    schemas = {t["name"]: t["parameters"] for t in tools}
+    rng, calls, seen = np.random.default_rng(0), 0, set()
+    for i in range(60):
+        text = random_walk(grammar.lark, tok, rng, ["[", " <|python_start|>[", "T"][i % 3])
+        parsed = PARSERS["pythonic"]().parse(text, True)
+        if text.startswith("T"):
+            assert parsed.calls == [] and parsed.content == text
+            continue
+        assert parsed.calls and parsed.content == "", text
+        for call in parsed.calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+            seen.update(json.loads(call.arguments)) if call.name == "rich.tool" else None
+            calls += 1
+    assert calls >= 30 and {"s", "e", "at", "tags"} <= seen and "class" not in seen
+
+
+def test_a_tool_pythonic_calls_cannot_name_is_left_out():
+    bad = [{"name": "get-weather", "parameters": {}},
+           {"name": "f", "parameters": {"type": "object", "properties": {"for": {}},
+                                        "required": ["for"]}}]
+    grammar = tool_grammar(PARSERS["pythonic"](), bad, byte_tokenizer(), None, True)
+    assert "answer: PLAIN" in grammar.lark
+    assert accepts("pythonic", "[f(", special=False).endswith("[f")

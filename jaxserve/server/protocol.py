@@ -221,8 +221,7 @@ def _auto_tool_constraint(request: ChatCompletionRequest, ctx: ProtocolContext,
                           constraint: OutputConstraint) -> OutputConstraint:
     """tool_choice "auto" (or tools without one) and no other constraint: the answer is free
     text whose calls are constrained once opened (tool_grammar.py); unchanged otherwise (an
-    explicit response_format or structured_outputs wins, and pythonic calls are not
-    constrained)."""
+    explicit response_format or structured_outputs wins)."""
     if not constraint.auto_tools or constraint.spec is not None:
         return constraint
     grammar = tool_grammar(ctx.tool_parser, constraint.tools, ctx.tokenizer, ctx.reasoning,

@@ -11,8 +11,9 @@ allows a free `<think>...</think>`, as that parser reads it (tool calls inside a
 Formats: hermes (`<tool_call>` call `</tool_call>`, anywhere in the text), mistral
 (`[TOOL_CALLS]` and a JSON list of calls, or `name[ARGS]{...}` when the template shows `[ARGS]`),
 llama3_json (the whole answer is calls when it opens with `{` or `<|python_tag|>`; text may not
-open so). pythonic is not constrained: its literals are Python's (True, None, quotes either
-way), which a JSON schema's grammar does not write; its calls are read back as before.
+open so), pythonic (likewise with `[` or `<|python_start|>`: a list of calls whose keyword
+arguments are Python literals, pythonic_grammar.py, which says where it is looser than the
+schemas).
 
 Special tokens the grammar names (triggers, closing tags, think tags) are kept in the output's
 text (`StructuredOutputsParams.special_text_ids`), so the parsers see them; they never reach a
@@ -25,6 +26,9 @@ import copy
 import dataclasses
 import json
 
+from jaxserve.server.pythonic_grammar import END as PY_END
+from jaxserve.server.pythonic_grammar import START as PY_START
+from jaxserve.server.pythonic_grammar import pythonic_calls
 from jaxserve.server.reasoning import CLOSE as THINK_CLOSE
 from jaxserve.server.reasoning import OPEN as THINK_OPEN
 from jaxserve.server.reasoning import ReasoningParser
@@ -131,11 +135,33 @@ def _llama3_json(tools, markup, parallel, template) -> str:
     calls = 'call (";" " " call)*' if parallel else "call"
     return "\n".join([
         _call_rules(tools, "parameters"),
-        f"answer: SPACE ({markup(tag)} SPACE)? {calls} SPACE | PLAIN",
+        f"answer: ({_tag_opening(tag, markup)} SPACE | SPACE) {calls} SPACE | PLAIN",
         f"PLAIN: FIRST_TEXT & ~/\\s*({opens})(.|\\n)*/"])
 
 
-_FORMATS = {"hermes": _hermes, "mistral": _mistral, "llama3_json": _llama3_json}
+def _pythonic(tools, markup, parallel, template) -> str:
+    """The answer is a call list when it opens with `[` or the python start tag; text may
+    open with neither (as llama3_json)."""
+    rules, calls = pythonic_calls(tools, parallel)
+    opens = r"\[" if markup.is_special(PY_START) else r"\[|" + _escape(PY_START)
+    plain = f"PLAIN: FIRST_TEXT & ~/\\s*({opens})(.|\\n)*/"
+    if calls is None:  # no tool can be called pythonically: text only
+        return "\n".join([rules, "answer: PLAIN", plain])
+    return "\n".join([rules, f"answer: ({_tag_opening(PY_START, markup)} SPACE | SPACE) {calls} "
+                              f"SPACE ({markup(PY_END)} SPACE)? | PLAIN", plain])
+
+
+def _tag_opening(tag: str, markup: _Markup) -> str:
+    """Whitespace and then `tag`: one lexeme when the tag is text (llguidance's lexer is
+    greedy, so a whitespace lexeme before it would lose to the free text, which also holds the
+    tag's first characters)."""
+    if markup.is_special(tag):
+        return f"SPACE {markup(tag)}"
+    return f"/[ \\t\\r\\n]{{0,4}}{_escape(tag)}/"
+
+
+_FORMATS = {"hermes": _hermes, "mistral": _mistral, "llama3_json": _llama3_json,
+            "pythonic": _pythonic}
 
 
 def _reasoning_rules(reasoning: ReasoningParser | None, markup: _Markup
@@ -185,7 +211,7 @@ def _escape(text: str) -> str:
 def tool_grammar(parser: ToolParser, tools: list[dict], tokenizer,
                  reasoning: ReasoningParser | None, parallel: bool) -> ToolGrammar | None:
     """The grammar of an answer that may call `tools` (OpenAI function definitions) in the
-    parser's format; None for a format that is not constrained (pythonic)."""
+    parser's format; None for a format that is not constrained."""
     build = _FORMATS.get(parser.name)
     if build is None or not tools:
         return None

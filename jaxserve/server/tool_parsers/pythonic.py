@@ -19,7 +19,7 @@ from jaxserve.server.tool_parsers.base import (Call, Parsed, ToolParser, join_co
                                                skip_space)
 
 START, END = "<|python_start|>", "<|python_end|>"
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")  # a callable name (pythonic_grammar.py too)
 _PY_STRING = re.compile(r"""'(?:[^'\\\n]|\\.)*'|"(?:[^"\\\n]|\\.)*\"""", re.S)
 
 
@@ -77,7 +77,7 @@ class PythonicParser(ToolParser):
             return as_text
         calls, i = [], skip_space(text, j + 1)
         while i < len(text):
-            m = _NAME.match(text, i)
+            m = NAME.match(text, i)
             if m is None:
                 break
             if m.end() >= len(text):
