@@ -11,6 +11,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "xla", "pallas")
 PALLAS_KERNELS = ("auto", "tpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "bf16")
+SCAN_LAYERS = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,10 @@ class LoadConfig:
     # jaxserve.backends.cpu.huge_pages collapses the weights' host memory.
     huge_pages: bool = option(True, "Back the weights with 2 MiB pages (CPU, Linux 6.1+).")
     seed: int = option(0, "Engine seed for unseeded requests.")
+    # jaxserve/model/layer_scan.py; auto: ResolvedConfig's choice per attention backend.
+    scan_layers: str = option("auto", "Run the layers by lax.scan over their stacked weights "
+                              "(one layer body compiled; faster compiles); auto: per backend "
+                              "(docs/serving.md).", choices=SCAN_LAYERS)
 
     def __post_init__(self):
         check_choices(self)

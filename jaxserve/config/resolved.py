@@ -31,6 +31,18 @@ def resolve_prefill_keys_per_token(requested: int | None, model: ModelConfig,
     return max(1, round(keys))
 
 
+# scan_layers "auto" per attention backend (measured: docs/serving.md, scan_layers).
+SCAN_LAYERS_BY_DEFAULT = {"cpu": False, "xla": False}
+
+
+def resolve_scan_layers(requested: str, backend: str) -> bool:
+    """LoadConfig.scan_layers for an attention backend's name ("auto": its measured default;
+    Pallas: on, the compile is what a TPU start waits for)."""
+    if requested != "auto":
+        return requested == "on"
+    return SCAN_LAYERS_BY_DEFAULT.get(backend, backend.startswith("pallas"))
+
+
 @dataclasses.dataclass(frozen=True)
 class ResolvedConfig:
     dtype: str  # weights and activations
@@ -38,6 +50,7 @@ class ResolvedConfig:
     max_model_len: int  # the requested one, at most the model's context
     prefill_keys_per_token: int  # SchedulerConfig.prefill_keys_per_token, None resolved
     backend: str  # the attention backend's name
+    scan_layers: bool = False  # the layers run by lax.scan (LoadConfig.scan_layers resolved)
 
     def __post_init__(self):
         if self.dtype == "auto":
@@ -55,7 +68,8 @@ class ResolvedConfig:
                    max_model_len=min(config.scheduler.max_model_len or context, context),
                    prefill_keys_per_token=resolve_prefill_keys_per_token(
                        config.scheduler.prefill_keys_per_token, model, attention_cost),
-                   backend=backend)
+                   backend=backend,
+                   scan_layers=resolve_scan_layers(config.load.scan_layers, backend))
 
     def kv_bytes_per_token(self, model: ModelConfig) -> int:
         """One token's KV bytes over all layers of `model`, scales included."""

@@ -100,7 +100,8 @@ class LLMEngine:
                                       kv_cache_dtype=resolved.kv_cache_dtype,
                                       backend=backend, quantization=load.quantization,
                                       max_sample_rows=self.buckets.max_sample_rows,
-                                      huge_pages=load.huge_pages, mesh=mesh)
+                                      huge_pages=load.huge_pages, mesh=mesh,
+                                      scan_layers=resolved.scan_layers)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # Speculation's one owner (Speculator.speculation), which the scheduler asks for drafts.
         self.speculator = Speculator(config, resolved, self.buckets, draft,

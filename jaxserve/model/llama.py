@@ -4,9 +4,10 @@ q/k norm, GeGLU, scaled embeddings, RMSNorm with 1 + weight, norms around attent
 soft-capped scores and logits, separate rope bases for local layers).
 
 Loaders stack layers on a leading axis (weights/__init__.py); the runner hands `forward` one
-dict per layer (`per_layer_params`) and the layers run as an unrolled Python loop: a `lax.scan`
-over the stacked arrays compiles faster, but XLA's CPU backend copies each layer's weight slice
-out of the stack before its matmul (docs/performance-history.md has the measurements).
+dict per layer (`per_layer_params`) and the layers run as an unrolled Python loop, or with
+scan_layers stacked again and run by `lax.scan` (layer_scan.py): it compiles faster, but XLA's
+CPU backend copies each layer's weight slice out of the stack before its matmul
+(docs/serving.md and docs/performance-history.md have the measurements).
 
 Params in the execution layout (weights stored [out, in], y = x @ W.T; F = (Hq + 2 Hkv) D):
   embed f[V, H]; final_norm f[H]; lm_head f[V, H] (absent when tied: the head is embed)
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import attention
+from jaxserve.model import attention, layer_scan
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, KVPool
 from jaxserve.model.quantize import Int8Weight
@@ -154,6 +155,12 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=N
     if cfg.rope_local_theta is not None:  # sliding layers' own base, unscaled (Gemma 3)
         local_rope = rope_tables(md.positions, cfg.head_dim, cfg.rope_local_theta)
 
+    if layer_scan.is_scanned(params):  # scan_layers: stacked weights, one pool of all pages
+        pool, x = layer_scan.run_layers(
+            params, pool, x, md, cfg=cfg, rope_of=lambda w: rope if w is None else local_rope,
+            layer=lambda md, w, r, x, c, lp: decoder_layer(cfg, backend, md, r, w, x, c, lp,
+                                                           sum_shards))
+        return pool, rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
     caches = []
     for i, (lp, cache) in enumerate(zip(params["layers"], pool.layers, strict=True)):
         window = cfg.layer_window(i)  # static per layer: the loop is unrolled

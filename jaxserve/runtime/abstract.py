@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.backends import Backend
 from jaxserve.config import ModelConfig
+from jaxserve.model import layer_scan
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import GROUP, Int8Weight
 from jaxserve.runtime import sharding
@@ -71,9 +72,11 @@ def _placed(tree, mesh: Mesh):
         tree, specs)
 
 
-def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str, quantization: str = "none") -> dict:
+def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str, quantization: str = "none",
+                    scan_layers: bool = False) -> dict:
     """The params the runner would place on `mesh` for `cfg` in `dtype` ("bfloat16", "float32",
-    "float16") under `quantization`, as sharded ShapeDtypeStructs."""
+    "float16") under `quantization`, as sharded ShapeDtypeStructs; with scan_layers stacked as
+    model/layer_scan.py groups them."""
     from jaxserve.runtime.runner import DTYPES
 
     dt, tp = DTYPES[dtype], sharding.tp_size(mesh)
@@ -82,18 +85,24 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str, quantization: str 
     if not cfg.tie_word_embeddings or quantization != "none":  # quantize_head's own copy
         top["lm_head"] = _weight(v, h, dt, quantization)
     top["layers"] = [_layer(cfg, tp, dt, quantization) for _ in range(cfg.num_layers)]
+    if scan_layers:
+        top["layers"] = layer_scan.group_layers(
+            top["layers"], cfg,
+            lambda xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype))
     return _placed(top, mesh)
 
 
 def abstract_pool(cfg: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, kv_dtype: str,
-                  backend: Backend, dtype: str) -> KVPool:
+                  backend: Backend, dtype: str, scan_layers: bool = False) -> KVPool:
     """The runner's KV pool (reset_pool) of num_pages pages in the backend's layout, each
-    array with its sharding over the mesh's tp devices."""
+    array with its sharding over the mesh's tp devices (scan_layers: one cache of every
+    layer's pages)."""
     from jaxserve.runtime.runner import DTYPES
 
     tp = sharding.tp_size(mesh)
     heads, layout = sharding.pool_layout_of(cfg, backend, tp, DTYPES[kv_dtype], DTYPES[dtype])
-    pool = jax.eval_shape(lambda: KVPool.zeros(cfg.num_layers, heads, num_pages, page_size,
+    layers, pages = (1, cfg.num_layers * num_pages) if scan_layers else (cfg.num_layers, num_pages)
+    pool = jax.eval_shape(lambda: KVPool.zeros(layers, heads, pages, page_size,
                                                cfg.head_dim, DTYPES[kv_dtype], layout, tp))
     return jax.tree_util.tree_map(
         lambda x, placed: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), pool,

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxserve.backends import Backend
 from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
-from jaxserve.model import llama
+from jaxserve.model import layer_scan, llama
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.kv_smoothing import layer_smoother
 from jaxserve.model.quantize import quantize_head, quantize_layer
@@ -59,12 +59,14 @@ class StepOutput:
     prompt_top_logprobs: np.ndarray | None = None  # f32[T, k]
 
 
-@functools.partial(jax.jit, donate_argnames=("pool",))
-def _copy_pages(pool: KVPool, src, dst) -> KVPool:
+@functools.partial(jax.jit, donate_argnames=("pool",), static_argnames=("scanned_layers",))
+def _copy_pages(pool: KVPool, src, dst, scanned_layers: int = 0) -> KVPool:
     """Copy-on-write: page src[i] -> dst[i] in every array of the pool (pages, and an int8
     pool's scales, each layout's own page axis), every layer and head. Its own small jitted
     call (copies are rare: forks, prefix hits ending mid-page), so the step's shapes do not
-    multiply by the copies buckets."""
+    multiply by the copies buckets. scanned_layers: the layers of a scanned pool (0: not)."""
+    if scanned_layers:
+        return layer_scan.copy_pages(pool, src, dst, scanned_layers)
     return pool.copy_pages(src, dst)
 
 
@@ -168,15 +170,20 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
                  dtype: str = "float32", kv_cache_dtype: str | None = None,
                  backend: Backend = XLA, quantization: str = "none",
-                 max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None):
+                 max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None,
+                 scan_layers: bool = False):
         """mesh: this runner's ("dp", "tp") devices, one row (sharding.replica_mesh); default
-        the first device."""
+        the first device. scan_layers: the layers' weights stacked and run by lax.scan, the pool
+        one cache of every layer's pages (model/layer_scan.py)."""
         _use_compilation_cache()
-        self.cfg = cfg
+        self.cfg, self.scan_layers = cfg, scan_layers
         self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
         self.params = self._place(params, quantization, backend)
+        if scan_layers:
+            self.params["layers"] = layer_scan.group_layers(self.params["layers"], cfg,
+                                                            layer_scan.stack_on_device)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
         self.channel = None
         self.reset_pool()
@@ -222,7 +229,9 @@ class ModelRunner:
         cfg = self.cfg
         tp = sharding.tp_size(self.mesh)
         heads, layout = sharding.pool_layout_of(cfg, self.backend, tp, self.kv_dtype, self.dtype)
-        zeros = functools.partial(KVPool.zeros, cfg.num_layers, heads, self.num_pages,
+        layers, pages = ((1, cfg.num_layers * self.num_pages) if self.scan_layers
+                         else (cfg.num_layers, self.num_pages))  # scanned: one cache of all
+        zeros = functools.partial(KVPool.zeros, layers, heads, pages,
                                   self.page_size, cfg.head_dim, self.kv_dtype, layout, tp)
         # Made in place on each device (never whole on one): sharded on the head axis.
         placed = sharding.pool_sharding(self.mesh, jax.eval_shape(zeros))
@@ -303,7 +312,7 @@ class ModelRunner:
 
     def _copy_local(self, src, dst) -> None:
         self._compiled(("copies", len(src)))
-        self.pool = _copy_pages(self.pool, src, dst)
+        self.pool = _copy_pages(self.pool, src, dst, self._scanned_layers)
 
     def follow(self) -> int:
         """A process other than 0 of several: run process 0's device calls until it stops."""
@@ -391,7 +400,11 @@ class ModelRunner:
                            feed_size=self._no_feed.shape[0]).compile()
 
     def _compile_copies(self, pool, zeros: np.ndarray) -> None:
-        _copy_pages.lower(pool, zeros, zeros).compile()
+        _copy_pages.lower(pool, zeros, zeros, self._scanned_layers).compile()
+
+    @property
+    def _scanned_layers(self) -> int:
+        return self.cfg.num_layers if self.scan_layers else 0
 
     def warmup(self, buckets: Buckets, full: bool = False,
                on_shape: Callable[[str, float], None] | None = None, *, threads: int = 2,

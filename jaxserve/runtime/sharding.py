@@ -143,11 +143,9 @@ def _name(path) -> str | None:
 
 def _spec(path, leaf) -> P:
     name = _name(path)
-    if name in _COLUMN:
-        return P("tp")
-    if name in _ROW:
-        return P(None, "tp")
-    return P()
+    spec = P("tp") if name in _COLUMN else P(None, "tp") if name in _ROW else P()
+    # scan_layers' stacked weights (model/layer_scan.py) lead with an unsharded layer axis
+    return P(None, *spec) if any(getattr(k, "key", None) == "stacked" for k in path) else spec
 
 
 def param_specs(params) -> dict:
