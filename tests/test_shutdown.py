@@ -50,11 +50,13 @@ def start_server(model_dir, shutdown_timeout: float):
 
 
 def stream_all(url, n: int, results: list):
-    """n streaming requests, each in a thread; results gets each one's data lines."""
+    """n streaming requests, each in a thread; results gets each one's status and data lines
+    as they come. Returns once every request has its status (the server holds them all), so
+    a signal sent then finds every one live, however loaded the machine."""
     def one(i):
         body = {"model": "tiny", "prompt": f"story {i}", "max_tokens": 1500, "stream": True,
                 "temperature": 0, "ignore_eos": True}
-        lines = []
+        lines = results[i] = []
         try:
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
                 lines.append(r.status_code)
@@ -66,6 +68,9 @@ def stream_all(url, n: int, results: list):
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + 60
+    while not all(results[i] for i in range(n)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return threads
 
 
@@ -73,7 +78,7 @@ def test_sigint_drains_then_answers_the_rest_and_exits_0(model_dir):
     proc, url = start_server(model_dir, shutdown_timeout=1.0)
     results = [None] * 20
     threads = stream_all(url, 20, results)
-    time.sleep(1.0)  # the first one is streaming, the rest wait (max_num_seqs=1)
+    time.sleep(0.5)  # the first one is streaming, the rest wait (max_num_seqs=1)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

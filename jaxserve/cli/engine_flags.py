@@ -1,5 +1,6 @@
 """Engine options as absl flags, generated from the requested configs' fields (their defaults,
-help and choices: jaxserve/config/), and read back as EngineConfig.from_options's flat options."""
+help and choices: jaxserve/config/), and read back as EngineConfig.from_options's flat options;
+`define_flags` and `config_of` do the same for any requested config (serve's ServingConfig)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from jaxserve.config import OPTION_GROUPS, SpeculativeConfig
 from jaxserve.config.options import option_type
 
 _DEFINE = {bool: flags.DEFINE_bool, int: flags.DEFINE_integer, float: flags.DEFINE_float,
-           str: flags.DEFINE_string}
+           str: flags.DEFINE_string, tuple: flags.DEFINE_multi_string}
 
 
 def flag_name(field: dataclasses.Field) -> str:
@@ -22,7 +23,8 @@ def flag_name(field: dataclasses.Field) -> str:
 
 def define_flags(cls: type, flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """One flag per field of config class `cls`: the field's default (None for a switch, whose
-    default then closes its help) and help, an enum of its choices."""
+    default then closes its help) and help, an enum of its choices, a repeated flag for a
+    tuple (given as often as it has values; none: its default)."""
     for field in dataclasses.fields(cls):
         meta, default = field.metadata, field.default
         help_ = meta["help"]
@@ -32,8 +34,15 @@ def define_flags(cls: type, flag_values: flags.FlagValues = flags.FLAGS) -> None
             flags.DEFINE_enum(flag_name(field), default, meta["choices"], help_,
                               flag_values=flag_values)
         else:
-            _DEFINE[option_type(cls, field)](flag_name(field), default, help_,
-                                             flag_values=flag_values)
+            kind = option_type(cls, field)
+            _DEFINE[kind](flag_name(field), list(default) if kind is tuple else default, help_,
+                          flag_values=flag_values)
+
+
+def config_of(cls: type, flag_values: flags.FlagValues = flags.FLAGS):
+    """Config class `cls` from its flags (define_flags'), repeated flags as tuples."""
+    values = {f.name: flag_values[flag_name(f)].value for f in dataclasses.fields(cls)}
+    return cls(**{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()})
 
 
 def speculative_options(flag_values: flags.FlagValues = flags.FLAGS) -> dict | None:

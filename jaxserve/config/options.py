@@ -27,8 +27,11 @@ def check_choices(config: Any) -> None:
 
 
 def option_type(cls: type, field: dataclasses.Field) -> type:
-    """The field's value type, None left out of an optional one (int | None -> int)."""
+    """The field's value type, None left out of an optional one (int | None -> int); a
+    repeated option (tuple[str, ...]) is a tuple."""
     hint = typing.get_type_hints(cls)[field.name]
+    if typing.get_origin(hint) is tuple:
+        return tuple
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
