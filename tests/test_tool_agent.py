@@ -40,7 +40,7 @@ FUZZ_CASES = int(os.environ.get("TOOL_FUZZ_CASES", "8"))
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def engine_stack(tmp_path_factory):
     directory = write_tiny_qwen3(str(tmp_path_factory.mktemp("tiny_qwen3")))
     with open(os.path.join(directory, "special_tokens.json")) as f:
         special = json.load(f)
@@ -48,20 +48,38 @@ def served(tmp_path_factory):
                                                  max_num_batched_tokens=1024),
                        load_model(directory))
     aengine = AsyncEngine(engine)
-    config = ServerConfig(served_model_names=(MODEL,), reasoning_parser="qwen3")
     try:
-        with serve_app(build_app(aengine, config)) as url:
-            yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), \
-                special, engine
+        yield aengine, special, engine
     finally:
         aengine.shutdown()
 
 
-def _call(client, special, messages, tools, seed, stream=False, bias=100, **kwargs):
+def _client(engine_stack, **config):
+    aengine, special, engine = engine_stack
+    config = ServerConfig(served_model_names=(MODEL,), reasoning_parser="qwen3", **config)
+    with serve_app(build_app(aengine, config)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), \
+            special, engine
+
+
+@pytest.fixture(scope="module")
+def served(engine_stack):
+    """The template's own format: hermes, `<tool_call>` a special token."""
+    yield from _client(engine_stack)
+
+
+@pytest.fixture(scope="module")
+def served_pythonic(engine_stack):
+    """Pythonic calls, opened by the special `<|python_start|>`."""
+    yield from _client(engine_stack, tool_call_parser="pythonic")
+
+
+def _call(client, special, messages, tools, seed, stream=False, bias=100,
+          opener="<tool_call>", **kwargs):
     return client.chat.completions.create(
         model=MODEL, messages=messages, tools=tools, seed=seed, temperature=1.0,
         max_tokens=kwargs.pop("max_tokens", 160), stream=stream,
-        logit_bias={str(special["<tool_call>"]): bias}, **kwargs)
+        logit_bias={str(special[opener]): bias}, **kwargs)
 
 
 def _streamed(stream):
@@ -135,7 +153,7 @@ def test_parallel_calls_streamed_as_whole(served):
                                            max_tokens=200, stream=True))
     assert [(n, a) for _, n, a in streamed] == [(c.function.name, c.function.arguments)
                                                 for c in calls]
-    assert content == choice.message.content or content == "" and not choice.message.content
+    assert content == (choice.message.content or "")  # a call cut before its name: content
 
 
 # ------------------------------------------------------------------------------- fuzz
@@ -165,10 +183,20 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
             "additionalProperties": False}
 
 
-def fuzz(client, special, cases: int, seed: int = 0) -> dict:
-    """`cases` requests of random tools (1-3) and sampling seeds with the call opened: counts
-    of calls returned and of invalid ones (a name not offered, arguments not valid against the
-    named tool's schema, or not JSON)."""
+def loosened(tool: dict) -> dict:
+    """The tool with each property's schema replaced by any value (names and required kept)."""
+    params = tool["function"]["parameters"]
+    return {"type": "function", "function": {**tool["function"], "parameters": {
+        "type": "object", "properties": {k: {} for k in params["properties"]},
+        "required": params["required"]}}}
+
+
+def fuzz(client, special, cases: int, seed: int = 0, opener: str = "<tool_call>",
+         loosen: bool = False) -> dict:
+    """`cases` requests of random tools (1-3) and sampling seeds with the call opened (a
+    logit_bias on `opener`): counts of calls returned and of invalid ones (a name not offered,
+    arguments not valid against the named tool's schema, or not JSON). `loosen` offers the
+    server each tool with any-value properties instead, to show the check can fail."""
     rng = random.Random(seed)
     jobs = []
     for case in range(cases):
@@ -179,8 +207,9 @@ def fuzz(client, special, cases: int, seed: int = 0) -> dict:
 
     def run(job):
         tools, sample_seed, parallel = job
-        out = _call(client, special, [{"role": "user", "content": "Go."}], tools, sample_seed,
-                    parallel_tool_calls=parallel, max_tokens=240)
+        offered = [loosened(t) for t in tools] if loosen else tools
+        out = _call(client, special, [{"role": "user", "content": "Go."}], offered, sample_seed,
+                    parallel_tool_calls=parallel, max_tokens=240, opener=opener)
         choice = out.choices[0]
         calls = choice.message.tool_calls or []
         if choice.finish_reason == "length":  # the last call may be cut short
@@ -199,9 +228,24 @@ def fuzz(client, special, cases: int, seed: int = 0) -> dict:
             "invalid": [bad for _, found in results for bad in found]}
 
 
-def test_fuzz_random_schemas_every_call_is_valid(served):
-    client, special, _ = served
-    report = fuzz(client, special, FUZZ_CASES)
-    print(report["cases"], "cases,", report["calls"], "calls,", len(report["invalid"]),
+@pytest.mark.parametrize("fmt", ["hermes", "pythonic"])
+def test_fuzz_random_schemas_every_call_is_valid(fmt, request):
+    client, special, _ = request.getfixturevalue("served" if fmt == "hermes"
+                                                 else "served_pythonic")
+    opener = "<tool_call>" if fmt == "hermes" else "<|python_start|>"
+    report = fuzz(client, special, FUZZ_CASES, opener=opener)
+    print(fmt, report["cases"], "cases,", report["calls"], "calls,", len(report["invalid"]),
           "invalid")
     assert report["calls"] >= FUZZ_CASES and report["invalid"] == []
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "pythonic"])
+def test_the_fuzz_finds_calls_that_break_their_schema(fmt, request):
+    """The same check on calls whose grammar was built from any-value properties: it counts
+    invalid ones (the fuzz above can fail)."""
+    client, special, _ = request.getfixturevalue("served" if fmt == "hermes"
+                                                 else "served_pythonic")
+    opener = "<tool_call>" if fmt == "hermes" else "<|python_start|>"
+    report = fuzz(client, special, 8, opener=opener, loosen=True)
+    print(fmt, "loosened:", report["calls"], "calls,", len(report["invalid"]), "invalid")
+    assert report["calls"] > 0 and len(report["invalid"]) > 0

@@ -123,6 +123,21 @@ def test_a_call_cut_by_max_tokens_finishes_with_length(client):
     assert choice.message.tool_calls[0].function.name == "get_weather"
 
 
+def test_a_call_cut_before_its_name_is_content_streamed_alike(client):
+    """max_tokens after `<tool_call>` and before the call's name: no call can be read, so the
+    text comes back as content (vLLM's answer for an output it cannot read as calls), with
+    finish_reason "length", streamed the same."""
+    tokens = chat(client, CALL, logprobs=True).choices[0].logprobs.content
+    cut, text = 0, ""
+    while not text.startswith("<tool_call>\n{"):
+        text, cut = text + tokens[cut].token, cut + 1
+    out = chat(client, CALL, max_tokens=cut)
+    choice = out.choices[0]
+    assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (
+        text, None, "length")
+    assert streamed(chat(client, CALL, max_tokens=cut, stream=True)) == (text, [], "length")
+
+
 def _ctx(template: str) -> ProtocolContext:
     base = tiny_tokenizer()
     tok = Tokenizer(base.backend, bos_token_id=None, eos_token_ids=base.eos_token_ids,

@@ -102,6 +102,32 @@ def test_a_call_cut_short_keeps_what_was_written():
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
 
 
+@pytest.mark.parametrize("fmt, text, content, calls", [
+    ("hermes", 'Let me see. <tool_call>\n{"na', 'Let me see. <tool_call>\n{"na', []),
+    ("hermes", '<tool_call>{"name": "a", "arguments": {}}</tool_call>\n<tool_call>\n{"name": "g',
+     '<tool_call>\n{"name": "g', ["a"]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_', '[TOOL_CALLS][{"name": "get_', []),
+    ("mistral", "ok [TOOL_CALLS]get_wea", "ok [TOOL_CALLS]get_wea", []),
+    ("llama3_json", '<|python_tag|>{"name', '<|python_tag|>{"name', []),
+    ("llama3_json", '{"name": "a", "parameters": {}}; {"na', '{"na', ["a"]),
+    ("pythonic", "[get_wea", "[get_wea", []),
+    ("pythonic", '<|python_start|>[get(city="Pa', '<|python_start|>[get(city="Pa', []),
+    ("pythonic", '[f(a=1), get(city="Pa', 'get(city="Pa', ["f"]),
+])
+def test_a_call_cut_before_it_can_be_read_is_content(fmt, text, content, calls):
+    """max_tokens after a trigger, before the call can be read (its name, or for pythonic its
+    closing parenthesis): the text from the trigger on comes back as content, as vLLM returns
+    an output it cannot read as calls, and the stream's deltas reassemble to the same (the text
+    held back while it might become a call goes out with the last chunk)."""
+    parser = ChatOutputParser(tools=PARSERS[fmt]())
+    message = parser.message(text)
+    assert message["content"] == content
+    assert [c["function"]["name"] for c in message.get("tool_calls", [])] == calls
+    for seed in range(4):
+        streamed = reassemble(parser, text, seed)
+        assert streamed["content"] == content and [c[0] for c in streamed["calls"]] == calls
+
+
 def test_parallel_tool_calls_false_returns_the_first():
     text = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>'
             '<tool_call>{"name": "b", "arguments": {}}</tool_call>')

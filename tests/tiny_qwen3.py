@@ -17,7 +17,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from jaxserve.tokenizer import Tokenizer
 
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-           "<think>", "</think>")
+           "<think>", "</think>", "<|python_start|>", "<|python_end|>")
 VOCAB = 272  # 256 bytes, the special tokens, padding to a multiple of 16
 CHAT_TEMPLATE = """\
 {%- if tools %}<|im_start|>system

@@ -134,9 +134,10 @@ class _Rules:
             low, high = schema.get("minItems", 0), schema.get("maxItems")
             if high is not None and high < 1:
                 return '"[" "]"'
-            more = (f"(\", \" {item}){{{max(low - 1, 0)},{high - 1}}}" if high is not None
-                    else f"(\", \" {item}){{{max(low - 1, 0)},}}")
-            return f'"[" {item} {more} "]"' if low >= 1 else f'"[" ({item} {more})? "]"'
+            low_more, high_more = max(low - 1, 0), None if high is None else high - 1
+            more = ("" if high_more == 0 else  # Lark refuses a {0,0} repetition
+                    f' (", " {item}){{{low_more},{"" if high_more is None else high_more}}}')
+            return f'"[" {item}{more} "]"' if low >= 1 else f'"[" ({item}{more})? "]"'
         if kind == "object":
             props, required = _declared(schema)
             if not props:

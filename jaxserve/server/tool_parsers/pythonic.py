@@ -6,7 +6,7 @@ calls with keyword arguments of literal values, optionally between `<|python_sta
 
 Each call is read once its closing parenthesis arrives (name and arguments together); its
 arguments become a JSON object (True -> true, None -> null). An answer that does not open with
-`[name(` is text.
+`[name(` is text, and so is a call cut short (max_tokens) before its closing parenthesis.
 """
 
 from __future__ import annotations
@@ -81,13 +81,13 @@ class PythonicParser(ToolParser):
             if m is None:
                 break
             if m.end() >= len(text):
-                return self._undecided(text, calls, final)
+                return self._undecided(text, i, calls, final)
             if text[m.end()] != "(":
                 break
             try:
                 end = _paren_end(text, m.end())
                 if end is None:
-                    return self._undecided(text, calls, final)
+                    return self._undecided(text, i, calls, final)
                 calls.append(Call(m.group(), _arguments("f" + text[m.end():end])))
             except ValueError:
                 break
@@ -109,10 +109,14 @@ class PythonicParser(ToolParser):
             else Parsed("", calls)
 
     @staticmethod
-    def _undecided(text: str, calls: list[Call], final: bool) -> Parsed:
+    def _undecided(text: str, start: int, calls: list[Call], final: bool) -> Parsed:
+        """The text ends inside the call from `start`: held back while it grows; at the end
+        (max_tokens) the cut call's text is content, the whole text when no call came before
+        it (as every parser gives back an opening that holds no call yet)."""
         if not final:
             return Parsed("", calls)
-        return Parsed(text, []) if not calls else Parsed("", calls)
+        return Parsed(text, []) if not calls else Parsed(
+            join_content([text[start:]], True, True), calls)
 
     def instructions(self) -> str:
         return ("To call functions, answer with only a Python list of calls with keyword "
