@@ -1,4 +1,6 @@
-"""OpenAI batch files, run offline through one in-process engine.
+"""OpenAI batch files, run offline through one in-process engine (run_batch), or spread over Ray
+replicas (jaxserve.integrations.ray.run_batch_on_ray), both out of the pieces here: plan_batch
+(what is left to run), LineRunner (lines through one engine), BatchWriter (the output file).
 
 Input: JSONL, one request per line: {"custom_id", "method": "POST", "url": "/v1/completions" or
 "/v1/chat/completions", "body": {...}}; bodies are validated and translated by the server's code
@@ -23,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import time
 import uuid
 
 from jaxserve.engine import LLMEngine
@@ -108,8 +111,9 @@ def _ends_mid_line(path: str) -> bool:
         return f.read(1) != b"\n"
 
 
-def _parse_line(raw: str, ctx: ProtocolContext) -> tuple[str | None, ParsedRequest | dict]:
-    """(custom_id, parsed request) or (custom_id or None, an error result)."""
+def _parse_envelope(raw: str) -> tuple[str | None, tuple[str, object] | dict]:
+    """(custom_id, (kind, body)) or (custom_id or None, an error result): what is checked without
+    the model (the body is validated where an engine runs it, LineRunner.submit)."""
     try:
         line = parse_body(raw)  # the server's nesting limit: no RecursionError ends the file
     except APIError as e:
@@ -125,12 +129,160 @@ def _parse_line(raw: str, ctx: ProtocolContext) -> tuple[str | None, ParsedReque
     if kind is None:
         return cid, _line_error(cid, "invalid_url", f"'url' must be one of {list(URL_KINDS)}, "
                                                     f"got {line.get('url')!r}")
-    try:
-        parsed = parse_request(kind, line.get("body"), ctx)
-    except APIError as e:
-        return cid, _api_error(cid, e)
-    parsed.stream = parsed.include_usage = False
-    return cid, parsed
+    return cid, (kind, line.get("body"))
+
+
+# A line to run: (index in the input's request lines, custom_id, url kind, body).
+Todo = tuple[int, str, str, object]
+
+
+@dataclasses.dataclass
+class BatchPlan:
+    """What a run of `input_path` against `output_path` has left to do."""
+    keys: list[tuple[int, str]]  # each request line's (line, line_sha256)
+    results: list[dict | None]  # resumed and line-error results; None: still to run
+    todo: list[Todo]
+    summary: BatchSummary
+
+
+def plan_batch(input_path: str, output_path: str) -> BatchPlan:
+    """Read the input and the results already in the output (the resume rules, duplicates)."""
+    with open(input_path, encoding="utf-8") as f:
+        lines = [(_line_key(n, raw), raw) for n, raw in enumerate(f, 1) if raw.strip()]
+    done = read_results(output_path)
+    plan = BatchPlan([key for key, _ in lines], [None] * len(lines), [],
+                     BatchSummary(total=len(lines)))
+    seen: set[str] = set()
+    for i, (key, raw) in enumerate(lines):
+        cid, item = _parse_envelope(raw)
+        duplicate = cid is not None and cid in seen
+        if cid is not None:
+            seen.add(cid)
+        stored = done.get(key)
+        if stored is not None and _is_duplicate(stored) == duplicate:
+            plan.results[i] = stored
+            plan.summary.skipped += 1
+        elif duplicate:
+            plan.results[i] = _keyed(_line_error(cid, "duplicate_custom_id", f"custom_id {cid!r} "
+                                                 "appears on an earlier line of the input"), key)
+            plan.summary.failed += 1
+        elif isinstance(item, dict):
+            plan.results[i] = _keyed(item, key)
+            plan.summary.failed += 1
+        else:
+            plan.todo.append((i, cid, *item))
+    return plan
+
+
+class BatchWriter:
+    """Appends each finished result to the output as it comes (an interrupted run keeps them),
+    and on `finish` rewrites the file in input order, one line per input line."""
+
+    def __init__(self, output_path: str, plan: BatchPlan, progress: bool = False):
+        self.path, self.plan = output_path, plan
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=len(plan.todo), desc="batch", unit="req")
+        os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
+        torn = _ends_mid_line(output_path)
+        self.sink = open(output_path, "a", encoding="utf-8")
+        if torn:  # end the torn line, or the next result would be glued onto it and lost
+            self.sink.write("\n")
+
+    def emit(self, i: int, result: dict) -> None:
+        if self.plan.results[i] is not None:
+            raise RuntimeError(f"request line {self.plan.keys[i][0]} finished twice")
+        self.plan.results[i] = result = _keyed(result, self.plan.keys[i])
+        self.sink.write(dumps(result) + "\n")
+        self.sink.flush()
+        ok = result["error"] is None and result["response"]["status_code"] == 200
+        self.plan.summary.succeeded += ok
+        self.plan.summary.failed += not ok
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.sink.close()
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def finish(self) -> BatchSummary:
+        self.close()
+        missing = [self.plan.keys[i][0] for i, r in enumerate(self.plan.results) if r is None]
+        if missing:
+            raise RuntimeError(f"{len(missing)} request line(s) have no result, e.g. line "
+                               f"{missing[0]}")
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            for result in self.plan.results:
+                f.write(dumps(result) + "\n")
+        os.replace(tmp, self.path)
+        return self.plan.summary
+
+
+class LineRunner:
+    """Runs batch lines through one engine: `submit` validates and queues them, `poll` steps the
+    engine and hands back (index, result) for every line that finished. The local run and each
+    Ray replica (jaxserve.integrations.ray) drive the same object."""
+
+    def __init__(self, engine: LLMEngine, ctx: ProtocolContext):
+        self.engine, self.ctx = engine, ctx
+        self.owner: dict[str, _Line] = {}
+        self.ready: list[tuple[int, dict]] = []
+        self.unfinished = 0  # lines submitted whose result poll has not handed back yet
+
+    def submit(self, items: list[Todo]) -> None:
+        for i, cid, kind, body in items:
+            self.unfinished += 1
+            try:
+                parsed = parse_request(kind, body, self.ctx)
+            except APIError as e:
+                self.ready.append((i, _api_error(cid, e)))
+                continue
+            parsed.stream = parsed.include_usage = False
+            line = _Line(i, cid, parsed, finals=[None] * len(parsed.prompts))
+            try:
+                for k, prompt in enumerate(parsed.prompts):
+                    rid = f"batch-{i}-{k}"
+                    self.engine.add_request(prompt, parsed.params, request_id=rid)
+                    line.request_ids.append(rid)
+                    self.owner[rid] = line
+            except ValueError as e:  # RequestRejected: never runnable here
+                for rid in line.request_ids:
+                    self.engine.abort(rid)
+                    self.owner.pop(rid, None)
+                self.ready.append((i, _api_error(cid, APIError(str(e), code="invalid_value"))))
+
+    def poll(self, max_seconds: float = 0.0) -> list[tuple[int, dict]]:
+        """Step the engine until a line finishes, nothing runs, or max_seconds have passed (at
+        least one step while anything runs); the finished lines' results."""
+        deadline = time.monotonic() + max_seconds
+        while self.owner and not self.ready:
+            for out in self.engine.step():
+                if out.finished and out.request_id in self.owner:
+                    self._finished(self.owner.pop(out.request_id), out)
+            if time.monotonic() >= deadline:
+                break
+        ready, self.ready = self.ready, []
+        self.unfinished -= len(ready)
+        return ready
+
+    def _finished(self, line: _Line, out) -> None:
+        line.finals[line.request_ids.index(out.request_id)] = out
+        if any(f is None for f in line.finals):
+            return
+        failed = [f.error for f in line.finals if f.error is not None]
+        if failed:  # the engine failed this request alone
+            self.ready.append((line.index, _api_error(line.custom_id, APIError(
+                f"the request failed: {failed[0]}", status=500, type="internal_error",
+                code="request_failed"))))
+            return
+        body = ResponseBuilder(line.parsed, self.ctx).response(line.finals)
+        self.ready.append((line.index, _result(line.custom_id, response={
+            "status_code": 200, "request_id": body["id"], "body": body})))
 
 
 def run_batch(engine: LLMEngine, input_path: str, output_path: str, *,
@@ -139,95 +291,16 @@ def run_batch(engine: LLMEngine, input_path: str, output_path: str, *,
     """Run every request line of `input_path` through `engine` together; write `output_path`."""
     ctx = ctx or ProtocolContext.for_engine(engine)
     max_in_flight = max_in_flight or max(256, 4 * engine.config.scheduler.max_num_seqs)
-    with open(input_path, encoding="utf-8") as f:
-        lines = [(_line_key(n, raw), raw) for n, raw in enumerate(f, 1) if raw.strip()]
-    done = read_results(output_path)
-    summary = BatchSummary(total=len(lines))
-    results: list[dict | None] = [None] * len(lines)
-    todo: list[tuple[int, str, ParsedRequest]] = []
-    seen: set[str] = set()
-    for i, (key, raw) in enumerate(lines):
-        cid, item = _parse_line(raw, ctx)
-        duplicate = cid is not None and cid in seen
-        if cid is not None:
-            seen.add(cid)
-        stored = done.get(key)
-        if stored is not None and _is_duplicate(stored) == duplicate:
-            results[i] = stored
-            summary.skipped += 1
-        elif duplicate:
-            results[i] = _keyed(_line_error(cid, "duplicate_custom_id", f"custom_id {cid!r} "
-                                            "appears on an earlier line of the input"), key)
-            summary.failed += 1
-        elif isinstance(item, dict):
-            results[i] = _keyed(item, key)
-            summary.failed += 1
-        else:
-            todo.append((i, cid, item))
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(todo), desc="batch", unit="req")
-    os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
-    torn = _ends_mid_line(output_path)
-    with open(output_path, "a", encoding="utf-8") as sink:
-        if torn:  # end the torn line, or the next result would be glued onto it and lost
-            sink.write("\n")
-
-        def emit(i: int, result: dict) -> None:
-            results[i] = result = _keyed(result, lines[i][0])
-            sink.write(dumps(result) + "\n")
-            sink.flush()
-            ok = result["error"] is None and result["response"]["status_code"] == 200
-            summary.succeeded += ok
-            summary.failed += not ok
-            if bar is not None:
-                bar.update(1)
-
-        owner: dict[str, _Line] = {}
-        pending = list(reversed(todo))
-        live = 0
-        while pending or live:
-            while pending and live < max_in_flight:
-                i, cid, parsed = pending.pop()
-                line = _Line(i, cid, parsed, finals=[None] * len(parsed.prompts))
-                try:
-                    for k, prompt in enumerate(parsed.prompts):
-                        rid = f"batch-{i}-{k}"
-                        engine.add_request(prompt, parsed.params, request_id=rid)
-                        line.request_ids.append(rid)
-                        owner[rid] = line
-                except ValueError as e:  # RequestRejected: never runnable here
-                    for rid in line.request_ids:
-                        engine.abort(rid)
-                        owner.pop(rid, None)
-                    emit(i, _api_error(cid, APIError(str(e), code="invalid_value")))
-                    continue
-                live += 1
-            for out in engine.step():
-                line = owner.get(out.request_id)
-                if line is None or not out.finished:
-                    continue
-                del owner[out.request_id]
-                line.finals[line.request_ids.index(out.request_id)] = out
-                if all(f is not None for f in line.finals):
-                    live -= 1
-                    failed = [f.error for f in line.finals if f.error is not None]
-                    if failed:  # the engine failed this request alone
-                        emit(line.index, _api_error(line.custom_id, APIError(
-                            f"the request failed: {failed[0]}", status=500,
-                            type="internal_error", code="request_failed")))
-                        continue
-                    body = ResponseBuilder(line.parsed, ctx).response(line.finals)
-                    emit(line.index, _result(line.custom_id, response={
-                        "status_code": 200, "request_id": body["id"], "body": body}))
-    if bar is not None:
-        bar.close()
-    tmp = output_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for result in results:
-            f.write(dumps(result) + "\n")
-    os.replace(tmp, output_path)
-    return summary
+    plan = plan_batch(input_path, output_path)
+    writer = BatchWriter(output_path, plan, progress)
+    runner = LineRunner(engine, ctx)
+    pending = plan.todo[::-1]
+    try:
+        while pending or runner.unfinished:
+            take = min(len(pending), max_in_flight - runner.unfinished)
+            runner.submit([pending.pop() for _ in range(take)])
+            for i, result in runner.poll():
+                writer.emit(i, result)
+    finally:
+        writer.close()
+    return writer.finish()

@@ -1,4 +1,5 @@
-"""`jaxserve batch`: run an OpenAI batch file (JSONL) through one in-process engine."""
+"""`jaxserve batch`: run an OpenAI batch file (JSONL) through one in-process engine, or spread it
+over Ray replicas (--ray_replicas; jaxserve.integrations.ray, imported only then)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ flags.DEFINE_integer("max_tokens_limit", None,
 flags.DEFINE_multi_string("served_model_name", None, "Model name(s) bodies may use "
                           "(default: --model).")
 flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
+flags.DEFINE_integer("ray_replicas", 0, "Spread the file over this many Ray actors, each an "
+                     "engine with its own devices (the engine flags apply per replica); 0: one "
+                     "engine in this process. Needs the ray extra.", lower_bound=0)
+flags.DEFINE_string("ray_address", None, "Ray cluster to join (with --ray_replicas); default: "
+                    "start a local one for the run.")
 FLAGS = flags.FLAGS
 
 
@@ -28,13 +34,41 @@ def main(argv):
     from jaxserve.engine import make_engine
     from jaxserve.server.protocol import ProtocolContext
 
+    names = tuple(FLAGS.served_model_name) if FLAGS.served_model_name else None
+    if FLAGS.ray_address and not FLAGS.ray_replicas:
+        print("jaxserve batch: error: --ray_address needs --ray_replicas", file=sys.stderr)
+        return 2
     try:
+        if FLAGS.ray_replicas:
+            return _run_on_ray(names)
         engine = make_engine(EngineConfig.from_options(**engine_flags.engine_options()))
-        names = tuple(FLAGS.served_model_name) if FLAGS.served_model_name else None
         ctx = ProtocolContext.for_engine(engine, names, FLAGS.max_tokens_limit)
         summary = run_batch(engine, FLAGS.input, FLAGS.output, ctx=ctx, progress=FLAGS.progress)
     except (ValueError, OSError) as e:
         print(f"jaxserve batch: error: {e}", file=sys.stderr)
         return 2
+    print(json.dumps({"output": FLAGS.output, **summary.__dict__}))
+    return 0
+
+
+def _run_on_ray(names) -> int:
+    from jaxserve.config import EngineConfig
+    from jaxserve.tools import MissingExtra
+
+    options = engine_flags.engine_options()
+    EngineConfig.from_options(**options)  # bad options fail here, not in every replica
+    try:
+        from jaxserve.integrations.ray import RayBatchError, run_batch_on_ray
+    except MissingExtra as e:
+        print(f"jaxserve batch: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        summary = run_batch_on_ray(options, FLAGS.input, FLAGS.output,
+                                   replicas=FLAGS.ray_replicas, address=FLAGS.ray_address,
+                                   model_names=names, max_tokens_limit=FLAGS.max_tokens_limit,
+                                   progress=FLAGS.progress)
+    except RayBatchError as e:
+        print(f"jaxserve batch: error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps({"output": FLAGS.output, **summary.__dict__}))
     return 0
