@@ -138,6 +138,39 @@ def test_a_call_cut_before_its_name_is_content_streamed_alike(client):
     assert streamed(chat(client, CALL, max_tokens=cut, stream=True)) == (text, [], "length")
 
 
+def test_batch_file_rows_with_tools_read_calls_and_reasoning(tmp_path):
+    """A batch file's chat rows with tools go through the server's request and response code:
+    calls and reasoning come back as they do over HTTP, read by the parsers the context names
+    (`jaxserve batch --tool_call_parser --reasoning_parser`)."""
+    from jaxserve.batch_file import run_batch
+
+    engine = LLMEngine(EngineConfig.from_options(num_pages=256, page_size=16, max_num_seqs=4,
+                                                 max_num_batched_tokens=512),
+                       tiny_loaded(max_len=2048))
+    thought = "<think>\nThe user wants the weather.\n</think>\n\n"
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+            "tools": [WEATHER, TIME], "max_tokens": 200, "temperature": 0,
+            "structured_outputs": {"choice": [thought + "Let me check.\n" + CALL]}}
+    rows = [body, {**body, "tool_choice": "none"}]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps({"custom_id": str(i), "method": "POST",
+                                       "url": "/v1/chat/completions", "body": row}) + "\n"
+                           for i, row in enumerate(rows)))
+    ctx = ProtocolContext.for_engine(engine, (MODEL,), tool_call_parser="hermes",
+                                     reasoning_parser="qwen3")
+    assert run_batch(engine, str(inp), str(out), ctx=ctx).failed == 0
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    choices = [r["response"]["body"]["choices"][0] for r in results]
+    message = choices[0]["message"]
+    assert choices[0]["finish_reason"] == "tool_calls"
+    assert message["reasoning_content"] == "The user wants the weather."
+    assert message["content"] == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in message["tool_calls"]] == [("get_weather", {"city": "Paris", "unit": "c"})]
+    none = choices[1]["message"]  # tool_choice "none": the call stays text, reasoning is split
+    assert "tool_calls" not in none and none["content"] == "Let me check.\n" + CALL
+
+
 def _ctx(template: str) -> ProtocolContext:
     base = tiny_tokenizer()
     tok = Tokenizer(base.backend, bos_token_id=None, eos_token_ids=base.eos_token_ids,

@@ -9,6 +9,7 @@ import sys
 from absl import flags
 
 from jaxserve.cli import engine_flags  # noqa: F401  (defines the engine flags)
+from jaxserve.config.serving import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 flags.DEFINE_string("input", None, "Input JSONL: custom_id, method, url, body per line.",
                     required=True)
@@ -19,6 +20,11 @@ flags.DEFINE_integer("max_tokens_limit", None,
 flags.DEFINE_multi_string("served_model_name", None, "Model name(s) bodies may use "
                           "(default: --model).")
 flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
+# Chat rows with tools or thoughts are read as serve reads them (the same choices).
+flags.DEFINE_enum("tool_call_parser", "auto", TOOL_CALL_PARSERS, "As serve's: how tool calls are "
+                  "read from chat rows that offer tools with tool_choice 'auto' (or none).")
+flags.DEFINE_enum("reasoning_parser", "none", REASONING_PARSERS, "As serve's: split "
+                  "<think>...</think> into message.reasoning_content.")
 flags.DEFINE_integer("ray_replicas", 0, "Spread the file over this many Ray actors, each an "
                      "engine with its own devices (the engine flags apply per replica); 0: one "
                      "engine in this process. Needs the ray extra.", lower_bound=0)
@@ -42,7 +48,9 @@ def main(argv):
         if FLAGS.ray_replicas:
             return _run_on_ray(names)
         engine = make_engine(EngineConfig.from_options(**engine_flags.engine_options()))
-        ctx = ProtocolContext.for_engine(engine, names, FLAGS.max_tokens_limit)
+        ctx = ProtocolContext.for_engine(engine, names, FLAGS.max_tokens_limit,
+                                         tool_call_parser=FLAGS.tool_call_parser,
+                                         reasoning_parser=FLAGS.reasoning_parser)
         summary = run_batch(engine, FLAGS.input, FLAGS.output, ctx=ctx, progress=FLAGS.progress)
     except (ValueError, OSError) as e:
         print(f"jaxserve batch: error: {e}", file=sys.stderr)
