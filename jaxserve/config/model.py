@@ -83,6 +83,18 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    # Mixture of experts (Mixtral, Qwen3-MoE; model/moe.py): num_experts > 0 makes layer i
+    # sparse unless i is in mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step
+    # (Qwen3-MoE's dense layers among sparse ones, with the dense intermediate_size). A sparse
+    # layer routes each token to num_experts_per_tok experts of moe_intermediate_size columns,
+    # weighted by the router's softmax over all experts, renormalised over the chosen ones
+    # when norm_topk_prob (Mixtral always; Qwen3-MoE by its config).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -107,10 +119,30 @@ class ModelConfig:
                                  f"{LAYER_TYPES})")
             if "sliding_attention" in self.layer_types and self.sliding_window is None:
                 raise ValueError("sliding_attention layers need a sliding_window")
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON lists
+        if self.num_experts:
+            self._check_experts()
         for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")
+
+    def _check_experts(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}),"
+                             f" got {self.num_experts_per_tok}")
+        if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+            raise ValueError("moe_intermediate_size and decoder_sparse_step must be >= 1, got "
+                             f"{self.moe_intermediate_size} and {self.decoder_sparse_step}")
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        if outside:
+            raise ValueError(f"mlp_only_layers {outside} are not layers of the model "
+                             f"(0..{self.num_layers - 1})")
+
+    def layer_is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (else the dense MLP)."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (None: it attends its whole context)."""
@@ -138,11 +170,15 @@ class ModelConfig:
                                                           + scale_bytes)
 
     def flops_per_token(self) -> float:
-        """Matmul FLOPs per token for the weights (2 per multiply-add), attention excluded."""
+        """Matmul FLOPs per token for the weights (2 per multiply-add), attention excluded; a
+        sparse layer counts its router and the experts a token is routed to."""
         h, d = self.hidden_size, self.head_dim
-        per_layer = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) \
-            + (self.num_heads * d) * h + 3 * h * self.intermediate_size
-        return 2.0 * (self.num_layers * per_layer + h * self.vocab_size)
+        attn = h * (self.num_heads * d) + 2 * h * (self.num_kv_heads * d) + (self.num_heads * d) * h
+        sparse = sum(map(self.layer_is_sparse, range(self.num_layers)))
+        mlp = (3 * h * self.intermediate_size * (self.num_layers - sparse)
+               + sparse * h * (self.num_experts + 3 * self.num_experts_per_tok
+                               * self.moe_intermediate_size))
+        return 2.0 * (self.num_layers * attn + mlp + h * self.vocab_size)
 
     def attention_flops_per_key(self) -> float:
         """Attention FLOPs one query token spends per key it attends (scores and weighted values,

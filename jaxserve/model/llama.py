@@ -1,5 +1,6 @@
-"""Llama-family decoder as pure functions of a params pytree: Llama, Mistral, Qwen2/3, SmolLM and
-Gemma 1/2/3 (text) are options of ModelConfig on this one model (sliding windows per layer,
+"""Llama-family decoder as pure functions of a params pytree: Llama, Mistral, Qwen2/3, SmolLM,
+Gemma 1/2/3 (text) and the mixtures of experts Mixtral and Qwen3-MoE (model/moe.py) are options
+of ModelConfig on this one model (sliding windows per layer,
 q/k norm, GeGLU, scaled embeddings, RMSNorm with 1 + weight, norms around attention and MLP,
 soft-capped scores and logits, separate rope bases for local layers).
 
@@ -15,6 +16,8 @@ Params in the execution layout (weights stored [out, in], y = x @ W.T; F = (Hq +
           wo f[H, Hq*D]; mlp_norm f[H]; w_gate_up f[2I, H]; w_down f[H, I]
           q_norm, k_norm f[D] (qk_norm only); post_attn_norm, post_mlp_norm f[H] (sandwich_norms
           only: Gemma 2/3's norms of the attention and MLP outputs before each residual add)
+          a sparse layer (mixture of experts): router, experts_gate_up, experts_down
+          (model/moe.py) in place of w_gate_up, w_down
 A weight may instead be an int8 weight with group scales (quantize.Int8Weight), or a backend's
 packed weight (jaxserve/backends/cpu/packing.py), either of which multiplies itself; a tied
 embedding packed with the head looks up its own rows. Q, K, V and gate, up are fused into one
@@ -28,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.model import attention, layer_scan
+from jaxserve.model import attention, layer_scan, moe
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, KVPool
 from jaxserve.model.quantize import Int8Weight
@@ -78,17 +81,22 @@ def per_layer_params(params: dict) -> dict:
 
 
 def layer_of(stacked: dict, i: int) -> dict:
-    """Layer i of the loaders' stacked layers (an Int8Weight's fields sliced alike)."""
-    return jax.tree_util.tree_map(lambda x: np.asarray(x[i]), stacked)
+    """Layer i of the loaders' stacked layers (an Int8Weight's fields sliced alike), without
+    the weights it lacks (a stack that reads None there: a mixture of experts' dense layers
+    have no experts, its sparse ones no dense MLP)."""
+    layer = {k: jax.tree_util.tree_map(lambda x: x[i], v) for k, v in stacked.items()}
+    return {k: jax.tree_util.tree_map(np.asarray, v) for k, v in layer.items() if v is not None}
 
 
 def fuse_layer(lp: dict) -> dict:
     """One layer of the loaders' layout -> its execution layout (fused [out, in] projections)."""
     fused = {"attn_norm": lp["attn_norm"],
              "w_qkv": _out_in([lp["wq"], lp["wk"], lp["wv"]]),
-             "wo": _out_in([lp["wo"]]), "mlp_norm": lp["mlp_norm"],
-             "w_gate_up": _out_in([lp["w_gate"], lp["w_up"]]),
-             "w_down": _out_in([lp["w_down"]])}
+             "wo": _out_in([lp["wo"]]), "mlp_norm": lp["mlp_norm"]}
+    if "router" in lp:  # a sparse layer: its experts instead of the dense MLP
+        fused.update(moe.fuse_experts(lp))
+    else:
+        fused.update(w_gate_up=_out_in([lp["w_gate"], lp["w_up"]]), w_down=_out_in([lp["w_down"]]))
     if "bq" in lp:
         fused["b_qkv"] = np.concatenate([lp["bq"], lp["bk"], lp["bv"]], axis=-1)
     for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):  # where present
@@ -103,6 +111,10 @@ def head_params(params: dict) -> dict:
     if "lm_head" in params:
         out["lm_head"] = _out_in([params["lm_head"]])
     return out
+
+
+def _gelu_tanh(x):
+    return jax.nn.gelu(x, approximate=True)
 
 
 def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: AttentionMetadata,
@@ -131,9 +143,12 @@ def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: Att
         o = rms_norm(o, lp["post_attn_norm"], eps, offset)
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], eps, offset)
-    gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
-    act = jax.nn.silu(gate) if cfg.mlp_activation == "silu" else jax.nn.gelu(gate, approximate=True)
-    o = sum_shards(matmul(act * up, lp["w_down"]))
+    act = jax.nn.silu if cfg.mlp_activation == "silu" else _gelu_tanh
+    if "router" in lp:  # a sparse layer of a mixture of experts
+        o = moe.sparse_mlp(cfg, h, lp, act)
+    else:
+        gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
+        o = sum_shards(matmul(act(gate) * up, lp["w_down"]))
     if cfg.sandwich_norms:
         o = rms_norm(o, lp["post_mlp_norm"], eps, offset)
     return x + o, cache

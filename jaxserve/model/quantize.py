@@ -155,6 +155,9 @@ def quantize_layer(layer: dict, method: str) -> dict:
     fn = _weight_fn(method)
     if fn is None:
         return layer
+    if "experts_gate" in layer:
+        raise ValueError(f"quantization={method!r} of a mixture of experts' expert weights is not "
+                         "supported yet: serve it with quantization='none'")
     return {k: fn(v) if k in _QUANTIZED else v for k, v in layer.items()}
 
 

@@ -6,7 +6,9 @@ pool as the runner makes it, and any host tree (a step batch) replicated over th
 The params follow prepare_params's layout without reading or making a weight: per layer w_qkv
 [F, H] (F = the q heads, then each shard's KV heads, repeated where fewer than tp; sharding.py),
 wo [H, Hq*D], w_gate_up [2I, H], w_down [H, I] and the norms (biases, q/k norms, sandwich norms
-where the model has them); outside the layers embed [V, H], final_norm [H] and lm_head [V, H]
+where the model has them; a mixture of experts' sparse layer has router [E, H], experts_gate_up
+[E, H, 2I'] and experts_down [E, I', H] instead of the MLP's, on every device: model/moe.py);
+outside the layers embed [V, H], final_norm [H] and lm_head [V, H]
 when untied or quantized. int8 weights are quantize.Int8Weight(q_t i8[out, in], scale and offset
 f16[out, in / 32]). A backend's pack_params (the CPU's packed panels) is not modelled: the
 targets compiled this way are accelerators, where the Pallas and XLA backends pack nothing.
@@ -47,7 +49,8 @@ def _qkv_rows(cfg: ModelConfig, tp: int) -> int:
     return (cfg.num_heads + 2 * kv) * cfg.head_dim
 
 
-def _layer(cfg: ModelConfig, tp: int, dtype, quantization: str) -> dict:
+def _layer(cfg: ModelConfig, tp: int, dtype, quantization: str, i: int) -> dict:
+    """Layer i."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     vec = jax.ShapeDtypeStruct((h,), dtype)
     layer = {"attn_norm": vec, "mlp_norm": vec,
@@ -61,6 +64,15 @@ def _layer(cfg: ModelConfig, tp: int, dtype, quantization: str) -> dict:
         layer["q_norm"] = layer["k_norm"] = jax.ShapeDtypeStruct((d,), dtype)
     if cfg.sandwich_norms:
         layer["post_attn_norm"] = layer["post_mlp_norm"] = vec
+    if cfg.layer_is_sparse(i):
+        if quantization != "none":
+            raise ValueError(f"quantization={quantization!r} of a mixture of experts' expert "
+                             "weights is not supported yet")
+        e, m = cfg.num_experts, cfg.moe_intermediate_size
+        del layer["w_gate_up"], layer["w_down"]
+        layer.update(router=jax.ShapeDtypeStruct((e, h), dtype),
+                     experts_gate_up=jax.ShapeDtypeStruct((e, h, 2 * m), dtype),
+                     experts_down=jax.ShapeDtypeStruct((e, m, h), dtype))
     return layer
 
 
@@ -84,7 +96,7 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str, quantization: str 
     top = {"embed": jax.ShapeDtypeStruct((v, h), dt), "final_norm": jax.ShapeDtypeStruct((h,), dt)}
     if not cfg.tie_word_embeddings or quantization != "none":  # quantize_head's own copy
         top["lm_head"] = _weight(v, h, dt, quantization)
-    top["layers"] = [_layer(cfg, tp, dt, quantization) for _ in range(cfg.num_layers)]
+    top["layers"] = [_layer(cfg, tp, dt, quantization, i) for i in range(cfg.num_layers)]
     if scan_layers:
         top["layers"] = layer_scan.group_layers(
             top["layers"], cfg,

@@ -29,6 +29,8 @@ _ARCHITECTURES = {
     "GemmaForCausalLM": "gemma",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _MODEL_TYPES = {"gemma3_text": "gemma3"}  # model_type names that differ from ours
 _GEMMAS = ("gemma", "gemma2", "gemma3")
@@ -37,7 +39,15 @@ _GEMMAS = ("gemma", "gemma2", "gemma3")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Every layer windowed unless layer_types says otherwise (Mistral); Gemma 2 alternates
 # sliding and full layers; Gemma 3 has one full layer in sliding_window_pattern.
-_DEFAULT_USE_WINDOW = ("mistral", "gemma2", "gemma3")
+_DEFAULT_USE_WINDOW = ("mistral", "mixtral", "gemma2", "gemma3")
+_EVERY_LAYER_WINDOWED = ("mistral", "mixtral", "qwen3_moe")  # a window applies to all layers
+# Mixtures of experts: HF names of a sparse layer's router and of expert e's gate, up and down.
+_MOE_TENSORS = {
+    "mixtral": ("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{e}.w1.weight",
+                "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+    "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
+                  "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
+}
 
 
 def _architecture(c: dict) -> str:
@@ -65,7 +75,7 @@ def _layer_types(c: dict, arch: str, num_layers: int) -> tuple[int | None, tuple
         pattern = int(c.get("sliding_window_pattern", 6))
         types = ["sliding_attention" if (i + 1) % pattern else "full_attention"
                  for i in range(num_layers)]
-    elif types is None and arch != "mistral":  # Qwen2's: windowed from max_window_layers on
+    elif types is None and arch not in _EVERY_LAYER_WINDOWED:  # Qwen2's: from max_window_layers
         first = int(c.get("max_window_layers", 0))
         types = ["sliding_attention" if i >= first else "full_attention"
                  for i in range(num_layers)]
@@ -130,7 +140,7 @@ def config_from_hf(config_json: dict) -> ModelConfig:
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),
         attention_bias=bias,
-        qk_norm=arch in ("qwen3", "gemma3"),
+        qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
         architecture=arch,
@@ -145,7 +155,24 @@ def config_from_hf(config_json: dict) -> ModelConfig:
         query_pre_attn_scalar=optional("query_pre_attn_scalar") if later_gemma else None,
         attn_logit_softcapping=optional("attn_logit_softcapping"),
         final_logit_softcapping=optional("final_logit_softcapping"),
+        **_experts(c, arch),
     )
+
+
+def _experts(c: dict, arch: str) -> dict:
+    """config.json's mixture-of-experts fields -> ModelConfig's (none for a dense model).
+    Mixtral's experts have intermediate_size columns, and it always renormalises the chosen
+    experts' weights; Qwen3-MoE says both, and which layers are dense."""
+    experts = int(c.get("num_experts") or c.get("num_local_experts") or 0)
+    if arch not in _MOE_TENSORS or not experts:
+        return {}
+    qwen = arch == "qwen3_moe"
+    return dict(num_experts=experts, num_experts_per_tok=int(c["num_experts_per_tok"]),
+                moe_intermediate_size=int(c["moe_intermediate_size" if qwen
+                                            else "intermediate_size"]),
+                norm_topk_prob=bool(c.get("norm_topk_prob", False)) if qwen else True,
+                decoder_sparse_step=int(c.get("decoder_sparse_step") or 1) if qwen else 1,
+                mlp_only_layers=tuple(int(i) for i in c.get("mlp_only_layers") or ()))
 
 
 def _rope_scaling(scaling: dict, max_position_embeddings: int) -> RopeScaling | None:
@@ -188,14 +215,21 @@ _BIAS_KEYS = {"bq": "self_attn.q_proj.bias", "bk": "self_attn.k_proj.bias",
               "bv": "self_attn.v_proj.bias"}
 _QK_NORM_KEYS = {"q_norm": "self_attn.q_norm.weight", "k_norm": "self_attn.k_norm.weight"}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_EXPERT_KEYS = ("router", "experts_gate", "experts_up", "experts_down")  # _MOE_TENSORS' order
+_MLP_KEYS = ("w_gate", "w_up", "w_down") + _EXPERT_KEYS
+
+
+def _held(array: np.ndarray) -> np.ndarray:
+    return array
 
 
 def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float32,
                               lazy: bool = False) -> dict:
-    """Hugging Face tensor names (Llama, Mistral, Qwen, Gemma) -> the jaxserve params layout
-    (numpy in `dtype`, matrices (in, out), layers stacked on axis 0). A tensor may be given as
-    a zero-argument reader; lazy: the stacked layer weights are LayerStacks that read (and
-    transpose, check and convert) each layer when it is asked for."""
+    """Hugging Face tensor names (Llama, Mistral, Mixtral, Qwen, Qwen3-MoE, Gemma) -> the
+    jaxserve params layout (numpy in `dtype`, matrices (in, out), layers stacked on axis 0; a
+    sparse layer's experts stacked [E, in, out] from their one tensor each). A tensor may be
+    given as a zero-argument reader; lazy: the stacked layer weights are LayerStacks that read
+    (and transpose, check and convert) each layer when it is asked for."""
     used: set[str] = set()
 
     def require(name: str) -> None:
@@ -226,28 +260,52 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float
         keys.update({k: (v, False) for k, v in _QK_NORM_KEYS.items()})
     if config.sandwich_norms:
         keys.update({k: (v, False) for k, v in _SANDWICH_NORM_KEYS.items()})
+    E, moe_i = config.num_experts, config.moe_intermediate_size
+    if E:  # a sparse layer's router [H, E] and experts stacked [E, in, out]
+        keys.update({k: (v, True) for k, v in zip(_EXPERT_KEYS, _MOE_TENSORS[config.architecture])})
+        expected.update(router=(H, E), experts_gate=(E, H, moe_i), experts_up=(E, H, moe_i),
+                        experts_down=(E, moe_i, H))
 
-    def layer(name: str, key: str, transpose: bool) -> np.ndarray:
+    def names(key: str, suffix: str, i: int) -> list[str]:
+        """The tensors layer i's `key` is made of (none: the layer lacks it)."""
+        if (key in _EXPERT_KEYS) != config.layer_is_sparse(i) and key in _MLP_KEYS:
+            return []
+        if key in _EXPERT_KEYS[1:]:
+            return [f"model.layers.{i}.{suffix.format(e=e)}" for e in range(E)]
+        return [f"model.layers.{i}.{suffix}"]
+
+    def read(name: str, shape: tuple, transpose: bool) -> np.ndarray:
         w = take(name)
         w = w.T if transpose else w
-        if w.shape != expected[key]:
+        if w.shape != shape:
             raise ValueError(f"{name}: shape {w.shape} (after transpose: {transpose}) != "
-                             f"expected {expected[key]}")
-        # np.array copies: inputs may be read-only memory maps of the checkpoint file.
-        return np.array(w, dtype=dtype, order="C")
+                             f"expected {shape}")
+        return w
+
+    def layer(names: list[str], key: str, transpose: bool) -> np.ndarray:
+        if key not in _EXPERT_KEYS[1:]:
+            # np.array copies: inputs may be read-only memory maps of the checkpoint file.
+            return np.array(read(names[0], expected[key], transpose), dtype=dtype, order="C")
+        out = np.empty(expected[key], dtype)
+        for e, name in enumerate(names):
+            out[e] = read(name, expected[key][1:], transpose)
+        return out
 
     layers = {}
     for key, (suffix, transpose) in keys.items():
-        names = [f"model.layers.{i}.{suffix}" for i in range(L)]
+        per_layer = [names(key, suffix, i) for i in range(L)]
+        for name in (n for ns in per_layer for n in ns):
+            require(name)
+        reads = [functools.partial(layer, ns, key, transpose) if ns else None for ns in per_layer]
         if lazy:
-            for name in names:
-                require(name)
-            layers[key] = LayerStack([functools.partial(layer, n, key, transpose) for n in names],
-                                     (L, *expected[key]), dtype)
-        else:
+            layers[key] = LayerStack(reads, (L, *expected[key]), dtype)
+        elif all(per_layer):
             layers[key] = np.empty((L, *expected[key]), dtype)
-            for i, name in enumerate(names):
-                layers[key][i] = layer(name, key, transpose)
+            for i, read_layer in enumerate(reads):
+                layers[key][i] = read_layer()
+        elif any(per_layer):  # some layers only (dense and sparse layers): each read now
+            layers[key] = LayerStack([None if r is None else functools.partial(_held, r())
+                                      for r in reads], (L, *expected[key]), dtype)
     embed = take("model.embed_tokens.weight")
     if embed.shape != (config.vocab_size, H):
         raise ValueError(f"embed_tokens shape {embed.shape} != {(config.vocab_size, H)}")

@@ -1,0 +1,245 @@
+"""Mixtures of experts (Mixtral, Qwen3-MoE) match transformers: tiny seeded checkpoints written by
+transformers' save_pretrained (per-expert tensors, as on the hub) and loaded from their
+directories, two layers, hidden 64, 4 experts of which 2 a token. The Qwen3-MoE has its second
+layer dense (mlp_only_layers) and comes with norm_topk_prob off and on (the same weights).
+Logits within 1e-4 through the step function on the cpu and xla backends (pages of 8, prefill
+chunks of 32, then decode), and the engine's greedy tokens equal transformers' for several
+requests at once. moe.py itself is checked against a per-token loop."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from hf_families import TINY, StepLogits  # noqa: E402
+from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
+from jaxserve.core.sequence import Request, Sequence  # noqa: E402
+from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
+from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
+from jaxserve.llm import LLM  # noqa: E402
+from jaxserve.weights import load_model  # noqa: E402
+
+PAGE, CHUNK = 8, 32
+MODELS = ("mixtral", "qwen3_moe", "qwen3_moe-norm")
+BACKENDS = ("cpu", "xla")
+
+
+def _hf_model(name: str):
+    moe = dict(num_experts_per_tok=2, hidden_act="silu", tie_word_embeddings=False)
+    if name == "mixtral":
+        cfg = transformers.MixtralConfig(**{**TINY, "intermediate_size": 48}, **moe,
+                                         num_local_experts=4)
+        cls = transformers.MixtralForCausalLM
+    else:  # layer 0 sparse, layer 1 dense (with its own, wider MLP)
+        cfg = transformers.Qwen3MoeConfig(**TINY, **moe, num_experts=4, moe_intermediate_size=40,
+                                          head_dim=16, mlp_only_layers=[1],
+                                          norm_topk_prob=name.endswith("-norm"))
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    model = cls(cfg).eval().float()
+    with torch.no_grad():
+        for param_name, w in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                w.add_(torch.randn_like(w) * 0.3)
+            if param_name.endswith(("q_proj.weight", "k_proj.weight")):
+                w.mul_(8.0)
+            if param_name.endswith("gate.weight"):  # routers: clear choices, far from uniform
+                w.mul_(30.0)
+            if ".experts." in param_name:  # experts' outputs (x27) weigh in the residual stream
+                w.mul_(3.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """name -> (transformers model, its directory as save_pretrained writes it, with a
+    tokenizer), each made once."""
+    from jaxserve.weights.random_init import numbered_tokenizer
+
+    @functools.cache
+    def make(name: str):
+        directory = str(tmp_path_factory.mktemp(name))
+        model = _hf_model(name)
+        model.save_pretrained(directory)
+        numbered_tokenizer(TINY["vocab_size"], TINY["eos_token_id"]).save(directory)
+        return model, directory
+
+    return make
+
+
+def _need(backend):
+    if backend == "cpu" and not cpu_kernels.available():
+        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
+
+
+def _reference_mlp(x, router, gate, up, down, k, normalize):
+    """One token at a time, expert by expert, in float64: the MoE MLP as written down."""
+    out = np.zeros_like(x, np.float64)
+    for t, row in enumerate(x.astype(np.float64)):
+        logits = row @ router.T
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        chosen = np.argsort(-probs)[:k]
+        weights = probs[chosen] / (probs[chosen].sum() if normalize else 1.0)
+        for e, w in zip(chosen, weights):
+            g, u = row @ gate[e], row @ up[e]
+            out[t] += w * ((g / (1 + np.exp(-g)) * u) @ down[e])
+    return out
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_sparse_mlp_equals_a_per_token_loop(normalize):
+    """route + run_experts over 13 tokens, 5 experts, top-2, against the loop; one expert is
+    chosen by no token (an empty group) and the padded last rows are routed like any."""
+    import jax
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.model import moe
+
+    rng = np.random.default_rng(0)
+    t, h, i, e = 13, 16, 24, 5
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    router = rng.standard_normal((e, h)).astype(np.float32)
+    x[:, 0], router[4] = 3.0, 0.0
+    router[4, 0] = -50.0  # expert 4's logit is -150 for every token: never chosen
+    gate, up = (rng.standard_normal((e, h, i)).astype(np.float32) * 0.3 for _ in range(2))
+    down = rng.standard_normal((e, i, h)).astype(np.float32) * 0.3
+    cfg = ModelConfig(vocab_size=8, hidden_size=h, intermediate_size=8, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, num_experts=e,
+                      num_experts_per_tok=2, moe_intermediate_size=i, norm_topk_prob=normalize)
+    lp = moe.fuse_experts({"router": router.T, "experts_gate": gate, "experts_up": up,
+                           "experts_down": down})
+    got = jax.jit(lambda x, lp: moe.sparse_mlp(cfg, x, lp, jax.nn.silu))(x, lp)
+    _, chosen = moe.route(x @ router.T, 2, normalize)
+    assert 4 not in np.asarray(chosen)
+    want = _reference_mlp(x, router, gate, up, down, 2, normalize)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
+def test_config_reads_experts_and_dense_layers(checkpoint):
+    """Qwen3-MoE's config (as transformers writes it, and with the hub's num_experts name):
+    experts, top-k, widths, renormalisation and which layers are sparse; Mixtral's always
+    renormalise. A decode token counts its routed experts' FLOPs, not all of them."""
+    import json
+
+    from jaxserve.weights import config_from_hf
+
+    with open(f"{checkpoint('qwen3_moe')[1]}/config.json") as f:
+        raw = json.load(f)
+    cfg = config_from_hf(raw)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+            cfg.intermediate_size, cfg.norm_topk_prob, cfg.qk_norm) == (4, 2, 40, 112, False, True)
+    assert [cfg.layer_is_sparse(i) for i in range(2)] == [True, False]
+    hub = {k: v for k, v in raw.items() if k != "num_local_experts"}
+    stepped = config_from_hf({**hub, "num_experts": 4, "mlp_only_layers": [],
+                              "decoder_sparse_step": 2, "num_hidden_layers": 4})
+    assert [stepped.layer_is_sparse(i) for i in range(4)] == [False, True, False, True]
+    h = cfg.hidden_size
+    dense = dataclasses.replace(cfg, num_experts=0, mlp_only_layers=())
+    moe_mlp = h * 4 + 3 * h * 2 * 40  # router, then 2 experts of 40 columns
+    assert cfg.flops_per_token() - dense.flops_per_token() == 2 * (moe_mlp - 3 * h * 112)
+    mixtral = load_model(checkpoint("mixtral")[1], lazy=True).config
+    assert mixtral.norm_topk_prob and mixtral.moe_intermediate_size == 48
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        dataclasses.replace(cfg, num_experts_per_tok=5)
+    with pytest.raises(ValueError, match="mlp_only_layers"):
+        dataclasses.replace(cfg, mlp_only_layers=(2,))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers(checkpoint, name, backend):
+    """Two prefill chunks of 32 then 4 decode steps, pages out of order; the model loaded
+    lazily (layer by layer, as the runner places it) from its directory."""
+    _need(backend)
+    model, directory = checkpoint(name)
+    loaded = load_model(directory, lazy=True)
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(3, TINY["vocab_size"], 2 * CHUNK)]
+    seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt),
+                   len(prompt))
+    seq.page_ids = [int(p) for p in rng.permutation(np.arange(1, 32))[:10]]
+    runner = StepLogits(loaded.config, loaded.params, PAGE, backend, num_pages=32)
+    runner.step(StepPlan([ScheduledChunk(seq, 0, CHUNK, [])]))
+    ours = [runner.step(StepPlan([ScheduledChunk(seq, CHUNK, CHUNK, [seq])]))[0]]
+    decode = [int(t) for t in rng.integers(3, TINY["vocab_size"], 4)]
+    for tok in decode:
+        seq.token_ids.append(tok)
+        ours.append(runner.step(StepPlan([ScheduledChunk(seq, seq.num_tokens - 1, 1, [seq])]))[0])
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + decode])).logits[0, len(prompt) - 1:].numpy()
+    np.testing.assert_allclose(np.stack(ours), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_renormalising_the_chosen_experts_changes_the_logits(checkpoint):
+    """Same weights, norm_topk_prob off and on: transformers' logits differ well beyond the
+    tolerance the test above holds each of them to."""
+    ids = torch.tensor([[5, 9, 31, 77, 120, 4]])
+    with torch.no_grad():
+        off, on = (checkpoint(n)[0](ids).logits.numpy() for n in ("qwen3_moe", "qwen3_moe-norm"))
+    assert np.abs(off - on).max() > 1e-2
+
+
+def _greedy_reference(model, prompt, max_tokens):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            ids.append(int(torch.argmax(model(torch.tensor([ids]), use_cache=False).logits[0, -1])))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("name,backend", [("mixtral", "cpu"), ("qwen3_moe", "xla")])
+def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend):
+    """Three requests at once, two of them longer than a prefill chunk (chunked prefill beside
+    another's decode), 10 greedy tokens each, the model loaded eagerly: transformers' tokens.
+    One family a backend (each engine compiles its own steps); the logits test above runs
+    every family on both."""
+    _need(backend)
+    model, directory = checkpoint(name)
+    config = EngineConfig.from_options(page_size=PAGE, max_num_batched_tokens=CHUNK,
+                                       max_num_seqs=4, num_pages=40, attention_backend=backend)
+    llm = LLM.from_engine(LLMEngine(config, load_model(directory)))
+    rng = np.random.default_rng(2)
+    prompts = [[int(t) for t in rng.integers(3, TINY["vocab_size"], n)] for n in (7, 45, 70)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == _greedy_reference(model, prompt, 10)
+    llm.engine.scheduler.check_invariants()
+
+
+def test_int8_expert_weights_are_refused(checkpoint):
+    config = EngineConfig.from_options(page_size=PAGE, max_num_batched_tokens=CHUNK,
+                                       max_num_seqs=2, num_pages=16, attention_backend="xla",
+                                       quantization="int8")
+    with pytest.raises(ValueError, match="expert weights is not supported"):
+        LLMEngine(config, load_model(checkpoint("mixtral")[1]))
+
+
+def test_compile_targets_hold_the_experts(checkpoint):
+    """`jaxserve compile`'s abstract params are the tree the runner places for a model with a
+    sparse and a dense layer: experts in layer 0, the dense MLP in layer 1."""
+    import jax
+
+    from jaxserve import backends
+    from jaxserve.runtime import abstract
+    from jaxserve.runtime.runner import ModelRunner
+
+    loaded = load_model(checkpoint("qwen3_moe")[1], lazy=True)
+    runner = ModelRunner(loaded.config, loaded.params, num_pages=4, page_size=PAGE,
+                         dtype="bfloat16", backend=backends.get("xla"))
+    placed = abstract.abstract_params(loaded.config, runner.mesh, "bfloat16")
+    shapes = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
+    assert shapes(placed) == shapes(runner.params)
+    layers = runner.params["layers"]
+    assert layers[0]["experts_gate_up"].shape == (4, 64, 80) and "w_gate_up" in layers[1]
+    assert abstract.bytes_per_device(placed) == sum(
+        x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
