@@ -1,13 +1,14 @@
 """scan_layers (jaxserve/model/layer_scan.py): the layers run by lax.scan over stacked weights
 give the unrolled model's greedy tokens on the cpu and xla backends, through batching, chunked
-prefill, prefix-cache hits and copy-on-write page copies, for a uniform model and for one whose
-layers alternate sliding-window and full attention with a local rope base (a pattern of period
-2 scanned in blocks, and a layer past the last block unrolled). The abstract params and pool of
+prefill, prefix-cache hits and copy-on-write page copies, for a uniform model (cpu) and for one
+whose layers alternate sliding-window and full attention with a local rope base (xla: a pattern
+of period 2 scanned in blocks, and a layer past the last block unrolled). The abstract params and pool of
 `jaxserve compile` match a scanned runner's, and a scanned step compiles for a TPU target."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -20,7 +21,9 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine
 from jaxserve.model import layer_scan
 from jaxserve.runtime import abstract
-from jaxserve.runtime.runner import ModelRunner
+from jaxserve.runtime.batch import build_batch, warmup_plan
+from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.runner import ModelRunner, _jitted_step
 from jaxserve.weights.random_init import random_model
 from tiny_model import tiny_loaded
 
@@ -37,7 +40,7 @@ def _windowed():
 
 MODELS = {"uniform": lambda: tiny_loaded(seed=1, layers=4), "windowed": _windowed}
 # Prompts sharing a 24-token prefix (prefix hits, one ending mid-page), one long enough for
-# several chunks of 16 tokens, and a fork (n=2) whose pages are shared then copied.
+# several chunks of 8 tokens, and a fork (n=2) whose pages are shared then copied.
 PREFIX = "the shared part of it. "
 
 
@@ -45,10 +48,12 @@ def _run(engine: LLMEngine) -> tuple[dict, int]:
     """request id -> each sample's greedy tokens; and the prompt tokens found cached."""
     first = ["a" * 40 + "b", PREFIX + "one", "xyz"]
     second = [PREFIX + "two", PREFIX + "th", PREFIX[:10]]
-    out, cached = {}, 0
+    out, cached, copies = {}, 0, []
+    real_copy = engine.runner._copy_local
+    engine.runner._copy_local = lambda src, dst: (copies.append(len(src)), real_copy(src, dst))
     for wave in (first, second):  # the second wave finds the first's pages cached
         for i, p in enumerate(wave):
-            engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0,
+            engine.add_request(p, SamplingParams(max_tokens=6, temperature=0.0,
                                                  ignore_eos=True, n=2 if i == 0 else 1))
         while engine.has_unfinished():
             for o in engine.step():
@@ -56,18 +61,19 @@ def _run(engine: LLMEngine) -> tuple[dict, int]:
                 if o.finished:
                     out[o.request_id] = [list(c.token_ids) for c in o.outputs]
                     cached += o.num_cached_tokens
+    assert copies  # the fork's shared last page, copied on write
     return out, cached
 
 
 def _engine(loaded, backend: str, scan: str) -> LLMEngine:
     return LLMEngine(EngineConfig.from_options(
-        num_pages=64, page_size=4, max_num_seqs=4, max_num_batched_tokens=16,
+        num_pages=64, page_size=4, max_num_seqs=2, max_num_batched_tokens=8,
         attention_backend=backend, scan_layers=scan, huge_pages=False), loaded)
 
 
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("backend", ["cpu", "xla"])
-def test_scanned_layers_give_the_unrolled_greedy_tokens(model, backend):
+# The window pattern's blocks are the model layer's, alike on every backend: one model each.
+@pytest.mark.parametrize("backend, model", [("cpu", "uniform"), ("xla", "windowed")])
+def test_scanned_layers_give_the_unrolled_greedy_tokens(backend, model):
     loaded = MODELS[model]()
     if backend == "cpu":
         try:
@@ -94,29 +100,57 @@ def test_layers_are_grouped_by_their_window_pattern():
     assert [lp["w"][0, 0] for lp in grouped["rest"]] == [4]
 
 
-def test_auto_is_chosen_per_backend_and_on_off_are_kept():
-    assert resolve_scan_layers("on", "cpu") and not resolve_scan_layers("off", "pallas-tpu")
-    assert resolve_scan_layers("auto", "pallas-tpu")
+def test_auto_is_chosen_per_platform_and_on_off_are_kept():
+    assert resolve_scan_layers("on", "cpu") and not resolve_scan_layers("off", "tpu")
+    assert resolve_scan_layers("auto", "tpu") and not resolve_scan_layers("auto", "cpu")
+    assert not resolve_scan_layers("auto", "gpu")
     with pytest.raises(ValueError, match="scan_layers"):
         EngineConfig.from_options(scan_layers="yes")
 
 
-TPU_MODEL = ModelConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=3,
-                        num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=256,
-                        eos_token_ids=(1,))
+# JAX's TPU kernel's page-major pool (3 KV heads of dim 128 in bfloat16, padded to 4).
+TPU_MODEL = ModelConfig(vocab_size=512, hidden_size=192, intermediate_size=256, num_layers=3,
+                        num_heads=6, num_kv_heads=3, head_dim=128, max_position_embeddings=256,
+                        tie_word_embeddings=True, eos_token_ids=(2,))
+PAGE = 16
 
 
 @pytest.fixture(scope="module")
 def tpu_runner():
-    return ModelRunner(TPU_MODEL, random_model(TPU_MODEL).params, num_pages=8, page_size=16,
-                       dtype="bfloat16", backend=backends.get("pallas-tpu-interpret"),
-                       scan_layers=True)
+    """Placed on this CPU (nothing runs): its params and pool give the step's trees."""
+    return ModelRunner(TPU_MODEL, random_model(TPU_MODEL, dtype="bfloat16").params,
+                       num_pages=8, page_size=PAGE, dtype="bfloat16",
+                       backend=backends.get("pallas-tpu"), scan_layers=True)
 
 
 def test_abstract_params_and_pool_are_the_scanned_runners(tpu_runner):
     shapes = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)  # noqa
     placed = abstract.abstract_params(TPU_MODEL, tpu_runner.mesh, "bfloat16", scan_layers=True)
     assert shapes(placed) == shapes(tpu_runner.params)
-    pool = abstract.abstract_pool(TPU_MODEL, tpu_runner.mesh, 8, 16, "bfloat16",
+    pool = abstract.abstract_pool(TPU_MODEL, tpu_runner.mesh, 8, PAGE, "bfloat16",
                                   tpu_runner.backend, "bfloat16", scan_layers=True)
-    assert shapes(pool) == shapes(tpu_runner.pool) and len(pool.layers) == 1
+    assert shapes(pool) == shapes(tpu_runner.pool)
+    (cache,) = tpu_runner.pool.layers  # every layer's pages in one page-major cache
+    assert cache.kv.shape == (3 * 8, PAGE, 8, 128)
+
+
+def test_a_scanned_step_compiles_for_tpu(tpu_runner):
+    from pallas_kernels.tpu import jax_kernel
+    from tpu_topology import abstract as on_device, tpu_device
+
+    device = tpu_device("v6e")
+    buckets = Buckets.for_engine(8, 64, 16, packed=True)
+    shape = buckets.step_shapes(PAGE)[-1]
+    batch = build_batch(warmup_plan(shape, buckets, PAGE), buckets, PAGE)[0]
+    on = lambda tree: jax.tree_util.tree_map(  # noqa: E731
+        lambda x: on_device(np.shape(x), x.dtype, device), tree)
+    step = _jitted_step(TPU_MODEL, tpu_runner.backend, tpu_runner.mesh)
+    with jax_kernel.compile_target(device):
+        compiled = step.lower(on(tpu_runner.params), pool=on(tpu_runner.pool),
+                              batch=on(dataclasses.replace(batch, sampling=None)),
+                              feed=on_device((2 * buckets.seqs[-1],), np.int32, device)).compile()
+    text = compiled.as_text()
+    assert "tpu_custom_call" in text and " while(" in text  # the Pallas attention, in a scan
+    # The pool (3 layers x 8 pages) is read through its page tables, never sliced per layer.
+    assert "[24,16,8,128]" in text
+    assert not re.search(r"\[8,16,8,128\]\{[^}]*\} (copy|dynamic-slice)\(", text)

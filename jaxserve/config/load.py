@@ -33,10 +33,10 @@ class LoadConfig:
     # jaxserve.backends.cpu.huge_pages collapses the weights' host memory.
     huge_pages: bool = option(True, "Back the weights with 2 MiB pages (CPU, Linux 6.1+).")
     seed: int = option(0, "Engine seed for unseeded requests.")
-    # jaxserve/model/layer_scan.py; auto: ResolvedConfig's choice per attention backend.
+    # jaxserve/model/layer_scan.py; auto: config.resolved.resolve_scan_layers.
     scan_layers: str = option("auto", "Run the layers by lax.scan over their stacked weights "
-                              "(one layer body compiled; faster compiles); auto: per backend "
-                              "(docs/serving.md).", choices=SCAN_LAYERS)
+                              "(one layer body compiled: faster compiles); auto: on for TPU "
+                              "only (docs/serving.md).", choices=SCAN_LAYERS)
 
     def __post_init__(self):
         check_choices(self)

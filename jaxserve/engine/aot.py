@@ -31,6 +31,7 @@ import numpy as np
 
 from jaxserve import backends
 from jaxserve.config import DEFAULT_MEMORY_UTILIZATION, EngineConfig, ModelConfig
+from jaxserve.config.resolved import resolve_scan_layers
 from jaxserve.engine import memory_plan
 from jaxserve.engine.memory_plan import GIB, MARGIN, MemoryPlan
 from jaxserve.runtime import abstract, sharding
@@ -58,6 +59,7 @@ class Target:
     kv_dtype: str
     page_size: int
     max_model_len: int
+    scan_layers: bool = False  # LoadConfig.scan_layers resolved for the backend
 
 
 @dataclasses.dataclass
@@ -162,7 +164,7 @@ def tpu_target(config: EngineConfig, topology_name: str) -> Target:
                                  query_block=backend.query_block, packed=backend.packed,
                                  spec_tokens=spec_tokens)
     return Target(model, topology, mesh, backend, buckets, dtype, kv_dtype, o["page_size"],
-                  max_model_len)
+                  max_model_len, resolve_scan_layers(o["scan_layers"], "tpu"))
 
 
 class _Compiler:
@@ -170,7 +172,8 @@ class _Compiler:
 
     def __init__(self, target: Target):
         self.t = target
-        self.params = abstract.abstract_params(target.model, target.mesh, target.dtype)
+        self.params = abstract.abstract_params(target.model, target.mesh, target.dtype,
+                                               scan_layers=target.scan_layers)
         self.step = _jitted_step(target.model, target.backend, target.mesh)
         self.feed = abstract.replicated(np.zeros(target.buckets.max_sample_rows, np.int32),
                                         target.mesh)
@@ -178,7 +181,7 @@ class _Compiler:
     def pool(self, num_pages: int):
         t = self.t
         return abstract.abstract_pool(t.model, t.mesh, num_pages, t.page_size, t.kv_dtype,
-                                      t.backend, t.dtype)
+                                      t.backend, t.dtype, scan_layers=t.scan_layers)
 
     def batch(self, shape, prompt_logprobs: int | None = None):
         b, t = self.t.buckets, self.t
@@ -201,7 +204,8 @@ class _Compiler:
     def compile_copies(self, n: int, pool):
         idx = abstract.replicated(np.zeros(n, np.int32), self.t.mesh)
         with compile_target(self.t.mesh):
-            return _copy_pages.lower(pool, idx, idx).compile()
+            return _copy_pages.lower(pool, idx, idx, self.t.model.num_layers
+                                     if self.t.scan_layers else 0).compile()
 
 
 def _step_bytes(compiled) -> int:

@@ -81,7 +81,7 @@ class LLMEngine:
             page_size=cache.page_size, tensor_parallel_size=parallel.tensor_parallel_size))
         self.resolved = resolved = ResolvedConfig.of(
             config, loaded.config, dtype=dtype, backend=backend.name,
-            attention_cost=backend.attention_cost)
+            attention_cost=backend.attention_cost, platform=mesh.devices.flat[0].platform)
         self.max_model_len = resolved.max_model_len
         self.buckets = Buckets.for_engine(
             config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
