@@ -4,13 +4,17 @@ then a call constrained once it opens), on the default model's tokenizer and mod
   python scripts/bench_tool_grammar.py                      # mask timings and the decode runs
   python scripts/bench_tool_grammar.py --decode_rounds=0    # mask timings only
 
+  python scripts/bench_tool_grammar.py --formats=pythonic  # one tool-call format
+
 1. Mask time per step: the engine's own fill_masks (llguidance, MASK_THREADS threads) for 1 and
-   8 rows, step by step along a typical answer (text, a hermes call, text), split into the
-   steps in free text and inside the call; beside it the same answer's call under a forced
+   8 rows, step by step along a typical answer of each format (hermes: text, a call, text;
+   pythonic: a text answer, and a call list, which is the whole answer when it calls), split
+   into the steps in free text and inside the call; beside it the same call under a forced
    tool_choice ("required") grammar and unconstrained decoding (no mask: 0).
 2. Time per output token of whole requests (LLM.generate, the chat prompt with the tools
-   rendered in, temperature 0.8, fixed seeds, ignore_eos) with the tool grammar and without,
-   interleaved rounds at each concurrency.
+   rendered in, temperature 0.8, fixed seeds, ignore_eos) with each format's tool grammar and
+   without, interleaved rounds at each concurrency. The random-weight-free default model
+   mostly writes text here, so these runs weigh the free-text masks.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ flags.DEFINE_integer("repeats", 5, "Passes over the answer for the mask timings.
 flags.DEFINE_integer("decode_rounds", 2, "Interleaved rounds of whole requests (0: none).")
 flags.DEFINE_list("concurrency", ["1", "8"], "Requests at once in the decode runs.")
 flags.DEFINE_integer("max_tokens", 64, "Tokens per request in the decode runs.")
+flags.DEFINE_list("formats", ["hermes", "pythonic"], "Tool-call formats (--tool_call_parser).")
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city.",
@@ -45,7 +50,22 @@ TOOLS = [
         "required": ["query"]}}}]
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius", "days": 3}}'
 ANSWER = f"Let me look that up for you.\n<tool_call>\n{CALL}\n</tool_call>\nOne moment."
+PY_CALL = '[get_weather(city="Paris", unit="celsius", days=3), search(query="rain", tags=["eu"])]'
+PY_TEXT = "Let me look that up for you. It will be sunny in Paris for the next three days."
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+
+
+def _answers(fmt: str, tok) -> list[tuple[list[int], list[bool]]]:
+    """(tokens, which steps are inside the call) of the format's typical answers."""
+    if fmt == "pythonic":
+        return [(tok.encode(PY_TEXT, add_special_tokens=False), None),
+                (tok.encode(PY_CALL, add_special_tokens=False), None)]
+    tokens = tok.encode(ANSWER, add_special_tokens=False)
+    # which steps are inside the call: from the token after the trigger to </tool_call>
+    starts = [len(tok.decode(tokens[:i])) for i in range(len(tokens) + 1)]
+    opened, closed = ANSWER.index("<tool_call>") + len("<tool_call>"), ANSWER.index("</tool_call>")
+    return [(tokens, [opened <= starts[i] < closed + len("</tool_call>")
+                      for i in range(len(tokens))])]
 
 
 def _spec(ctx, **body):
@@ -90,6 +110,10 @@ def decode_run(llm, spec, prompt_ids, concurrency: int, seed: int) -> float:
                            / (len(o.outputs[0].token_ids) - 1) for o in outs)
 
 
+def _mean_ms(times: list[float]) -> str:
+    return f"{1e3 * statistics.mean(times):.3f}" if times else "-"
+
+
 def main(argv):
     del argv
     from jaxserve import LLM
@@ -101,34 +125,36 @@ def main(argv):
 
     loaded = load_model(FLAGS.model)
     tok, vocab = loaded.tokenizer, loaded.config.vocab_size
-    ctx = ProtocolContext(model_names=("m",), tokenizer=tok, max_model_len=8192,
-                          vocab_size=vocab)
-    auto, prompt_ids = _spec(ctx)
-    forced, _ = _spec(ctx, tool_choice="required")
     compiler = GrammarCompiler(tok.backend.to_str(), vocab, list(tok.eos_token_ids))
-    t0 = time.perf_counter()
-    compiler.compile(auto)
-    print(f"parser {ctx.tool_parser.name}, llguidance mask threads {MASK_THREADS} of "
-          f"{os.cpu_count()} cores, vocabulary {vocab}; the tool grammar admitted (compiled, "
-          f"first mask, probes) in {1e3 * (time.perf_counter() - t0):.1f} ms")
-    tokens = tok.encode(ANSWER, add_special_tokens=False)
+    specs, prompts = {}, {}
+    for fmt in FLAGS.formats:
+        ctx = ProtocolContext(model_names=("m",), tokenizer=tok, max_model_len=8192,
+                              vocab_size=vocab, tool_call_parser=fmt)
+        specs[fmt], prompts[fmt] = _spec(ctx)
+        t0 = time.perf_counter()
+        compiler.compile(specs[fmt])
+        print(f"{fmt}: the tool grammar admitted (compiled, first mask, probes) in "
+              f"{1e3 * (time.perf_counter() - t0):.1f} ms")
+    forced, _ = _spec(ctx, tool_choice="required")
+    print(f"llguidance mask threads {MASK_THREADS} of {os.cpu_count()} cores, vocabulary {vocab}")
     # a forced call is compact JSON (structured_output._JSON_DEFAULTS)
     call_tokens = tok.encode(json.dumps(json.loads(CALL), separators=(",", ":")),
                              add_special_tokens=False)
-    # which steps are inside the call: from the token after the trigger to </tool_call>
-    starts = [len(tok.decode(tokens[:i])) for i in range(len(tokens) + 1)]
-    opened, closed = ANSWER.index("<tool_call>") + len("<tool_call>"), ANSWER.index("</tool_call>")
-    inside = [opened <= starts[i] < closed + len("</tool_call>") for i in range(len(tokens))]
     print(f"{'grammar':>22}{'rows':>6}{'free text ms':>14}{'in call ms':>12}{'steps':>7}")
     for rows in (1, 8):
-        times = mask_times(compiler, auto, tokens, rows, FLAGS.repeats)
-        free = [t for t, k in zip(times, inside) if not k]
-        call = [t for t, k in zip(times, inside) if k]
-        print(f"{'auto (tool_grammar)':>22}{rows:>6}{1e3 * statistics.mean(free):>14.3f}"
-              f"{1e3 * statistics.mean(call):>12.3f}{len(times):>7}")
+        for fmt in FLAGS.formats:
+            free, call, steps = [], [], 0
+            for tokens, inside in _answers(fmt, tok):
+                times = mask_times(compiler, specs[fmt], tokens, rows, FLAGS.repeats)
+                if inside is None:  # a pythonic answer is all text or all calls
+                    inside = [tok.decode(tokens).startswith("[")] * len(tokens)
+                free += [t for t, k in zip(times, inside) if not k]
+                call += [t for t, k in zip(times, inside) if k]
+                steps += len(times)
+            print(f"{'auto ' + fmt:>22}{rows:>6}{_mean_ms(free):>14}{_mean_ms(call):>12}"
+                  f"{steps:>7}")
         times = mask_times(compiler, forced, call_tokens, rows, FLAGS.repeats)
-        print(f"{'required (forced)':>22}{rows:>6}{'-':>14}{1e3 * statistics.mean(times):>12.3f}"
-              f"{len(times):>7}")
+        print(f"{'required (forced)':>22}{rows:>6}{'-':>14}{_mean_ms(times):>12}{len(times):>7}")
     print(f"{'unconstrained':>22}{'any':>6}{0:>14.3f}{0:>12.3f}")
 
     if FLAGS.decode_rounds <= 0:
@@ -137,20 +163,22 @@ def main(argv):
     llm = LLM.from_engine(LLMEngine(EngineConfig.from_options(
         max_num_seqs=top, num_pages=max(64, top * 24)), loaded))
     print("warm-up:", llm.engine.warmup())
-    results = {}
+    results, kinds = {}, [None, *FLAGS.formats]
+    prompts[None] = prompts[FLAGS.formats[0]]  # plain decoding: the first format's prompt
     for c in map(int, FLAGS.concurrency):  # untimed first pass: prompt shapes, grammar cache
-        decode_run(llm, auto, prompt_ids, c, 0)
-        decode_run(llm, None, prompt_ids, c, 0)
+        for kind in kinds:
+            decode_run(llm, specs.get(kind), prompts[kind], c, 0)
     for r in range(FLAGS.decode_rounds):
         for c in map(int, FLAGS.concurrency):
-            for spec in ((None, auto) if r % 2 == 0 else (auto, None)):
-                results.setdefault((c, spec is None), []).append(
-                    decode_run(llm, spec, prompt_ids, c, 100 * r))
-    print(f"{'conc.':>6}{'plain ms/token':>16}{'tool grammar ms/token':>23}{'overhead':>10}")
+            for kind in (kinds if r % 2 == 0 else kinds[::-1]):
+                results.setdefault((c, kind), []).append(
+                    decode_run(llm, specs.get(kind), prompts[kind], c, 100 * r))
+    print(f"{'conc.':>6}{'grammar':>10}{'ms/token':>10}{'overhead':>10}")
     for c in map(int, FLAGS.concurrency):
-        plain = statistics.mean(results[(c, True)])
-        tools = statistics.mean(results[(c, False)])
-        print(f"{c:>6}{1e3 * plain:>16.2f}{1e3 * tools:>23.2f}{100 * (tools / plain - 1):>9.1f}%")
+        plain = statistics.mean(results[(c, None)])
+        for kind in kinds:
+            ms = statistics.mean(results[(c, kind)])
+            print(f"{c:>6}{kind or 'none':>10}{1e3 * ms:>10.2f}{100 * (ms / plain - 1):>9.1f}%")
 
 
 if __name__ == "__main__":

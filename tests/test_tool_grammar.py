@@ -209,9 +209,11 @@ RICH = {"name": "rich.tool", "parameters": {
     "required": ["s", "e", "at"], "additionalProperties": False}}
 
 
-def random_walk(lark: str, tok: Tokenizer, rng, start: str, steps: int = 400) -> str:
-    """Text sampled from the grammar after `start`: a random allowed token each step, markup,
-    closers and the end favoured so the walk ends."""
+def random_walk(lark: str, tok: Tokenizer, rng, start: str, steps: int = 400
+                ) -> tuple[str, bool]:
+    """Text sampled from the grammar after `start` and whether it ended (else it was cut after
+    `steps` tokens): a random allowed token each step, markup, closers and the end favoured so
+    the walk ends."""
     import numpy as np
 
     lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=300, eos_token=[256])
@@ -226,10 +228,10 @@ def random_walk(lark: str, tok: Tokenizer, rng, start: str, steps: int = 400) ->
         weights = np.array([30.0 if t in favoured else 1.0 for t in allowed])
         token = int(rng.choice(allowed, p=weights / weights.sum()))
         if token == 256:
-            break
+            return tok.decode(ids, skip_special_tokens=False), True
         assert matcher.consume_token(token)
         ids.append(token)
-    return tok.decode(ids, skip_special_tokens=False)
+    return tok.decode(ids, skip_special_tokens=False), False
 
 
 @pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
@@ -245,12 +247,14 @@ def test_every_pythonic_call_the_grammar_allows_is_read_and_valid(special):
     schemas = {t["name"]: t["parameters"] for t in tools}
     rng, calls, seen = np.random.default_rng(0), 0, set()
     for i in range(60):
-        text = random_walk(grammar.lark, tok, rng, ["[", " <|python_start|>[", "T"][i % 3])
+        text, ended = random_walk(grammar.lark, tok, rng,
+                                  ["[", " <|python_start|>[", "T"][i % 3])
         parsed = PARSERS["pythonic"]().parse(text, True)
         if text.startswith("T"):
             assert parsed.calls == [] and parsed.content == text
             continue
-        assert parsed.calls and parsed.content == "", text
+        assert parsed.calls or not ended, text
+        assert parsed.content == "" or not ended, text  # a cut walk's last call is content
         for call in parsed.calls:
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
             seen.update(json.loads(call.arguments)) if call.name == "rich.tool" else None

@@ -1,4 +1,4 @@
-"""Pythonic tool calls as an llguidance Lark grammar: `[get_weather(city="Paris", days=3), ...]`,
+r"""Pythonic tool calls as an llguidance Lark grammar: `[get_weather(city="Paris", days=3), ...]`,
 each call a declared tool's name with keyword arguments whose values are Python literals that
 satisfy the tool's JSON schema. tool_grammar.py opens it where the pythonic parser
 (tool_parsers/pythonic.py) reads a call list; everything it allows, that parser reads back.
@@ -19,15 +19,15 @@ Where the grammar is looser than the schema (outputs can then be invalid): a str
 and `format`; `oneOf`'s exclusivity and a sibling keyword beside anyOf / oneOf; `allOf` (its
 parts merged shallowly); `not`, `if`/`then`, `prefixItems`, `uniqueItems`, `contains`;
 `patternProperties`, `propertyNames`, `min/maxProperties`, `dependent*`; an object without
-`properties` (any dict of literals); a value without a type (any literal, nested at most two
-deep); `false` schemas. Stricter than Python (still valid): one spelling of whitespace
-(", " between items, "=" with no spaces), integers of at most 19 digits, floats of at most 16
-integer digits and a two-digit exponent (so none overflows to inf, which JSON cannot hold).
+`properties` (any dict of literals); `false` schemas; a bounded `number` (llguidance's JSON
+number) may write an exponent past a float's range, which the parser cannot read (text then).
+Stricter than the schema or Python (still valid): one spelling of whitespace (", " between
+items, "=" with no spaces), a value without a type is a literal nested at most two deep,
+integers of at most 19 digits, floats of at most 16 integer digits and a two-digit exponent.
 
 A property that is not a Python identifier (or is a keyword) cannot be a keyword argument: an
-optional one is left out, and a tool that requires one, or has no properties but is not
-callable without arguments, or whose name the parser cannot read, is left out of the grammar.
-Host-only.
+optional one is left out, and a tool that requires one, or whose name the parser cannot read,
+is left out of the grammar; a tool without properties is called with none. Host-only.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import keyword
 
-from jaxserve.server.tool_parsers.pythonic import END, START  # noqa: F401 - tool_grammar's
 from jaxserve.server.tool_parsers.pythonic import NAME as _CALLABLE_NAME
 
 _CHAR = {'"': r'[^"\\\x00-\x1f]', "'": r"[^'\\\x00-\x1f]"}

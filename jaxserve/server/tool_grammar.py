@@ -26,13 +26,13 @@ import copy
 import dataclasses
 import json
 
-from jaxserve.server.pythonic_grammar import END as PY_END
-from jaxserve.server.pythonic_grammar import START as PY_START
 from jaxserve.server.pythonic_grammar import pythonic_calls
 from jaxserve.server.reasoning import CLOSE as THINK_CLOSE
 from jaxserve.server.reasoning import OPEN as THINK_OPEN
 from jaxserve.server.reasoning import ReasoningParser
 from jaxserve.server.tool_parsers import ToolParser
+from jaxserve.server.tool_parsers.pythonic import END as PY_END
+from jaxserve.server.tool_parsers.pythonic import START as PY_START
 
 # The arguments as the templates write them (json.dumps' separators, no other whitespace), so
 # a constrained call looks like the calls the model saw in its prompt. Lenient: a keyword
