@@ -186,7 +186,8 @@ class _Rules:
 def _declared(schema: dict) -> tuple[dict, list]:
     """(properties, required): a required key without a property is one of any value."""
     props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = [k for k in schema.get("required", []) if isinstance(k, str)]
+    required = schema.get("required") if isinstance(schema.get("required"), list) else []
+    required = [k for k in required if isinstance(k, str)]
     return {**props, **{k: {} for k in required if k not in props}}, required
 
 
