@@ -2,9 +2,11 @@
 a hermes-style template), served in-process and driven by the openai client: tools -> a call
 (logit_bias on `<tool_call>` makes the random model open one; the grammar of tool_choice "auto"
 writes the rest) -> a `tool` message the template renders -> a final answer. Streamed and
-non-streamed calls agree for a seed. And a fuzz of random tool schemas x sampling seeds:
-every call the server returns names an offered tool and its arguments are valid against that
-tool's schema (TOOL_FUZZ_CASES=<n> for a longer run). One engine for the module."""
+non-streamed calls agree for a seed. And a fuzz of random tool schemas x sampling seeds, in
+the hermes and the pythonic format: every call the server returns names an offered tool and
+its arguments are valid against that tool's schema (TOOL_FUZZ_CASES=<n> for a longer run); the
+same check on calls constrained by any-value properties finds invalid ones. One engine for the
+module, a server per format."""
 
 from __future__ import annotations
 
