@@ -193,6 +193,9 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
 
+    if get("expert_count"):  # Mixtral GGUFs are arch llama with experts
+        raise ValueError(f"GGUF mixtures of experts ({arch}, {get('expert_count')} experts) are "
+                         "not supported yet: serve the model's Hugging Face directory")
     hidden = int(get("embedding_length"))
     n_head = int(get("attention.head_count"))
     n_kv = get("attention.head_count_kv", n_head)
