@@ -152,7 +152,7 @@ def test_every_replica_dead_keeps_results_and_a_rerun_resumes(cluster, options, 
     assert 4 <= len(kept) < ROWS
     with open(out, "a") as f:
         f.write('{"custom_id": "torn')  # a line cut short by the kill
-    summary = run_batch_on_ray(options, input_path, str(out), replicas=2)
+    summary = run_batch_on_ray(options, input_path, str(out), replicas=1)
     assert summary.skipped == len(kept) and summary.succeeded + summary.failed == ROWS - len(kept)
     results = _lines(out)
     assert [_essence(r) for r in results] == reference
@@ -160,13 +160,17 @@ def test_every_replica_dead_keeps_results_and_a_rerun_resumes(cluster, options, 
     assert all(by_line[r["line"]] == r for r in kept)  # finished results are never rewritten
 
 
-def test_replicas_that_cannot_be_placed_are_refused(cluster, options, input_path, tmp_path):
+def test_what_cannot_run_is_refused_before_any_replica_starts(cluster, options, input_path,
+                                                              tmp_path):
     from jaxserve.integrations.ray import run_batch_on_ray
 
     with pytest.raises(ValueError, match="need 3 CPU"):
         run_batch_on_ray(options, input_path, str(tmp_path / "out.jsonl"), replicas=3)
     with pytest.raises(ValueError, match="replicas must be an integer"):
         run_batch_on_ray(options, input_path, str(tmp_path / "out.jsonl"), replicas=0)
+    with pytest.raises(ValueError, match="unexpected keyword argument 'model_name'"):
+        run_batch_on_ray(options, input_path, str(tmp_path / "out.jsonl"), replicas=1,
+                         model_name=("x",))
 
 
 def test_data_processor_gives_generate_texts(cluster, options, model_dir):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import inspect
 import math
 import os
 from typing import Any, Callable
@@ -94,15 +95,13 @@ def ray_session(address: str | None = None, num_cpus: int | None = None):
 class BatchReplica:
     """One engine in a Ray actor, running batch lines (jaxserve.batch_file.LineRunner)."""
 
-    def __init__(self, engine_options: dict[str, Any], model_names: tuple[str, ...] | None,
-                 max_tokens_limit: int | None):
+    def __init__(self, engine_options: dict[str, Any], context: dict[str, Any]):
         from jaxserve.config import EngineConfig
         from jaxserve.engine import make_engine
         from jaxserve.server.protocol import ProtocolContext
 
         engine = make_engine(EngineConfig.from_options(**engine_options))
-        self.runner = LineRunner(engine, ProtocolContext.for_engine(engine, model_names,
-                                                                    max_tokens_limit))
+        self.runner = LineRunner(engine, ProtocolContext.for_engine(engine, **context))
         config = engine.config
         self.capacity = 2 * config.scheduler.max_num_seqs * config.parallel.data_parallel_size
 
@@ -121,14 +120,21 @@ _RemoteReplica = ray.remote(BatchReplica)
 
 
 def run_batch_on_ray(engine_options: dict[str, Any], input_path: str, output_path: str, *,
-                     replicas: int, address: str | None = None,
-                     model_names: tuple[str, ...] | None = None,
-                     max_tokens_limit: int | None = None, progress: bool = False,
-                     on_replicas: Callable[[list], None] | None = None) -> RayBatchSummary:
+                     replicas: int, address: str | None = None, progress: bool = False,
+                     on_replicas: Callable[[list], None] | None = None,
+                     **context: Any) -> RayBatchSummary:
     """Run `input_path` over `replicas` engine actors and write `output_path` as run_batch does.
+    context: ProtocolContext.for_engine's options (model_names, max_tokens_limit,
+    tool_call_parser, reasoning_parser), as each replica's requests are read.
     on_replicas: called with the actor handles once all are ready (tests kill one)."""
     if not (isinstance(replicas, int) and replicas >= 1):
         raise ValueError(f"ray replicas must be an integer >= 1, got {replicas!r}")
+    from jaxserve.server.protocol import ProtocolContext
+
+    try:  # a misspelt option fails here, not in every replica
+        inspect.signature(ProtocolContext.for_engine).bind(None, **context)
+    except TypeError as e:
+        raise ValueError(f"run_batch_on_ray: {e}") from None
     plan = plan_batch(input_path, output_path)
     summary = RayBatchSummary(**dataclasses.asdict(plan.summary), replicas=replicas)
     plan.summary = summary
@@ -136,8 +142,8 @@ def run_batch_on_ray(engine_options: dict[str, Any], input_path: str, output_pat
     try:
         if plan.todo:  # a finished file needs no cluster
             with ray_session(address, num_cpus=max(os.cpu_count() or 1, replicas)):
-                _dispatch(plan.todo, writer, summary, engine_options, replicas, model_names,
-                          max_tokens_limit, on_replicas)
+                _dispatch(plan.todo, writer, summary, engine_options, replicas, context,
+                          on_replicas)
     finally:
         writer.close()
     writer.finish()
@@ -145,11 +151,10 @@ def run_batch_on_ray(engine_options: dict[str, Any], input_path: str, output_pat
 
 
 def _dispatch(todo: list[Todo], writer: BatchWriter, summary: RayBatchSummary,
-              engine_options: dict[str, Any], replicas: int, model_names, max_tokens_limit,
+              engine_options: dict[str, Any], replicas: int, context: dict[str, Any],
               on_replicas) -> None:
     options = actor_resources(engine_options, replicas)
-    actors = [_RemoteReplica.options(**options).remote(engine_options, model_names,
-                                                       max_tokens_limit)
+    actors = [_RemoteReplica.options(**options).remote(engine_options, context)
               for _ in range(replicas)]
     try:
         try:
