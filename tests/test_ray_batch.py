@@ -7,6 +7,8 @@ model is the tiny seeded one, saved as an orbax checkpoint each actor loads."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
 
@@ -158,6 +160,23 @@ def test_every_replica_dead_keeps_results_and_a_rerun_resumes(cluster, options, 
     assert [_essence(r) for r in results] == reference
     by_line = {r["line"]: r for r in results}
     assert all(by_line[r["line"]] == r for r in kept)  # finished results are never rewritten
+
+
+def test_cli_joins_a_running_cluster(cluster, model_dir, input_path, reference, tmp_path):
+    """`jaxserve batch --ray_replicas --ray_address` in another process: the same output."""
+    out = tmp_path / "out.jsonl"
+    flags = [f"--{k}={v}" for k, v in ENGINE.items() if not isinstance(v, bool)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli.main", "batch", f"--model={model_dir}", *flags,
+         "--nohuge_pages", f"--input={input_path}", f"--output={out}", "--noprogress",
+         "--ray_replicas=1", f"--ray_address={ray.get_runtime_context().gcs_address}",
+         "--tool_call_parser=hermes"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (summary["succeeded"], summary["replicas"], summary["replicas_lost"]) == (
+        ROWS - 3, 1, 0)
+    assert [_essence(r) for r in _lines(out)] == reference
 
 
 def test_what_cannot_run_is_refused_before_any_replica_starts(cluster, options, input_path,

@@ -45,12 +45,12 @@ def main(argv):
         print("jaxserve batch: error: --ray_address needs --ray_replicas", file=sys.stderr)
         return 2
     try:
+        parsers = {"tool_call_parser": FLAGS.tool_call_parser,
+                   "reasoning_parser": FLAGS.reasoning_parser}
         if FLAGS.ray_replicas:
-            return _run_on_ray(names)
+            return _run_on_ray(names, parsers)
         engine = make_engine(EngineConfig.from_options(**engine_flags.engine_options()))
-        ctx = ProtocolContext.for_engine(engine, names, FLAGS.max_tokens_limit,
-                                         tool_call_parser=FLAGS.tool_call_parser,
-                                         reasoning_parser=FLAGS.reasoning_parser)
+        ctx = ProtocolContext.for_engine(engine, names, FLAGS.max_tokens_limit, **parsers)
         summary = run_batch(engine, FLAGS.input, FLAGS.output, ctx=ctx, progress=FLAGS.progress)
     except (ValueError, OSError) as e:
         print(f"jaxserve batch: error: {e}", file=sys.stderr)
@@ -59,7 +59,7 @@ def main(argv):
     return 0
 
 
-def _run_on_ray(names) -> int:
+def _run_on_ray(names, parsers: dict) -> int:
     from jaxserve.config import EngineConfig
     from jaxserve.tools import MissingExtra
 
@@ -73,8 +73,8 @@ def _run_on_ray(names) -> int:
     try:
         summary = run_batch_on_ray(options, FLAGS.input, FLAGS.output,
                                    replicas=FLAGS.ray_replicas, address=FLAGS.ray_address,
-                                   model_names=names, max_tokens_limit=FLAGS.max_tokens_limit,
-                                   progress=FLAGS.progress)
+                                   progress=FLAGS.progress, model_names=names,
+                                   max_tokens_limit=FLAGS.max_tokens_limit, **parsers)
     except RayBatchError as e:
         print(f"jaxserve batch: error: {e}", file=sys.stderr)
         return 1

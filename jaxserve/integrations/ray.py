@@ -76,11 +76,12 @@ def actor_resources(engine_options: dict[str, Any], replicas: int = 1) -> dict[s
 @contextlib.contextmanager
 def ray_session(address: str | None = None, num_cpus: int | None = None):
     """Ray for the duration: the caller's connection when ray is initialized already (left
-    open), else `address`'s cluster, else a local one of num_cpus CPUs (no dashboard); both
-    shut down (disconnected) at the end."""
+    open), else `address`'s cluster (default: $RAY_ADDRESS, as Ray reads it), else a local one
+    of num_cpus CPUs (no dashboard); both shut down (disconnected) at the end."""
     if ray.is_initialized():
         yield
         return
+    address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address)
     else:
