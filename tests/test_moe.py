@@ -95,17 +95,18 @@ def _reference_mlp(x, router, gate, up, down, k, normalize):
     return out
 
 
-@pytest.mark.parametrize("normalize", [False, True])
-def test_sparse_mlp_equals_a_per_token_loop(normalize):
-    """route + run_experts over 13 tokens, 5 experts, top-2, against the loop; one expert is
-    chosen by no token (an empty group) and the padded last rows are routed like any."""
+@pytest.mark.parametrize("normalize,t", [(False, 13), (True, 13), (False, 2), (True, 2)])
+def test_sparse_mlp_equals_a_per_token_loop(normalize, t):
+    """route + run_experts over t tokens, 5 experts, top-2, against the loop: 13 tokens run the
+    grouped matmuls (one expert chosen by no token: an empty group), 2 tokens (4 pairs, fewer
+    than the experts) gather each pair's expert."""
     import jax
 
     from jaxserve.config import ModelConfig
     from jaxserve.model import moe
 
     rng = np.random.default_rng(0)
-    t, h, i, e = 13, 16, 24, 5
+    h, i, e = 16, 24, 5
     x = rng.standard_normal((t, h)).astype(np.float32)
     router = rng.standard_normal((e, h)).astype(np.float32)
     x[:, 0], router[4] = 3.0, 0.0
@@ -117,9 +118,16 @@ def test_sparse_mlp_equals_a_per_token_loop(normalize):
                       num_experts_per_tok=2, moe_intermediate_size=i, norm_topk_prob=normalize)
     lp = moe.fuse_experts({"router": router.T, "experts_gate": gate, "experts_up": up,
                            "experts_down": down})
-    got = jax.jit(lambda x, lp: moe.sparse_mlp(cfg, x, lp, jax.nn.silu))(x, lp)
-    _, chosen = moe.route(x @ router.T, 2, normalize)
+    gathered = jax.jit(lambda *args: moe.gathered_experts(*args, jax.nn.silu))
+    grouped = jax.jit(lambda x, lp: moe.sparse_mlp(cfg, x, lp, jax.nn.silu))
+    spy = jax.make_jaxpr(lambda x, lp: moe.sparse_mlp(cfg, x, lp, jax.nn.silu))(x, lp)
+    assert ("ragged_dot" in str(spy)) == (t * 2 > e)
+    got = grouped(x, lp)
+    weights, chosen = moe.route(x @ router.T, 2, normalize)
     assert 4 not in np.asarray(chosen)
+    np.testing.assert_allclose(
+        np.asarray(gathered(x, weights, chosen, lp["experts_gate_up"], lp["experts_down"])),
+        np.asarray(got), atol=2e-5, rtol=2e-5)
     want = _reference_mlp(x, router, gate, up, down, 2, normalize)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
 
@@ -197,12 +205,18 @@ def _greedy_reference(model, prompt, max_tokens):
 
 
 @pytest.mark.parametrize("name,backend", [("mixtral", "cpu"), ("qwen3_moe", "xla")])
-def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend):
+def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend, monkeypatch):
     """Three requests at once, two of them longer than a prefill chunk (chunked prefill beside
     another's decode), 10 greedy tokens each, the model loaded eagerly: transformers' tokens.
     One family a backend (each engine compiles its own steps); the logits test above runs
-    every family on both."""
+    every family on both. The cpu backend's token buckets start at 1, so the short request's
+    lone decode steps take the gathered experts (2 pairs, 4 experts)."""
+    from jaxserve.model import moe
+
     _need(backend)
+    gathered, real = [], moe.gathered_experts
+    monkeypatch.setattr(moe, "gathered_experts",
+                        lambda x, *a: gathered.append(len(x)) or real(x, *a))
     model, directory = checkpoint(name)
     config = EngineConfig.from_options(page_size=PAGE, max_num_batched_tokens=CHUNK,
                                        max_num_seqs=4, num_pages=40, attention_backend=backend)
@@ -214,6 +228,7 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend):
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == _greedy_reference(model, prompt, 10)
     llm.engine.scheduler.check_invariants()
+    assert gathered or backend != "cpu"
 
 
 def test_int8_expert_weights_are_refused(checkpoint):

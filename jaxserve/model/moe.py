@@ -11,8 +11,8 @@ The loaders' layout stacks them per layer: router [L, H, E], experts_gate, exper
 [L, E, H, I], experts_down [L, E, I, H] (weights/hf_loader.py).
 
 On XLA's CPU backend ragged_dot is lowered to a masked product over all E experts (E / k
-times the work of the chosen ones); reading only the chosen experts in a decode step is left
-to a later change.
+times the work of the chosen ones), so a step with no more (token, expert) pairs than experts
+(decode) gathers each pair's expert weights instead and reads only the chosen experts.
 """
 
 from __future__ import annotations
@@ -44,9 +44,13 @@ def route(router_logits, top_k: int, normalize: bool):
 def run_experts(x, weights, experts, w_gate_up, w_down, activation):
     """x f[T, H], each token's k (weight, expert) -> f[T, H]: sum over its k experts of
     weight * down(activation(gate x) * up x). The T * k pairs are sorted by expert so that
-    each expert's rows are contiguous for the grouped matmuls, then added back per token."""
+    each expert's rows are contiguous for the grouped matmuls, then added back per token;
+    where there are no more pairs than experts (a decode step) each pair reads its expert's
+    weights instead (gathered_experts)."""
     t, k = experts.shape
     num_experts = w_gate_up.shape[0]
+    if t * k <= num_experts:  # static: T is the step's bucket
+        return gathered_experts(x, weights, experts, w_gate_up, w_down, activation)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
@@ -56,6 +60,20 @@ def run_experts(x, weights, experts, w_gate_up, w_down, activation):
     y = jax.lax.ragged_dot(h, w_down, group_sizes).astype(jnp.float32)
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def gathered_experts(x, weights, experts, w_gate_up, w_down, activation):
+    """run_experts with each of the T * k pairs multiplying its own expert's weights, gathered:
+    it reads only the chosen experts (at most T * k of them), where XLA's CPU ragged_dot
+    computes every expert for every pair."""
+    t, k = experts.shape
+    flat = experts.reshape(-1)
+    xs = jnp.repeat(x, k, axis=0)  # pair i is token i // k
+    gate, up = jnp.split(jnp.einsum("ph,phn->pn", xs, w_gate_up[flat]), 2, axis=-1)
+    h = (activation(gate) * up).astype(x.dtype)
+    y = jnp.einsum("pi,pih->ph", h, w_down[flat]).astype(jnp.float32)
+    y = y * weights.reshape(-1)[:, None]
+    return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
 
 
 def sparse_mlp(cfg, h, lp, activation):
