@@ -268,3 +268,40 @@ def test_gguf_mixtures_of_experts_are_refused_by_name():
             "llama.embedding_length": 64, "llama.attention.head_count": 4}
     with pytest.raises(ValueError, match="GGUF mixtures of experts"):
         config_from_gguf(meta)
+
+
+_TP_SCRIPT = """
+import json, sys
+from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.llm import LLM
+from jaxserve.weights import load_model
+config = EngineConfig.from_options(page_size=8, max_num_batched_tokens=32, max_num_seqs=4,
+                                   num_pages=40, attention_backend="xla", tensor_parallel_size=2)
+llm = LLM.from_engine(LLMEngine(config, load_model(sys.argv[1])))
+prompts = json.loads(sys.argv[2])
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def test_tensor_parallel_keeps_transformers_tokens(checkpoint):
+    """tensor_parallel_size=2 on two virtual CPU devices (its own process): attention and the
+    dense layer sharded, every expert on both devices, no sum across them for the sparse
+    layer's output. Greedy tokens = transformers'."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    model, directory = checkpoint("qwen3_moe")
+    prompts = [[5, 9, 31, 77, 120, 4, 8], [int(t) for t in range(40, 80)]]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, directory, json.dumps(prompts)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got == [_greedy_reference(model, p, 6) for p in prompts]
