@@ -13,12 +13,15 @@ then a call constrained once it opens), on the default model's tokenizer and mod
    tool_choice ("required") grammar and unconstrained decoding (no mask: 0).
 2. Time per output token of whole requests (LLM.generate, the chat prompt with the tools
    rendered in, temperature 0.8, fixed seeds, ignore_eos) with each format's tool grammar and
-   without, interleaved rounds at each concurrency. The random-weight-free default model
-   mostly writes text here, so these runs weigh the free-text masks.
+   without, interleaved rounds at each concurrency. The model mostly writes text under the
+   formats' own grammars, so those runs weigh the free-text masks; "py call" is the pythonic
+   grammar without its text alternative, so every step after the first is inside a call (a
+   request ends when its call list closes, before max_tokens).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -97,8 +100,9 @@ def mask_times(compiler, spec, tokens: list[int], rows: int, repeats: int) -> li
     return best
 
 
-def decode_run(llm, spec, prompt_ids, concurrency: int, seed: int) -> float:
-    """Mean time per output token (after the first) of `concurrency` requests at once."""
+def decode_run(llm, spec, prompt_ids, concurrency: int, seed: int) -> tuple[float, float]:
+    """(mean time per output token after the first, mean output tokens) of `concurrency`
+    requests at once."""
     from jaxserve import SamplingParams
 
     params = [SamplingParams(temperature=0.8, max_tokens=FLAGS.max_tokens, ignore_eos=True,
@@ -106,8 +110,9 @@ def decode_run(llm, spec, prompt_ids, concurrency: int, seed: int) -> float:
               for i in range(concurrency)]
     outs = llm.generate([{"prompt_token_ids": prompt_ids}] * concurrency, params,
                         use_tqdm=False)
-    return statistics.mean((o.metrics.finished_time - o.metrics.first_token_time)
-                           / (len(o.outputs[0].token_ids) - 1) for o in outs)
+    return (statistics.mean((o.metrics.finished_time - o.metrics.first_token_time)
+                            / max(len(o.outputs[0].token_ids) - 1, 1) for o in outs),
+            statistics.mean(len(o.outputs[0].token_ids) for o in outs))
 
 
 def _mean_ms(times: list[float]) -> str:
@@ -136,6 +141,12 @@ def main(argv):
         print(f"{fmt}: the tool grammar admitted (compiled, first mask, probes) in "
               f"{1e3 * (time.perf_counter() - t0):.1f} ms")
     forced, _ = _spec(ctx, tool_choice="required")
+    if "pythonic" in specs:  # the call list without its text alternative: decoding writes calls
+        grammar = specs["pythonic"].grammar
+        assert grammar.count(" | PLAIN\n") == 1
+        specs["py call"] = dataclasses.replace(specs["pythonic"],
+                                               grammar=grammar.replace(" | PLAIN\n", "\n"))
+        prompts["py call"] = prompts["pythonic"]
     print(f"llguidance mask threads {MASK_THREADS} of {os.cpu_count()} cores, vocabulary {vocab}")
     # a forced call is compact JSON (structured_output._JSON_DEFAULTS)
     call_tokens = tok.encode(json.dumps(json.loads(CALL), separators=(",", ":")),
@@ -163,7 +174,7 @@ def main(argv):
     llm = LLM.from_engine(LLMEngine(EngineConfig.from_options(
         max_num_seqs=top, num_pages=max(64, top * 24)), loaded))
     print("warm-up:", llm.engine.warmup())
-    results, kinds = {}, [None, *FLAGS.formats]
+    results, kinds = {}, [None, *specs]
     prompts[None] = prompts[FLAGS.formats[0]]  # plain decoding: the first format's prompt
     for c in map(int, FLAGS.concurrency):  # untimed first pass: prompt shapes, grammar cache
         for kind in kinds:
@@ -173,12 +184,14 @@ def main(argv):
             for kind in (kinds if r % 2 == 0 else kinds[::-1]):
                 results.setdefault((c, kind), []).append(
                     decode_run(llm, specs.get(kind), prompts[kind], c, 100 * r))
-    print(f"{'conc.':>6}{'grammar':>10}{'ms/token':>10}{'overhead':>10}")
+    print(f"{'conc.':>6}{'grammar':>10}{'ms/token':>10}{'overhead':>10}{'tokens':>8}")
     for c in map(int, FLAGS.concurrency):
-        plain = statistics.mean(results[(c, None)])
+        plain = statistics.mean(ms for ms, _ in results[(c, None)])
         for kind in kinds:
-            ms = statistics.mean(results[(c, kind)])
-            print(f"{c:>6}{kind or 'none':>10}{1e3 * ms:>10.2f}{100 * (ms / plain - 1):>9.1f}%")
+            ms = statistics.mean(ms for ms, _ in results[(c, kind)])
+            tokens = statistics.mean(n for _, n in results[(c, kind)])
+            print(f"{c:>6}{kind or 'none':>10}{1e3 * ms:>10.2f}{100 * (ms / plain - 1):>9.1f}%"
+                  f"{tokens:>8.1f}")
 
 
 if __name__ == "__main__":
