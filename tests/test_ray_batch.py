@@ -136,7 +136,7 @@ def test_a_killed_replica_loses_and_repeats_no_line(cluster, options, input_path
     out.write_text("")
     summary = run_batch_on_ray(options, input_path, str(out), replicas=2,
                                on_replicas=_killer([0], str(out), after_lines=3))
-    assert summary.replicas_lost == 1 and summary.retried > 0
+    assert summary.replicas_lost == 1 and summary.retried > 0 and summary.last_error
     assert [_essence(r) for r in _lines(out)] == reference  # every line once, in input order
     assert summary.succeeded + summary.failed == ROWS
 
@@ -179,9 +179,9 @@ def test_cli_joins_a_running_cluster(cluster, model_dir, input_path, reference, 
     assert [_essence(r) for r in _lines(out)] == reference
 
 
-def test_what_cannot_run_is_refused_before_any_replica_starts(cluster, options, input_path,
-                                                              tmp_path):
-    from jaxserve.integrations.ray import run_batch_on_ray
+def test_what_cannot_run_is_refused(cluster, options, input_path, tmp_path):
+    """Before any replica starts where the driver can tell; an engine no replica can start."""
+    from jaxserve.integrations.ray import RayBatchError, run_batch_on_ray
 
     with pytest.raises(ValueError, match="need 3 CPU"):
         run_batch_on_ray(options, input_path, str(tmp_path / "out.jsonl"), replicas=3)
@@ -190,6 +190,11 @@ def test_what_cannot_run_is_refused_before_any_replica_starts(cluster, options, 
     with pytest.raises(ValueError, match="unexpected keyword argument 'model_name'"):
         run_batch_on_ray(options, input_path, str(tmp_path / "out.jsonl"), replicas=1,
                          model_name=("x",))
+    missing = str(tmp_path / "no_such_model")
+    with pytest.raises(RayBatchError, match="no Ray replica started its engine.*no_such_model"):
+        run_batch_on_ray({**options, "model": missing}, input_path, str(tmp_path / "out.jsonl"),
+                         replicas=1)
+    assert _lines(tmp_path / "out.jsonl") == []
 
 
 def test_data_processor_gives_generate_texts(cluster, options, model_dir):

@@ -21,6 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import inspect
+import logging
 import math
 import os
 from typing import Any, Callable
@@ -36,6 +37,7 @@ from jaxserve.batch_file import (BatchSummary, BatchWriter, LineRunner, Todo,  #
                                  plan_batch)
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 
+log = logging.getLogger(__name__)
 POLL_SECONDS = 0.5  # longest a replica steps before reporting back when nothing finishes
 
 
@@ -48,6 +50,7 @@ class RayBatchSummary(BatchSummary):
     replicas: int = 0
     replicas_lost: int = 0  # replicas that died during the run
     retried: int = 0  # lines handed to another replica after theirs died
+    last_error: str | None = None  # why the last replica was lost
 
 
 # ----------------------------------------------------------------------------- resources
@@ -151,6 +154,12 @@ def run_batch_on_ray(engine_options: dict[str, Any], input_path: str, output_pat
     return summary
 
 
+def _lost(summary: RayBatchSummary, r: int, error: Exception) -> None:
+    summary.replicas_lost += 1
+    summary.last_error = str(error).strip().splitlines()[-1] if str(error).strip() else repr(error)
+    log.warning("Ray replica %d lost: %s", r, error)
+
+
 def _dispatch(todo: list[Todo], writer: BatchWriter, summary: RayBatchSummary,
               engine_options: dict[str, Any], replicas: int, context: dict[str, Any],
               on_replicas) -> None:
@@ -158,14 +167,18 @@ def _dispatch(todo: list[Todo], writer: BatchWriter, summary: RayBatchSummary,
     actors = [_RemoteReplica.options(**options).remote(engine_options, context)
               for _ in range(replicas)]
     try:
-        try:
-            capacity = ray.get([a.ready.remote() for a in actors])
-        except ray.exceptions.RayError as e:
-            raise RayBatchError(f"a Ray replica failed to start its engine: {e}") from e
+        capacity: dict[int, int] = {}  # live replica -> lines to keep in flight there
+        for r, ready in enumerate([a.ready.remote() for a in actors]):
+            try:
+                capacity[r] = ray.get(ready)
+            except ray.exceptions.RayError as e:  # its engine did not start: run without it
+                _lost(summary, r, e)
+        if not capacity:
+            raise RayBatchError(f"no Ray replica started its engine: {summary.last_error}")
         if on_replicas is not None:
             on_replicas(actors)
         pending = collections.deque(todo)
-        assigned: dict[int, dict[int, Todo]] = {r: {} for r in range(replicas)}
+        assigned: dict[int, dict[int, Todo]] = {r: {} for r in capacity}
         calls: dict[ray.ObjectRef, int] = {}  # each live replica's one call in flight
 
         def feed(r: int) -> None:
@@ -175,22 +188,25 @@ def _dispatch(todo: list[Todo], writer: BatchWriter, summary: RayBatchSummary,
             if assigned[r]:
                 calls[actors[r].run.remote(items, POLL_SECONDS)] = r
 
-        for r in range(replicas):
+        for r in assigned:
             feed(r)
         while calls:
             [ref], _ = ray.wait(list(calls), num_returns=1)
             r = calls.pop(ref)
             try:
                 finished = ray.get(ref)
-            except ray.exceptions.RayActorError:  # the replica died: its lines go to the others
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                # The replica died, or its engine raised (its state is unknown: it is let go).
+                # Its lines, none written yet, go back to the front of the queue for the others.
+                ray.kill(actors[r])
                 lost = sorted(assigned.pop(r).values(), key=lambda item: item[0])
                 pending.extendleft(reversed(lost))
-                summary.replicas_lost += 1
                 summary.retried += len(lost)
+                _lost(summary, r, e)
                 if not assigned:
                     raise RayBatchError(f"every Ray replica died; {len(pending)} line(s) left "
-                                       "unrun (the output keeps the finished ones: rerun to "
-                                       "resume)") from None
+                                        "unrun (the output keeps the finished ones: rerun to "
+                                        f"resume); the last: {summary.last_error}") from None
                 for idle in [s for s in assigned if s not in calls.values()]:
                     feed(idle)
                 continue
