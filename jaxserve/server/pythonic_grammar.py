@@ -42,8 +42,11 @@ _ESCAPE = r"""\\[\\"'nrt]"""
 _INT = r"-?(0|[1-9][0-9]{0,18})"
 _FLOAT = r"-?(0|[1-9][0-9]{0,15})(\.[0-9]+)?([eE][+-]?[0-9]{1,2})?"
 _NUMBER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
-# Any literal, nested at most two deep (bounded, so a biased `[` cannot nest forever).
+
+
 def _any_rules() -> str:
+    """`py_any`: any literal, nested at most two deep (bounded, so a `[` that logit_bias
+    favours cannot nest forever)."""
     strings = " | ".join(f"/{q}({_CHAR[q]}|{_ESCAPE})*{q}/" for q in ('"', "'"))
     lines = [f"py_str: {strings}",
              f'py_scalar: py_str | /{_FLOAT}/ | "True" | "False" | "None"', "py_any0: py_scalar"]
@@ -72,7 +75,7 @@ def literal(value) -> list[str]:
 
 
 def is_keyword_argument(name: str) -> bool:
-    return name.isidentifier() and not keyword.iskeyword(name)
+    return name.isidentifier() and not keyword.iskeyword(name) and name != "__debug__"
 
 
 class _Rules:
