@@ -198,6 +198,7 @@ def test_what_cannot_run_is_refused(cluster, options, input_path, tmp_path):
 
 
 def test_data_processor_gives_generate_texts(cluster, options, model_dir):
+    pytest.importorskip("pyarrow", reason="Ray Data needs ray[data]")
     from jaxserve.integrations.ray import build_processor
     from jaxserve.llm import LLM
 
