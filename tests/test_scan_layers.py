@@ -8,7 +8,11 @@ of period 2 scanned in blocks, and a layer past the last block unrolled). The ab
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -88,6 +92,45 @@ def test_scanned_layers_give_the_unrolled_greedy_tokens(backend, model):
         outputs[scan], cached = _run(engine)
         assert cached >= 2 * 20  # two of the second wave's prompts hit the first's pages
     assert outputs["on"] == outputs["off"] and len(outputs["on"]) == 6
+
+
+# Run in a subprocess: the device count is fixed before JAX starts.
+_TP_CASE = """
+import dataclasses, json, sys
+from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine import LLMEngine
+sys.path.insert(0, sys.argv[1])
+from test_scan_layers import _windowed
+out = {}
+for scan in ("off", "on"):
+    e = LLMEngine(EngineConfig.from_options(num_pages=32, page_size=4, max_num_seqs=1,
+        max_num_batched_tokens=8, attention_backend="xla", tensor_parallel_size=2,
+        scan_layers=scan, huge_pages=False), _windowed())
+    e.add_request("the shared one", SamplingParams(max_tokens=4, temperature=0.0,
+                                                    ignore_eos=True))  # 2 prefill chunks
+    while e.has_unfinished():
+        for o in e.step():
+            if o.finished:
+                out.setdefault(scan, {})[o.request_id] = list(o.outputs[0].token_ids)
+w = e.runner.params["layers"]["stacked"][0]["w_qkv"]
+print(json.dumps({"out": out, "spec": list(w.sharding.spec),
+                  "pool": list(e.runner.pool.layers[0].k.sharding.spec)}))
+"""
+
+
+def test_tensor_parallel_scanned_layers_give_the_unrolled_tokens():
+    """TP 2 on two virtual CPU devices: the stacked weights keep their column sharding behind
+    an unsharded layer axis, the one pool its head sharding."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _TP_CASE, here], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["out"]["on"] == result["out"]["off"] and len(result["out"]["on"]) == 1
+    assert result["spec"] == [None, "tp"] and result["pool"] == ["tp"]
 
 
 def test_layers_are_grouped_by_their_window_pattern():

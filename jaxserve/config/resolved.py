@@ -33,7 +33,7 @@ def resolve_prefill_keys_per_token(requested: int | None, model: ModelConfig,
 
 def resolve_scan_layers(requested: str, platform: str) -> bool:
     """LoadConfig.scan_layers on a platform ("cpu", "gpu", "tpu"). auto: on for TPU, where the
-    step compiles 3.5x faster (v6e, compile-only); off on the CPU, where XLA copies each
+    step compiles 2-3.5x faster (v6e, compile-only); off on the CPU, where XLA copies each
     layer's weight slice out of the stack before a matmul custom call or dot (decode up to
     half as fast), and on GPU, unmeasured, where a cuBLAS call would copy them alike
     (docs/serving.md, scan_layers)."""
