@@ -2,8 +2,9 @@
 give the unrolled model's greedy tokens on the cpu and xla backends, through batching, chunked
 prefill, prefix-cache hits and copy-on-write page copies, for a uniform model (cpu) and for one
 whose layers alternate sliding-window and full attention with a local rope base (xla: a pattern
-of period 2 scanned in blocks, and a layer past the last block unrolled). The abstract params and pool of
-`jaxserve compile` match a scanned runner's, and a scanned step compiles for a TPU target."""
+of period 2 scanned in blocks, and a layer past the last block unrolled; also at TP 2). The
+abstract params and pool of `jaxserve compile` match a scanned runner's, and a scanned step
+compiles for a TPU target."""
 
 from __future__ import annotations
 

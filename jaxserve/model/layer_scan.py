@@ -2,10 +2,11 @@
 compiled once instead of once per layer, as MaxText trains.
 
 Weights: the per-layer dicts stacked on a leading axis, grouped by the model's layer pattern.
-Layers differ only in their sliding window (and the rope base that follows it), which the
-attention backends take as a compile-time constant, so the scan runs blocks of `period` layers
-(the shortest repeat of the window pattern: 1 for Llama, 2 for Gemma 2, 6 for Gemma 3), each
-block's layers unrolled inside the body; the layers past the last whole block run unrolled
+Layers differ in their sliding window (and the rope base that follows it), which the attention
+backends take as a compile-time constant, and in their weights' tree (a mixture of experts'
+sparse and dense layers), so the scan runs blocks of `period` layers (the shortest repeat of
+the pattern: 1 for Llama, 2 for Gemma 2, 6 for Gemma 3), each block's layers unrolled inside
+the body; the layers past the last whole block run unrolled
 after it. params["layers"] = {"stacked": (period dicts of leaves [blocks, ...]),
 "rest": (per-layer dicts)}.
 
@@ -84,8 +85,8 @@ def copy_pages(pool: KVPool, src, dst, num_layers: int) -> KVPool:
 
 
 def run_layers(params: dict, pool: KVPool, x, md, *, cfg, layer, rope_of):
-    """x f[T, H] through every layer: layer(md, window, x, cache, lp) -> (x, cache) is one
-    decoder layer (md: that layer's metadata), rope_of(window) its rope tables."""
+    """x f[T, H] through every layer: layer(md, window, rope, x, cache, lp) -> (x, cache) is
+    one decoder layer (md: that layer's metadata, rope: rope_of(window), its rope tables)."""
     (cache,) = pool.layers
     n = _pages(cache) // cfg.num_layers
     page_size = cache.page_size
@@ -108,7 +109,8 @@ def run_layers(params: dict, pool: KVPool, x, md, *, cfg, layer, rope_of):
             x, cache = run(b * p + j, j, x, cache, lp)
         return (x, cache), None
 
-    (x, cache), _ = jax.lax.scan(body, (x, cache), (jnp.arange(blocks, dtype=jnp.int32), stacked))
+    ids = jnp.arange(blocks, dtype=jnp.int32)
+    (x, cache), _ = jax.lax.scan(body, (x, cache), (ids, stacked))
     for r, lp in enumerate(rest):
         i = blocks * p + r
         x, cache = run(np.int32(i), i, x, cache, lp)
