@@ -197,7 +197,9 @@ def test_what_cannot_run_is_refused(cluster, options, input_path, tmp_path):
     assert _lines(tmp_path / "out.jsonl") == []
 
 
-def test_data_processor_gives_generate_texts(cluster, options, model_dir):
+def test_data_processor_gives_generate_texts(cluster, options, model_dir, tmp_path):
+    """Two engines on the module's two CPUs, reading a JSON file: the read tasks need a CPU the
+    engines leave them (they once waited for ever)."""
     pytest.importorskip("pyarrow", reason="Ray Data needs ray[data]")
     from jaxserve.integrations.ray import build_processor
     from jaxserve.llm import LLM
@@ -209,8 +211,10 @@ def test_data_processor_gives_generate_texts(cluster, options, model_dir):
     rows += [{"id": len(rows) + k, "messages": m} for k, m in enumerate(chats)]
     rows[4]["sampling_params"] = {"max_tokens": 2}
     sampling = {"temperature": 0, "max_tokens": 6}
-    processor = build_processor(sampling=sampling, batch_size=4, **options)
-    out = sorted(processor(ray.data.from_items(rows)).take_all(), key=lambda r: r["id"])
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    processor = build_processor(sampling=sampling, concurrency=2, batch_size=3, **options)
+    ds = ray.data.read_json(str(tmp_path / "rows.jsonl"))
+    out = sorted(processor(ds).take_all(), key=lambda r: r["id"])
 
     llm = LLM(**options)
     params = [SamplingParams(**sampling) for _ in prompts]

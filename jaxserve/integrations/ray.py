@@ -59,9 +59,12 @@ def devices_per_replica(engine_options: dict[str, Any]) -> int:
             * (engine_options.get("data_parallel_size") or 1))
 
 
-def actor_resources(engine_options: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
+def actor_resources(engine_options: dict[str, Any], replicas: int = 1,
+                    spare_cpus: int = 0) -> dict[str, Any]:
     """Ray resources for one replica: its devices as GPUs or TPU chips where the cluster has
-    them, one CPU otherwise; refuses what the cluster can never place (Ray would wait forever)."""
+    them, one CPU otherwise (less where spare_cpus must stay free for other tasks: an engine
+    on the CPU uses every core whatever it is granted); refuses what the cluster can never
+    place (Ray would wait forever)."""
     n = devices_per_replica(engine_options)
     cluster = ray.cluster_resources()
     if cluster.get("GPU"):
@@ -69,7 +72,9 @@ def actor_resources(engine_options: dict[str, Any], replicas: int = 1) -> dict[s
     elif cluster.get("TPU"):
         options, kind, have = {"resources": {"TPU": n}}, "TPU", cluster["TPU"]
     else:
-        options, kind, have, n = {"num_cpus": 1}, "CPU", cluster.get("CPU", 0), 1
+        kind, have = "CPU", cluster.get("CPU", 0)
+        n = min(1.0, max(0.0, (have - spare_cpus) / replicas)) if spare_cpus else 1
+        options = {"num_cpus": n}
     if n * replicas > have:
         raise ValueError(f"{replicas} replica(s) of {n} {kind} each need {n * replicas} {kind}; "
                          f"the Ray cluster has {have:g}")
@@ -246,7 +251,8 @@ def _plain(key: str, value: Any) -> Any:
 class JaxserveProcessor:
     """A Ray Data callable class, one engine per actor of the pool:
     `ds.map_batches(JaxserveProcessor, fn_constructor_kwargs={"model": ..., "sampling": {...},
-    **engine_options}, concurrency=N, batch_size=...)`. A batch is one LLM.generate call."""
+    **engine_options}, compute=ray.data.ActorPoolStrategy(size=N), batch_size=...)`. A batch is
+    one LLM.generate call."""
 
     def __init__(self, model: str, sampling: SamplingParams | dict | None = None,
                  **engine_options: Any):
@@ -300,10 +306,14 @@ def build_processor(model: str, sampling: SamplingParams | dict | None = None, *
 
     def process(ds):
         # ray.data started (or joined) Ray when the dataset was made: the cluster is known now
+        import ray.data
+
+        # one CPU stays free for the dataset's own tasks (reading, splitting blocks)
         remote_args = ray_remote_args if ray_remote_args is not None else actor_resources(
-            engine_options, concurrency)
+            engine_options, concurrency, spare_cpus=1)
         return ds.map_batches(JaxserveProcessor, fn_constructor_kwargs={
             "model": model, "sampling": sampling, **engine_options},
-            concurrency=concurrency, batch_size=batch_size, **remote_args)
+            compute=ray.data.ActorPoolStrategy(size=concurrency), batch_size=batch_size,
+            **remote_args)
 
     return process
