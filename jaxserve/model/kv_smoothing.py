@@ -9,15 +9,27 @@ with it, so that is all a fold may apply: the key pair is multiplied by exp(1j *
 every query head of its KV head's group by exp(1j * phi) * s (a rotation keeps q.k, the scales
 cancel). A low-frequency pair barely turns, so its keys stay near one direction and one of its
 channels carries them: phi turns that direction to 45 degrees, sharing the magnitude between
-the two int8 channels (most of the gain); s divides each pair by the square root of its largest
-size (SmoothQuant's alpha 1/2), so no pair sets the scale for the rest. With q/k norms (RMSNorm
+the two int8 channels (most of the gain); s divides each pair by a root of its largest size
+(ALPHA, as SmoothQuant's alpha), so no pair sets the scale for the rest. With q/k norms (RMSNorm
 of each head before rope) only a per-channel scale fits, in the norm weights, shared by heads.
 
 phi and s come from a calibration pass: the float model over fixed seeded token ids, its keys
 as the pages would hold them. Estimating them from the weights alone (the normalised input
-taken as white) kept half the gain: on the default model's held-out prompts int8 keys' KL
-1.22e-3 -> 5.7e-4 from the weights, 3.6e-4 calibrated (scripts/quantization_agreement.py's
-measure). Values need nothing: int8 values alone cost 7.6e-5."""
+taken as white) kept half the gain.
+
+Values carry no rope, so any turn of a value head folds into the weights: v W_v M, and M^T
+before W_o's rows of every query head of its group. M is the normalised Hadamard matrix
+(a seeded orthogonal one where the head dim is not a power of two): it spreads a value's
+large channels over all of them, so the per-token int8 scale is no longer theirs.
+
+Measured on the default model, KL(f32 || int8 KV) along f32's greedy tokens at 32 / 64
+tokens (scripts/quantization_agreement.py's 16 chat prompts), and at 64 on 32 other chat
+prompts: keys smoothed over 128 tokens at ALPHA 1/2, 4.8e-4 / 5.1e-4, 5.1e-4; each change
+alone: 512 tokens 4.2 / 4.4, 4.2; ALPHA 3/8 4.9 / 4.6, 4.5; values turned 4.3 / 4.3, 4.2;
+all three with 1024 tokens (this module) 4.5e-4 / 4.1e-4, 4.1e-4 (ALPHA 1/2 there: 4.5 at
+64 tokens on the 16, 4.0 on the 32). A few near-tied tokens carry much of the KL: a small
+change of s (the calibration seed, 512 tokens for 1024) moves it by 5-15%. The pass over
+1024 tokens takes 15 s at load for the default model under load (128: 2.4-5.0 s)."""
 
 from __future__ import annotations
 
@@ -32,8 +44,8 @@ from jaxserve.model import llama
 from jaxserve.model.kv_cache import KVCache
 from jaxserve.model.rope import rope_tables
 
-ALPHA = 0.5  # s = (a pair's largest size) ** ALPHA: 1/2 measured best of 1/4, 1/2, 3/4 and 1
-CALIBRATION_TOKENS = 128
+ALPHA = 0.375  # s = (a pair's largest size) ** ALPHA: see the measures above
+CALIBRATION_TOKENS = 1024
 
 
 def _halves(w: np.ndarray, heads: int, d: int):
@@ -134,12 +146,38 @@ def key_transform(keys: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.nd
     return phi, np.concatenate([s, s], axis=-1)
 
 
+def value_turn(d: int) -> np.ndarray:
+    """M f64[D, D], orthogonal: the normalised Hadamard matrix, or a seeded orthogonal one
+    where D is not a power of two."""
+    if d & (d - 1):
+        return np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))[0]
+    m = np.ones((1, 1))
+    while len(m) < d:
+        m = np.block([[m, m], [m, -m]])
+    return m / np.sqrt(d)
+
+
+def _turn_values(layer: dict, cfg: ModelConfig) -> dict:
+    """wv (and bv) times M in each KV head, wo's rows of each query head by M^T first."""
+    d, m = cfg.head_dim, value_turn(cfg.head_dim)
+    out = {}
+    for name, heads, mat in (("wv", cfg.num_kv_heads, m), ("bv", cfg.num_kv_heads, m)):
+        if name in layer:
+            w = np.asarray(layer[name])
+            out[name] = (w.astype(np.float64).reshape(*w.shape[:-1], heads, d) @ mat).reshape(
+                w.shape).astype(w.dtype)
+    wo = np.asarray(layer["wo"])
+    rows = wo.astype(np.float64).reshape(cfg.num_heads, d, -1)
+    out["wo"] = np.einsum("de,hdo->heo", m, rows).reshape(wo.shape).astype(wo.dtype)
+    return out
+
+
 def smooth_layer(layer: dict, cfg: ModelConfig, turn: tuple[np.ndarray, np.ndarray]) -> dict:
     """One layer of the loaders' layout (float weights [in, out]) with its keys turned by phi
-    and divided by s per rope pair, and its queries turned and multiplied alike (q.k
-    unchanged); turn = key_transform's (phi, s)."""
+    and divided by s per rope pair, its queries turned and multiplied alike (q.k unchanged),
+    and its values turned by value_turn (o W_o unchanged); turn = key_transform's (phi, s)."""
     phi, s = turn
-    out = dict(layer)
+    out = {**layer, **_turn_values(layer, cfg)}
     if cfg.qk_norm:  # the norms' weights, shared by the heads, take s (phi is 0)
         offset = cfg.norm_weight_offset
         for name, m in (("q_norm", s[0]), ("k_norm", 1 / s[0])):
