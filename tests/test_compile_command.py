@@ -79,6 +79,9 @@ def test_report_fields_and_types(v5e_report):
     assert planned <= d["budget_bytes"] == int(0.9 * 16 * 2 ** 30)
     assert d["budget_bytes"] - planned < d["budget_bytes"] / 1000  # the pool takes the rest
     assert d["step_peak_bytes"] <= r["hbm_bytes_per_device"]  # what XLA compiled holds
+    # the plan's runtime term covers the code of every executable compiled (steps, sampling
+    # calls, page copies), each counted at the largest of its kind
+    assert d["generated_code_bytes"] <= d["runtime_bytes"]
 
 
 def test_shapes_are_the_engines_warmup(v5e_report, tiny_dir):

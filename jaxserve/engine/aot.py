@@ -10,8 +10,9 @@ the compiled steps' memory analysis in place of measurements, per device:
     budget (memory_utilization x HBM) = weights + activation peak + runtime + margin + KV pool
 
 the activation peak being the largest step's (plain or scoring) temporaries and outputs beside
-the donated pool, the runtime the compiled code (the largest step's code per compiled shape: an
-accelerator keeps a loaded program in its memory), the margin memory_plan.MARGIN of the budget.
+the donated pool, the runtime the compiled code (the largest step's code per compiled shape and
+the largest sampling call's per sampling call: an accelerator keeps a loaded program in its
+memory), the margin memory_plan.MARGIN of the budget.
 
 For this host's own backend: the engine is built and warmed up, so its compiles land in JAX's
 persistent compilation cache, where `serve`, `generate`, `batch` and `LLM` find them.
@@ -43,6 +44,8 @@ from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM
 from jaxserve.runtime.topology import Topology, compile_target, tpu_topology
 from jaxserve.weights.model_config import read_model_config
 
+# Sampling calls warm-up compiles per sample-row count: 3 modes, without and with logit controls.
+SAMPLING_VARIANTS = 6
 PROBE_PAGES = 2
 
 
@@ -239,8 +242,14 @@ def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> Me
                 for k in (None, b.logprobs[-1])]
     activation = max(_step_bytes(c) for c in compiled)
     code = compiled[0].memory_analysis().generated_code_size_in_bytes
-    warmup_shapes = sum(1 for _ in warmup_batches(b, t.page_size)) + len(b.copies)
-    runtime = int(code) * warmup_shapes
+    batches = [batch for batch, _ in warmup_batches(b, t.page_size)]
+    warmup_shapes = len(batches) + len(b.copies)
+    # The sampling calls' code too (for an 8B at TP 4 it was 0.1 of 0.24 GiB of code): the
+    # largest one (the most rows, filtered, with logit controls) counted for each of them.
+    sampling = compiler.compile_sampling(compiler.batch(shape), FILTERED, True)
+    sampling_calls = SAMPLING_VARIANTS * len({x.logits_indices.shape[0] for x in batches})
+    runtime = (int(code) * warmup_shapes + sampling_calls
+               * int(sampling.memory_analysis().generated_code_size_in_bytes))
     rest = budget - weights - runtime - margin
     num_pages = (rest - activation) // page_bytes
     if o["num_pages"] is not None or o["kv_cache_bytes"] is not None:
@@ -269,7 +278,7 @@ def _jobs(compiler: _Compiler, pool):
                lambda batch=batch: compiler.compile_step(batch, pool))
         if rows not in sampled:
             sampled.add(rows)
-            for controls in (False, True):
+            for controls in (False, True):  # SAMPLING_VARIANTS of them
                 for mode in (GREEDY, RANDOM, FILTERED):
                     yield (f"sampling of {rows} rows, mode {mode}"
                            + (", logit controls" if controls else ""), "sampling",
