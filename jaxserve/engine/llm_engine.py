@@ -7,6 +7,7 @@ tokens and the scheduler applies them)."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import math
@@ -21,6 +22,7 @@ from jax.sharding import Mesh
 from jaxserve import backends
 from jaxserve.config import EngineConfig, ModelConfig, ResolvedConfig, kv_slot_bytes
 from jaxserve.config.resolved import resolve_kv_cache_dtype
+from jaxserve.core import kv_groups
 from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
@@ -65,7 +67,8 @@ class LLMEngine:
             with self.startup.phase("load the model"):
                 loaded = load_model(load.model, dtype=dtype, lazy=True)
         self.model_config = loaded.config
-        sharding.check_fits(loaded.config, parallel.tensor_parallel_size, load.quantization)
+        sharding.check_fits(loaded.config, parallel.tensor_parallel_size, load.quantization,
+                            parallel.enable_expert_parallel)
         if mesh is None:
             if parallel.data_parallel_size > 1:
                 raise ValueError("data_parallel_size > 1 is served by several engines: "
@@ -89,6 +92,10 @@ class LLMEngine:
             query_block=backend.query_block, packed=backend.packed,
             spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0)
         budget = memory_plan.budget(cache, parallel, jax.default_backend())
+        if budget is not None:
+            # An engine dropped just before (a notebook's previous LLM) may still hold its pool
+            # in a reference cycle; freed during the plan, it would hide this engine's runtime.
+            gc.collect()
         held_before = memory.in_use(mesh.devices.flat[0]) if budget is not None else 0
         # With a budget, a probe pool of PROBE_PAGES until the plan has measured the rest.
         num_pages = PROBE_PAGES if budget is not None else resolved.num_pages(
@@ -101,7 +108,8 @@ class LLMEngine:
                                       backend=backend, quantization=load.quantization,
                                       max_sample_rows=self.buckets.max_sample_rows,
                                       huge_pages=load.huge_pages, mesh=mesh,
-                                      scan_layers=resolved.scan_layers)
+                                      scan_layers=resolved.scan_layers,
+                                      expert_parallel=parallel.enable_expert_parallel)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # Speculation's one owner (Speculator.speculation), which the scheduler asks for drafts.
         self.speculator = Speculator(config, resolved, self.buckets, draft,
@@ -125,6 +133,7 @@ class LLMEngine:
             model_fingerprint=(f"{loaded.fingerprint}:{resolved.dtype}:{load.quantization}:"
                                f"kv-{resolved.kv_cache_dtype}"),
             kv_window=loaded.config.kv_window, speculation=self.speculator.speculation,
+            group_windows=kv_groups.groups_of(loaded.config).windows,
             num_pages=self.num_pages)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests = RequestTable(self.scheduler, self.outputs)

@@ -114,6 +114,7 @@ def plan(runner, buckets: Buckets, budget_bytes: int, held_before: int,
     per_shape = int(np.median(growth)) if growth else 0
     log.debug("plan probes grew %s", growth)
     runtime = max(0, memory.in_use(device) - held_before - weights - probe_pool)
+    log.debug("plan runtime: %d held + %d per shape x %d", runtime, per_shape, compiled_shapes)
     runtime += per_shape * compiled_shapes  # each compiles again for the planned pool
     # Confirm the activation peak with one real step of the largest shape (its temporaries do
     # not depend on the pool's size, so the probe pool shows them): the plan takes the larger.
