@@ -22,7 +22,6 @@ from jax.sharding import Mesh
 from jaxserve import backends
 from jaxserve.config import EngineConfig, ModelConfig, ResolvedConfig, kv_slot_bytes
 from jaxserve.config.resolved import resolve_kv_cache_dtype
-from jaxserve.core import kv_groups
 from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
@@ -67,8 +66,7 @@ class LLMEngine:
             with self.startup.phase("load the model"):
                 loaded = load_model(load.model, dtype=dtype, lazy=True)
         self.model_config = loaded.config
-        sharding.check_fits(loaded.config, parallel.tensor_parallel_size, load.quantization,
-                            parallel.enable_expert_parallel)
+        sharding.check_fits(loaded.config, parallel.tensor_parallel_size, load.quantization)
         if mesh is None:
             if parallel.data_parallel_size > 1:
                 raise ValueError("data_parallel_size > 1 is served by several engines: "
@@ -108,8 +106,7 @@ class LLMEngine:
                                       backend=backend, quantization=load.quantization,
                                       max_sample_rows=self.buckets.max_sample_rows,
                                       huge_pages=load.huge_pages, mesh=mesh,
-                                      scan_layers=resolved.scan_layers,
-                                      expert_parallel=parallel.enable_expert_parallel)
+                                      scan_layers=resolved.scan_layers)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # Speculation's one owner (Speculator.speculation), which the scheduler asks for drafts.
         self.speculator = Speculator(config, resolved, self.buckets, draft,
@@ -133,7 +130,6 @@ class LLMEngine:
             model_fingerprint=(f"{loaded.fingerprint}:{resolved.dtype}:{load.quantization}:"
                                f"kv-{resolved.kv_cache_dtype}"),
             kv_window=loaded.config.kv_window, speculation=self.speculator.speculation,
-            group_windows=kv_groups.groups_of(loaded.config).windows,
             num_pages=self.num_pages)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests = RequestTable(self.scheduler, self.outputs)
