@@ -20,8 +20,12 @@ def __getattr__(name):
         from jaxserve.engine import LLMEngine
 
         return LLMEngine
+    if name == "register_model":  # models from outside the tree (jaxserve/weights/custom.py)
+        from jaxserve.weights.custom import register_model
+
+        return register_model
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput",
-           "EngineConfig", "ModelConfig"]
+__all__ = ["LLM", "LLMEngine", "register_model", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "EngineConfig", "ModelConfig"]

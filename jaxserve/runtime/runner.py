@@ -34,7 +34,7 @@ from jaxserve.model.kv_smoothing import layer_smoother
 from jaxserve.model.quantize import quantize_head, quantize_layer
 from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_batches, warmup_plan
-from jaxserve.runtime import distributed, sharding
+from jaxserve.runtime import custom_model, distributed, sharding
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
 from jaxserve.runtime.precompile import Precompiler
@@ -72,6 +72,8 @@ def _copy_pages(pool: KVPool, src, dst, scanned_layers: int = 0) -> KVPool:
 
 def _model(cfg: ModelConfig, backend: Backend, mesh: Mesh):
     """(params, pool, token_ids, md) -> (pool, hidden) on the mesh's tp devices."""
+    if custom_model.is_registered(cfg):  # jaxserve.register_model's (runtime/custom_model.py)
+        return custom_model.forward(cfg, backend, mesh)
     tp = sharding.tp_size(mesh)
     if tp == 1:
         return functools.partial(llama.forward, cfg=cfg, backend=backend)
@@ -181,7 +183,7 @@ class ModelRunner:
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
         self.params = self._place(params, quantization, backend)
-        if scan_layers:
+        if scan_layers and "layers" in self.params:  # (a registered model's: its own)
             self.params["layers"] = layer_scan.group_layers(self.params["layers"], cfg,
                                                             layer_scan.stack_on_device)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
@@ -208,6 +210,8 @@ class ModelRunner:
         (weights.orbax_io.OrbaxParams) is restored straight into the shardings, unless its
         weights must first be quantized, packed or smoothed for int8 KV on the host."""
         int8_kv = self.kv_dtype == jnp.int8
+        if custom_model.is_registered(self.cfg):  # jaxserve.register_model's: its own layout
+            return custom_model.place(params, self.cfg, self.mesh, self._cast, quantization)
         if hasattr(params, "restore"):
             # float weights are packed on the host only by the cpu backend (its panels)
             if quantization == "none" and backend.pack_params is None and not int8_kv:

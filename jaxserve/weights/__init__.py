@@ -90,7 +90,7 @@ def load_model(name_or_path: str, dtype: str = "float32", lazy: bool = False) ->
     the model layer by layer: GGUF and safetensors layer weights are LayerStacks read one layer
     at a time, and an orbax checkpoint's params are left unread (orbax_io.OrbaxParams) for the
     runner to restore into its devices' shardings."""
-    from jaxserve.weights import gguf_loader, hf_loader, orbax_io
+    from jaxserve.weights import custom, gguf_loader, hf_loader, orbax_io
 
     dtype = numpy_dtype(dtype)
     path = resolve_model_path(os.fspath(name_or_path))
@@ -105,6 +105,9 @@ def load_model(name_or_path: str, dtype: str = "float32", lazy: bool = False) ->
     if hf_loader.is_hf_dir(path):
         if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise _not_found(f"Hugging Face directory {path} has no tokenizer.json")
+        registered = custom.architecture_of(path)
+        if registered is not None:  # jaxserve.register_model's architecture
+            return custom.load_hf_dir(path, registered, dtype)
         return hf_loader.load_hf_dir(path, dtype, lazy)
     ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
     if len(ggufs) == 1:
