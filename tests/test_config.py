@@ -96,38 +96,52 @@ def test_the_engine_resolves_into_its_own_object_and_leaves_the_request_as_asked
 
 
 def test_serve_flags_come_from_the_serving_config_and_resolve_into_the_apps():
-    """`jaxserve serve`'s own flags are ServingConfig's fields (repeated ones as tuples), and
-    ServerConfig.of resolves them: keys read, a key file without keys refused."""
-    from jaxserve.config.serving import REASONING_PARSERS, TOOL_CALL_PARSERS, ServingConfig
+    """`jaxserve serve`'s own flags are ServingConfig's and ProtocolConfig's fields (repeated
+    ones as tuples), and ServerConfig.of resolves them: keys read, a key file without keys
+    refused. `jaxserve batch` reads rows with ProtocolConfig's flags, the same ones."""
+    from jaxserve.config.serving import (
+        REASONING_PARSERS, TOOL_CALL_PARSERS, ProtocolConfig, ServingConfig)
     from jaxserve.server import reasoning, tool_parsers
     from jaxserve.server.app import ServerConfig
 
-    values = flags.FlagValues()
-    engine_flags.define_flags(ServingConfig, values)
-    for field in dataclasses.fields(ServingConfig):
+    def serve_flags():
+        values = flags.FlagValues()
+        for cls in (ServingConfig, ProtocolConfig):
+            engine_flags.define_flags(cls, values)
+        return values
+
+    values = serve_flags()
+    for field in dataclasses.fields(ServingConfig) + dataclasses.fields(ProtocolConfig):
         flag = values[field.name]
         default = list(field.default) if isinstance(field.default, tuple) else field.default
         assert flag.default == default, field.name
         assert field.metadata["help"] in flag.help, field.name
     values(["serve"])
     assert engine_flags.config_of(ServingConfig, values) == ServingConfig()
+    assert engine_flags.config_of(ProtocolConfig, values) == ProtocolConfig()
     assert ServerConfig.of(ServingConfig()) == ServerConfig()
-    values = flags.FlagValues()
-    engine_flags.define_flags(ServingConfig, values)
+    values = serve_flags()
     values(["serve", "--api_key=a", "--api_key=b", "--served_model_name=m", "--port=9",
-            "--tool_call_parser=pythonic", "--max_tokens_limit=5"])
+            "--tool_call_parser=pythonic", "--max_tokens_limit=5", "--reasoning_parser=qwen3"])
     serving = engine_flags.config_of(ServingConfig, values)
-    assert (serving.api_key, serving.served_model_name, serving.port) == (("a", "b"), ("m",), 9)
-    server = ServerConfig.of(serving, env_key="ignored: keys were given")
+    protocol = engine_flags.config_of(ProtocolConfig, values)
+    assert (serving.api_key, protocol.served_model_name, serving.port) == (("a", "b"), ("m",), 9)
+    server = ServerConfig.of(serving, protocol, env_key="ignored: keys were given")
     assert server.keys == (("a", "key0"), ("b", "key1"))
-    assert (server.served_model_names, server.tool_call_parser, server.max_tokens_limit) == (
-        ("m",), "pythonic", 5)
+    assert (server.served_model_names, server.tool_call_parser, server.max_tokens_limit,
+            server.reasoning_parser) == (("m",), "pythonic", 5, "qwen3")
+    assert protocol.context_options() == {"model_names": ("m",), "max_tokens_limit": 5,
+                                           "tool_call_parser": "pythonic",
+                                           "reasoning_parser": "qwen3"}
+    assert ProtocolConfig().context_options()["reasoning_parser"] is None  # "none"
     # the config layer names the server's parsers without importing them
     assert set(TOOL_CALL_PARSERS) == {"auto", *tool_parsers.PARSERS}
     assert set(REASONING_PARSERS) == {"none", *reasoning.REASONING_PARSERS}
     with pytest.raises(ValueError, match="port must be in"):
         ServingConfig(port=70000)
     with pytest.raises(ValueError, match="tool_call_parser must be one of"):
-        ServingConfig(tool_call_parser="xml")
+        ProtocolConfig(tool_call_parser="xml")
+    with pytest.raises(ValueError, match="max_tokens_limit must be >= 1"):
+        ProtocolConfig(max_tokens_limit=0)
     with pytest.raises(ValueError, match="JAXSERVE_API_KEY is set but empty"):
         ServerConfig.of(ServingConfig(), env_key=" ")

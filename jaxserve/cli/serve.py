@@ -12,9 +12,10 @@ import uvicorn
 from absl import flags
 
 from jaxserve.cli import engine_flags  # defines the engine flags
-from jaxserve.config.serving import ServingConfig
+from jaxserve.config.serving import ProtocolConfig, ServingConfig
 
 engine_flags.define_flags(ServingConfig)
+engine_flags.define_flags(ProtocolConfig)
 FLAGS = flags.FLAGS
 
 
@@ -67,7 +68,8 @@ def main(argv):
 
     try:
         serving = engine_flags.config_of(ServingConfig)
-        server_config = ServerConfig.of(serving, os.environ.get("JAXSERVE_API_KEY"))
+        server_config = ServerConfig.of(serving, engine_flags.config_of(ProtocolConfig),
+                                        os.environ.get("JAXSERVE_API_KEY"))
         engine = make_engine(EngineConfig.from_options(**engine_flags.engine_options()))
     except (ValueError, OSError) as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)

@@ -1,7 +1,8 @@
-"""How `jaxserve serve` serves (ServingConfig, requested): where it listens, who may call it,
-the limits a request body meets, how tool calls and reasoning are read from the text, and how
-it starts and stops. Its flags are generated from these fields (cli/serve.py); the server
-resolves it into the app's ServerConfig (server/app.py: the key file read, the parsers
+"""How `jaxserve serve` serves (ServingConfig, requested): where it listens, who may call it and
+how it starts and stops; and how a request body is read (ProtocolConfig, which `jaxserve batch`
+shares): the limits it meets, the model names it may use, how tool calls and reasoning are read
+from the text. Their flags are generated from these fields (cli/serve.py, cli/batch.py); the
+server resolves them into the app's ServerConfig (server/app.py: the key file read, the parsers
 checked)."""
 
 from __future__ import annotations
@@ -36,17 +37,6 @@ class ServingConfig:
         30.0, "On SIGINT/SIGTERM: stop accepting, let live requests finish for this many "
         "seconds, then fail the rest with errors and exit 0. A second signal exits at once.")
     max_body_bytes: int = option(4 * 1024 * 1024, "Largest request body accepted.")
-    max_tokens_limit: int | None = option(
-        None, "Largest max_tokens accepted (default: the context).")
-    served_model_name: tuple[str, ...] = option(
-        (), "Model name(s) clients use (default: --model).")
-    tool_call_parser: str = option(
-        "auto", "How tool calls are read from the text when a request offers tools with "
-        "tool_choice 'auto' (or none): auto = the format the chat template's markup shows, "
-        "hermes when it shows none.", choices=TOOL_CALL_PARSERS)
-    reasoning_parser: str = option(
-        "none", "Split <think>...</think> reasoning into message.reasoning_content.",
-        choices=REASONING_PARSERS)
     compile_warmup: str = option(
         "default", "Compile step shapes before taking traffic (/health/ready answers 503 "
         "meanwhile): default = every shape of a packed backend (cpu), the pure decode and "
@@ -61,9 +51,35 @@ class ServingConfig:
             (self.shutdown_timeout >= 0,
              f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}"),
             (self.max_body_bytes >= 1, f"max_body_bytes must be >= 1, got {self.max_body_bytes}"),
-            (self.max_tokens_limit is None or self.max_tokens_limit >= 1,
-             f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}"),
         )
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProtocolConfig:
+    max_tokens_limit: int | None = option(
+        None, "Largest max_tokens accepted (default: the context).")
+    served_model_name: tuple[str, ...] = option(
+        (), "Model name(s) clients use (default: --model).")
+    tool_call_parser: str = option(
+        "auto", "How tool calls are read from the text when a request offers tools with "
+        "tool_choice 'auto' (or none): auto = the format the chat template's markup shows, "
+        "hermes when it shows none.", choices=TOOL_CALL_PARSERS)
+    reasoning_parser: str = option(
+        "none", "Split <think>...</think> reasoning into message.reasoning_content.",
+        choices=REASONING_PARSERS)
+
+    def __post_init__(self):
+        check_choices(self)
+        if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
+            raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+
+    def context_options(self) -> dict:
+        """server.protocol.ProtocolContext.for_engine's keywords."""
+        return {"model_names": self.served_model_name or None,
+                "max_tokens_limit": self.max_tokens_limit,
+                "tool_call_parser": self.tool_call_parser,
+                "reasoning_parser": None if self.reasoning_parser == "none"
+                else self.reasoning_parser}

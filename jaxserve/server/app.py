@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from jaxserve.config.serving import ServingConfig
+from jaxserve.config.serving import ProtocolConfig, ServingConfig
 from jaxserve.engine import DataParallelEngine, LLMEngine
 from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
@@ -39,36 +39,38 @@ log = logging.getLogger("jaxserve.server")
 
 @dataclasses.dataclass(frozen=True)
 class ServerConfig:
-    """What the app serves with: `ServingConfig` (jaxserve/config/serving.py, requested: its
-    defaults and help) resolved by `of`, the key file read into (key, tenant) pairs."""
+    """What the app serves with: `ServingConfig` and `ProtocolConfig` (jaxserve/config/serving.py,
+    requested: their defaults and help) resolved by `of`, the key file read into (key, tenant)
+    pairs."""
 
     api_key: str | None = None  # one key, tenant "default"
     # (key, tenant) pairs: each tenant's requests share prefix-cache pages only among themselves
     # (their cache salt is derived from the tenant name), so no tenant can time another's prompts.
     api_keys: tuple[tuple[str, str], ...] = ()
     max_body_bytes: int = ServingConfig.max_body_bytes
-    max_tokens_limit: int | None = ServingConfig.max_tokens_limit  # None: the context bounds it
+    max_tokens_limit: int | None = ProtocolConfig.max_tokens_limit  # None: the context bounds it
     served_model_names: tuple[str, ...] | None = None  # default: the engine's model name
     # With keys, /metrics needs one too (it shows every tenant's traffic; Prometheus scrapers
     # send bearer tokens); True leaves it open for a scraper that cannot.
     public_metrics: bool = ServingConfig.public_metrics
     # How tool calls (tool_choice "auto") and reasoning are read from the text: names of
     # tool_parsers.PARSERS ("auto": from the chat template) and reasoning.REASONING_PARSERS.
-    tool_call_parser: str = ServingConfig.tool_call_parser
+    tool_call_parser: str = ProtocolConfig.tool_call_parser
     reasoning_parser: str | None = None
 
     @classmethod
-    def of(cls, serving: ServingConfig, env_key: str | None = None) -> "ServerConfig":
+    def of(cls, serving: ServingConfig, protocol: ProtocolConfig = ProtocolConfig(),
+           env_key: str | None = None) -> "ServerConfig":
         """The requested serving options resolved: keys from --api_key, the key file and (when
         neither gives one) env_key, JAXSERVE_API_KEY's value (resolve_api_keys)."""
+        context = protocol.context_options()
         return cls(api_keys=resolve_api_keys(list(serving.api_key), serving.api_key_file,
                                              env_key),
                    public_metrics=serving.public_metrics, max_body_bytes=serving.max_body_bytes,
-                   max_tokens_limit=serving.max_tokens_limit,
-                   served_model_names=serving.served_model_name or None,
-                   tool_call_parser=serving.tool_call_parser,
-                   reasoning_parser=(None if serving.reasoning_parser == "none"
-                                     else serving.reasoning_parser))
+                   max_tokens_limit=context["max_tokens_limit"],
+                   served_model_names=context["model_names"],
+                   tool_call_parser=context["tool_call_parser"],
+                   reasoning_parser=context["reasoning_parser"])
 
     def __post_init__(self):
         if self.tool_call_parser != "auto" and self.tool_call_parser not in PARSERS:
