@@ -139,8 +139,17 @@ def tiny_llama_function(params, token_ids, metadata, attention):
     return rms_norm(x, params["model.norm.weight"], eps)
 
 
+def megatron(name: str, shape: tuple):
+    """The function's sharding: q, k, v, gate and up ([out, in]) split on their outputs, o and
+    down on their inputs; the rest replicated."""
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                      "up_proj.weight")):
+        return ("tp", None)
+    return (None, "tp") if name.endswith(("o_proj.weight", "down_proj.weight")) else None
+
+
 jaxserve.register_model(NNX_NAME, TinyLlama)
-jaxserve.register_model(FUNCTION_NAME, tiny_llama_function)
+jaxserve.register_model(FUNCTION_NAME, tiny_llama_function, partition=megatron)
 
 PROMPTS = [[5, 17, 33, 2, 80, 41, 9, 60, 12, 3, 77], [44, 6], [8, 8, 30, 91, 19, 25, 64]]
 
@@ -195,13 +204,118 @@ def builtin_tokens(checkpoints):
     return greedy(checkpoints["LlamaForCausalLM"])[0]
 
 
-@pytest.mark.parametrize("name", [NNX_NAME, FUNCTION_NAME])
-def test_registered_model_gives_the_builtin_greedy_tokens(checkpoints, builtin_tokens, name):
-    tokens, engine = greedy(checkpoints[name])
+def _cpu_kernels() -> bool:
+    from jaxserve.backends.cpu import kernels
+
+    return kernels.available()
+
+
+# The NNX module on both CPU attention backends; the function with the layers' pages in one
+# scanned pool (scan_layers: layer i's pages from page i * N on).
+@pytest.mark.parametrize("name, options", [
+    (NNX_NAME, {}), (FUNCTION_NAME, {"scan_layers": "on"}),
+    pytest.param(NNX_NAME, {"attention_backend": "cpu"}, marks=pytest.mark.skipif(
+        not _cpu_kernels(), reason="CPU kernels not built"))])
+def test_registered_model_gives_the_builtin_greedy_tokens(checkpoints, builtin_tokens, name,
+                                                          options):
+    tokens, engine = greedy(checkpoints[name], **options)
     assert engine.model_config.architecture == name
     assert tokens == builtin_tokens
     assert len({tuple(t) for t in tokens}) == len(PROMPTS)  # the prompts' outputs differ
-    if name == NNX_NAME:  # the module's parameters, filled from the checkpoint
-        params = engine.runner.params["model"]
+    params = engine.runner.params["model"]
+    if name == NNX_NAME:  # the module's parameters, filled from the checkpoint (kernel = W.T)
         q = params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"]
-        assert q.shape == (64, 64)
+        w = load_model(checkpoints["LlamaForCausalLM"]).params["layers"]["wq"][0]
+        np.testing.assert_array_equal(np.asarray(q), w)
+    else:
+        assert "model.layers.0.self_attn.q_proj.weight" in params
+        assert len(engine.runner.pool.layers) == (1 if options.get("scan_layers") else 3)
+
+
+# TP 2 in a subprocess (the device count is fixed before JAX starts): the test module's
+# registrations, each model's tokens and where its q projection and the pool's pages lie.
+_TP_CASE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import test_register_model as t
+out = {}
+for name, directory in json.loads(sys.argv[2]).items():
+    tokens, engine = t.greedy(directory, tensor_parallel_size=2)
+    params = engine.runner.params["model"]
+    q = (params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"] if name == t.NNX_NAME
+         else params["model.layers.0.self_attn.q_proj.weight"])
+    out[name] = {"tokens": tokens, "q": [str(a) for a in q.sharding.spec],
+                 "q_shard": list(q.addressable_shards[0].data.shape),
+                 "pool": [str(a) for a in engine.runner.pool.layers[0].k.sharding.spec]}
+print(json.dumps(out))
+"""
+
+
+def test_tensor_parallel_2_shards_by_the_annotations_and_keeps_the_tokens(checkpoints,
+                                                                         builtin_tokens):
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    dirs = {n: checkpoints[n] for n in (NNX_NAME, FUNCTION_NAME)}
+    proc = subprocess.run([sys.executable, "-c", _TP_CASE, here, json.dumps(dirs)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    nnx_run, function_run = out[NNX_NAME], out[FUNCTION_NAME]
+    assert nnx_run["tokens"] == builtin_tokens == function_run["tokens"]
+    assert nnx_run["q"] == ["None", "tp"] and nnx_run["q_shard"] == [64, 32]  # [in, out / 2]
+    assert function_run["q"] == ["tp", "None"] and function_run["q_shard"] == [32, 64]
+    assert nnx_run["pool"][0] == "tp"  # the pool on its KV-head axis, one head per device
+
+
+# --- bad registrations and checkpoints --------------------------------------------------------
+
+class NoRngs(nnx.Module):
+    def __init__(self, config):
+        pass
+
+
+class TwoArguments(nnx.Module):
+    def __init__(self, config, *, rngs):
+        pass
+
+    def __call__(self, token_ids, metadata):
+        pass
+
+
+class ExtraParameter(TinyLlama):
+    def __init__(self, config, *, rngs):
+        super().__init__(config, rngs=rngs)
+        self.bias = nnx.Param(jnp.zeros(config.hidden_size))
+
+
+@pytest.mark.parametrize("name, model, error, match", [
+    ("", TinyLlama, ValueError, "architecture must be a name"),
+    ("LlamaForCausalLM", TinyLlama, ValueError, "built-in architecture"),
+    ("BadA", object(), TypeError, "nnx.Module subclass or a function"),
+    ("BadB", dict, TypeError, "is not a flax nnx.Module"),
+    ("BadC", lambda params, token_ids: None, TypeError,
+     r"must take \(params, token_ids, metadata, attention\)"),
+    ("BadD", NoRngs, TypeError, r"must take \(self, config, \*, rngs\)"),
+    ("BadE", TwoArguments, TypeError, "token_ids, metadata, attention"),
+    (NNX_NAME, ExtraParameter, ValueError, "already registered"),
+])
+def test_bad_registrations_are_clear_errors(name, model, error, match):
+    with pytest.raises(error, match=match):
+        jaxserve.register_model(name, model)
+
+
+def test_unknown_architectures_and_unmapped_parameters_are_clear_errors(checkpoints, tmp_path):
+    def renamed(name: str) -> str:
+        directory = shutil.copytree(checkpoints[NNX_NAME], str(tmp_path / name))
+        with open(os.path.join(directory, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump({**config, "architectures": [name]}, f)
+        return directory
+
+    with pytest.raises(ValueError, match=f"registered .*{NNX_NAME}"):
+        load_model(renamed("NeverRegisteredForCausalLM"))
+    jaxserve.register_model("ExtraParameterForCausalLM", ExtraParameter)
+    with pytest.raises(ValueError, match="no tensor 'bias' for the module's parameter 'bias'"):
+        load_model(renamed("ExtraParameterForCausalLM"))

@@ -128,7 +128,7 @@ def register_model(architecture: str, model, *, weights: Callable | None = None,
         if partition is not None:
             raise ValueError("register_model: partition= is a function's sharding; a module's "
                              "is its nnx.with_partitioning annotations")
-        _check_signature(model, "(config, *, rngs)", None, rngs=None)
+        _check_signature(model.__init__, "(self, config, *, rngs)", None, None, rngs=None)
         _check_signature(model.__call__, "(self, token_ids, metadata, attention)",
                          None, None, None, None)
     elif callable(model) and not isinstance(model, type):
