@@ -319,3 +319,32 @@ def test_unknown_architectures_and_unmapped_parameters_are_clear_errors(checkpoi
     jaxserve.register_model("ExtraParameterForCausalLM", ExtraParameter)
     with pytest.raises(ValueError, match="no tensor 'bias' for the module's parameter 'bias'"):
         load_model(renamed("ExtraParameterForCausalLM"))
+
+
+@pytest.mark.parametrize("misuse, match", [
+    (lambda att, q, k, v: att(3, q, k, v), r"layer must be a Python int in 0\.\.2"),
+    (lambda att, q, k, v: att(1.0, q, k, v), "layer must be a Python int"),
+    (lambda att, q, k, v: att(0, q, k[:, :1], v), r"k must be \[5, 2, 16\]"),
+    (lambda att, q, k, v: q, "never called attention"),
+    (lambda att, q, k, v: att(0, q, k, v), r"must return hidden states \[5, 64\]"),
+])
+def test_misusing_attention_is_a_clear_error(misuse, match):
+    """model/custom.forward on a bare pool: the layer index, the shapes, a model that never
+    writes its KV, and what it returns are checked as the step is traced."""
+    from jaxserve.backends import get
+    from jaxserve.model import custom
+    from jaxserve.model.attention import AttentionMetadata
+    from jaxserve.model.kv_cache import KVPool
+    from jaxserve.weights.custom import read_config
+
+    cfg = read_config(TINY, "Misuse")
+    t = 5
+    md = AttentionMetadata(positions=jnp.arange(t), slot_mapping=jnp.arange(t) + 4,
+                           page_tables=jnp.array([[1, 2]]), seq_lens=jnp.array([t]),
+                           query_start=jnp.array([0, t]), token_row=jnp.zeros(t, jnp.int32),
+                           num_decode=0)
+    pool = KVPool.zeros(3, 2, 4, 4, 16, jnp.float32)
+    q, kv = jnp.ones((t, 4, 16)), jnp.ones((t, 2, 16))
+    with pytest.raises(ValueError, match=match):
+        custom.forward({"model": None}, pool, jnp.zeros(t, jnp.int32), md, cfg=cfg,
+                       backend=get("xla"), call=lambda p, ids, m, att: misuse(att, q, kv, kv))

@@ -13,6 +13,7 @@ the layers (once per layer and step), not from inside a lax.scan of its own.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Callable
 
 import jax
@@ -61,9 +62,13 @@ class PagedAttention:
         step's included. scale: of the scores (default D ** -0.5); soft_cap: scores become
         soft_cap * tanh(score / soft_cap)."""
         cfg = self._cfg
-        if not isinstance(layer, int) or not 0 <= layer < cfg.num_layers:
+        try:  # static: it picks the layer's cache
+            layer = operator.index(layer)
+        except TypeError:
+            layer = None
+        if layer is None or not 0 <= layer < cfg.num_layers:
             raise ValueError(f"attention: layer must be a Python int in 0..{cfg.num_layers - 1}"
-                             f" (the model's layers), got {layer!r}")
+                             " (the model's layers)")
         want = {"q": (cfg.num_heads, cfg.head_dim), "k": (cfg.num_kv_heads, cfg.head_dim),
                 "v": (cfg.num_kv_heads, cfg.head_dim)}
         for name, x in zip("qkv", (q, k, v)):
@@ -98,12 +103,12 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, *, cfg: Mode
     by one that runs it on each device's heads (runtime/custom_model.py)."""
     attention = PagedAttention(pool, md, cfg, backend, attend)
     hidden = call(params["model"], token_ids, StepMetadata(md.positions), attention)
+    if attention.calls == 0:
+        raise ValueError(f"the registered model {cfg.architecture!r} never called attention: "
+                         "its keys and values would never reach the KV pool")
     t = token_ids.shape[0]
     if getattr(hidden, "shape", None) != (t, cfg.hidden_size):
         raise ValueError(f"the registered model {cfg.architecture!r} must return hidden states "
                          f"[{t}, {cfg.hidden_size}] (tokens, hidden size), got "
                          f"{getattr(hidden, 'shape', type(hidden).__name__)}")
-    if attention.calls == 0:
-        raise ValueError(f"the registered model {cfg.architecture!r} never called attention: "
-                         "its keys and values would never reach the KV pool")
     return attention.pool, hidden

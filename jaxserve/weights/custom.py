@@ -276,6 +276,9 @@ def load_hf_dir(directory: str, entry: RegisteredModel, dtype=np.float32):
     cfg = (entry.config or functools.partial(read_config, architecture=entry.architecture))(c)
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"register_model's config= must return a ModelConfig, got {cfg!r}")
+    if len({cfg.layer_window(i) for i in range(cfg.num_layers)}) > 1:
+        raise ValueError(f"{entry.architecture}: mixed sliding-window and full layers are not "
+                         "supported for a registered model")
     tokenizer = Tokenizer.from_hf_dir(directory)
     eos = list(cfg.eos_token_ids)
     gen_path = os.path.join(directory, "generation_config.json")
