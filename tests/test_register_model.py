@@ -3,7 +3,8 @@ registered under a made-up architecture name and loaded from a seeded transforme
 LlamaForCausalLM checkpoint, gives the built-in model's greedy tokens token for token through
 batching, chunked prefill and pages of 4 slots; so does the same model as a pure function; at
 tensor parallelism 2 (two virtual devices, a subprocess) the NNX module's partition annotations
-shard its weights and the tokens stay the same. Bad registrations are clear errors."""
+shard its weights, the compiled step issues the built-in model's collectives (two all-reduces
+a layer) and the tokens stay the same. Bad registrations are clear errors."""
 
 from __future__ import annotations
 
@@ -238,6 +239,7 @@ _TP_CASE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import test_register_model as t
+from multi_device_cases import collectives
 out = {}
 for name, directory in json.loads(sys.argv[2]).items():
     tokens, engine = t.greedy(directory, tensor_parallel_size=2)
@@ -246,7 +248,8 @@ for name, directory in json.loads(sys.argv[2]).items():
          else params["model.layers.0.self_attn.q_proj.weight"])
     out[name] = {"tokens": tokens, "q": [str(a) for a in q.sharding.spec],
                  "q_shard": list(q.addressable_shards[0].data.shape),
-                 "pool": [str(a) for a in engine.runner.pool.layers[0].k.sharding.spec]}
+                 "pool": [str(a) for a in engine.runner.pool.layers[0].k.sharding.spec],
+                 "collectives": collectives(engine)}
 print(json.dumps(out))
 """
 
@@ -266,6 +269,13 @@ def test_tensor_parallel_2_shards_by_the_annotations_and_keeps_the_tokens(checkp
     assert nnx_run["q"] == ["None", "tp"] and nnx_run["q_shard"] == [64, 32]  # [in, out / 2]
     assert function_run["q"] == ["tp", "None"] and function_run["q_shard"] == [32, 64]
     assert nnx_run["pool"][0] == "tp"  # the pool on its KV-head axis, one head per device
+    # XLA's partitioner made the built-in model's Megatron step of both: per layer one
+    # all-reduce of o_proj's and one of down_proj's partial sums [T, H], no weight gathered.
+    for run in (nnx_run, function_run):
+        c = run["collectives"]
+        layers, hidden = TINY["num_hidden_layers"], TINY["hidden_size"]
+        assert (c["all_reduce"], c["all_gather"], c["all_to_all"]) == (2 * layers, 0, 0)
+        assert c["all_reduce_bytes"] == 2 * layers * c["tokens"] * hidden * 4
 
 
 # --- bad registrations and checkpoints --------------------------------------------------------
