@@ -287,3 +287,87 @@ def test_gguf_sliding_window_pattern():
     with pytest.raises(ValueError, match="sliding_window_pattern 4"):
         config_from_gguf({**meta, "qwen3.attention.sliding_window_pattern": 4},
                          n_vocab_tensor=100)
+
+
+def _moe_model(arch: str):
+    """A tiny seeded mixture of experts (4 experts, 2 a token, every layer sparse, as llama.cpp's
+    graphs have them) with clear routing choices."""
+    import transformers
+
+    moe = dict(num_experts_per_tok=2, tie_word_embeddings=False)
+    if arch == "llama":  # Mixtral
+        hf_cfg = transformers.MixtralConfig(**{**TINY, "intermediate_size": 48}, **moe,
+                                            num_local_experts=4, head_dim=16)
+        cls = transformers.MixtralForCausalLM
+    else:
+        hf_cfg = transformers.Qwen3MoeConfig(**TINY, **moe, num_experts=4, head_dim=16,
+                                             moe_intermediate_size=40, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeForCausalLM
+    torch.manual_seed(0)
+    model = cls(hf_cfg).eval().float()
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith("norm.weight"):
+                w.add_(torch.randn_like(w) * 0.3)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                w.mul_(8.0)
+            if name.endswith("mlp.gate.weight"):
+                w.mul_(30.0)
+            if ".experts." in name:
+                w.mul_(3.0)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
+def test_gguf_mixtures_of_experts_match_transformers(tmp_path, arch):
+    """Mixtral (arch llama with an expert count, Q/K permuted) and Qwen3-MoE (arch qwen3moe,
+    expert_feed_forward_length) as llama.cpp writes them: the router as ffn_gate_inp and each
+    layer's experts stacked in one tensor per projection (ffn_{gate,up,down}_exps). The config
+    names the family and its experts, each expert is read from its own bytes, and the logits and
+    greedy tokens are transformers'."""
+    model = _moe_model(arch)
+    hf = model.config
+    w = _writer(tmp_path / "m.gguf", arch, hf, config_from_hf(hf.to_dict()).rope_theta)
+    w.add_expert_count(4)
+    w.add_expert_used_count(2)
+    if arch == "qwen3moe":
+        w.add_expert_feed_forward_length(hf.moe_intermediate_size)
+    d = hf.head_dim
+    for name, t in model.state_dict().items():
+        arr = t.detach().numpy().astype(np.float32)
+        prefix, _, rest = name.rpartition(".mlp.")
+        if rest == "gate.weight":
+            w.add_tensor(f"blk.{prefix.split('.')[-1]}.ffn_gate_inp.weight", arr)
+        elif rest == "experts.gate_up_proj":  # [E, 2 ff, H]: gate rows, then up rows
+            blk, ff = f"blk.{prefix.split('.')[-1]}", arr.shape[1] // 2
+            w.add_tensor(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(arr[:, :ff]))
+            w.add_tensor(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(arr[:, ff:]))
+        elif rest == "experts.down_proj":
+            w.add_tensor(f"blk.{prefix.split('.')[-1]}.ffn_down_exps.weight", arr)
+        else:
+            heads = {"q_proj": hf.num_attention_heads,
+                     "k_proj": hf.num_key_value_heads}.get(name.split(".")[-2])
+            if arch == "llama" and heads:
+                arr = arr.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(arr.shape)
+            w.add_tensor(_gguf_name(name, arch), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    g = read_gguf(str(tmp_path / "m.gguf"))
+    cfg = config_from_gguf(g.metadata, n_vocab_tensor=hf.vocab_size)
+    assert cfg.architecture == {"llama": "mixtral", "qwen3moe": "qwen3_moe"}[arch]
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (4, 2, True)
+    assert cfg.moe_intermediate_size == (48 if arch == "llama" else 40)
+    assert all(cfg.layer_is_sparse(i) for i in range(cfg.num_layers))
+    # each expert's reader reads its own bytes (the engine's lazy load)
+    params = params_from_hf_state_dict(cfg, gguf_hf_state_dict(g, cfg, lazy=True))
+    _last_logits_match(model, cfg, params)
+    _greedy_matches_transformers(model, cfg, params)
+
+
+def test_gguf_experts_of_an_unknown_arch_are_refused_by_name():
+    meta = {"general.architecture": "qwen2", "qwen2.expert_count": 8, "qwen2.block_count": 2,
+            "qwen2.embedding_length": 64, "qwen2.attention.head_count": 4}
+    with pytest.raises(ValueError, match="GGUF mixtures of experts of arch 'qwen2'"):
+        config_from_gguf(meta)

@@ -260,16 +260,6 @@ def test_compile_targets_hold_the_experts(checkpoint):
         x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
 
 
-def test_gguf_mixtures_of_experts_are_refused_by_name():
-    """llama.cpp writes Mixtral as arch llama with an expert count: refused, not read as dense."""
-    from jaxserve.weights.gguf_loader import config_from_gguf
-
-    meta = {"general.architecture": "llama", "llama.expert_count": 8, "llama.block_count": 2,
-            "llama.embedding_length": 64, "llama.attention.head_count": 4}
-    with pytest.raises(ValueError, match="GGUF mixtures of experts"):
-        config_from_gguf(meta)
-
-
 _TP_SCRIPT = """
 import json, sys
 from jaxserve.config import EngineConfig

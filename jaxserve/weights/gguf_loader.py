@@ -37,10 +37,17 @@ _STRING, _ARRAY = 8, 9
 
 # Architectures whose converter permutes Q/K rows (LlamaModel and its subclasses in
 # llama.cpp's convert_hf_to_gguf.py). Qwen2 and Qwen3 are not permuted.
-_PERMUTED_ARCHS = ("llama", "mistral")
-_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3")
+_PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
+_SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma", "gemma2",
+                    "gemma3")
 _GEMMAS = ("gemma", "gemma2", "gemma3")
-_QK_NORM_ARCHS = ("qwen3", "gemma3")
+_QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
+# Mixtures of experts as llama.cpp writes them: Mixtral is arch llama with an expert count,
+# every layer sparse, the chosen experts' weights renormalised (as in both llama.cpp graphs).
+_MOE_ARCHS = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
+# A sparse layer's router, and its experts' gate, up and down stacked on the slowest axis.
+_MOE_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                "ffn_down_exps.weight")
 _SANDWICH_ARCHS = ("gemma2", "gemma3")  # post-attention, pre- and post-FFN norms
 
 
@@ -193,9 +200,14 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
 
-    if get("expert_count"):  # Mixtral GGUFs are arch llama with experts
-        raise ValueError(f"GGUF mixtures of experts ({arch}, {get('expert_count')} experts) are "
-                         "not supported yet: serve the model's Hugging Face directory")
+    experts = int(get("expert_count") or 0)
+    if experts and arch not in _MOE_ARCHS:
+        raise ValueError(f"GGUF mixtures of experts of arch {arch!r} are not supported "
+                         f"(supported: {list(_MOE_ARCHS)})")
+    moe = dict(num_experts=experts, num_experts_per_tok=int(get("expert_used_count")),
+               moe_intermediate_size=int(get("expert_feed_forward_length")
+                                         or get("feed_forward_length")),
+               norm_topk_prob=True) if experts else {}
     hidden = int(get("embedding_length"))
     n_head = int(get("attention.head_count"))
     n_kv = get("attention.head_count_kv", n_head)
@@ -247,7 +259,8 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
         qk_norm=arch in _QK_NORM_ARCHS,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(eos_ids),
-        architecture=arch,
+        architecture=_MOE_ARCHS[arch] if experts else arch,
+        **moe,
         rope_scaling=rope_scaling,
         sliding_window=window,
         layer_types=layer_types,
@@ -355,6 +368,10 @@ def gguf_hf_state_dict(g: GGUFFile, config: ModelConfig, dtype=np.float32,
 
     out = {}
     for name, info in g.tensors.items():
+        if name.split(".", 2)[-1] in _MOE_TENSORS:
+            for part, hf in _experts(info, config):
+                out[hf] = functools.partial(read, part, hf) if lazy else read(part, hf)
+            continue
         hf = hf_name(name, config.architecture)
         if name == "rope_freqs.weight":  # read by load_gguf (rope_freq_factors)
             continue
@@ -362,6 +379,24 @@ def gguf_hf_state_dict(g: GGUFFile, config: ModelConfig, dtype=np.float32,
             raise ValueError(f"unexpected tensor {name!r} in GGUF {g.path}")
         out[hf] = functools.partial(read, info, hf) if lazy else read(info, hf)
     return out
+
+
+def _experts(info: GGUFTensorInfo, config: ModelConfig):
+    """A sparse layer's router as (info, its HF name), or its stacked experts split into one
+    (info, HF name) per expert: expert e's bytes are the e-th of E equal runs (the expert axis is
+    ggml's slowest), so each is read alone."""
+    from jaxserve.weights.hf_loader import _MOE_TENSORS as HF_NAMES
+
+    _, idx, rest = info.name.split(".", 2)
+    hf = f"model.layers.{idx}." + HF_NAMES[config.architecture][_MOE_TENSORS.index(rest)]
+    if rest == _MOE_TENSORS[0]:
+        return [(info, hf)]
+    E = config.num_experts
+    if info.shape[0] != E:
+        raise ValueError(f"GGUF tensor {info.name} stacks {info.shape[0]} experts, not {E}")
+    size = info.nbytes // E
+    return [(dataclasses.replace(info, shape=info.shape[1:], offset=info.offset + e * size,
+                                 nbytes=size), hf.format(e=e)) for e in range(E)]
 
 
 def with_rope_freq_factors(g: GGUFFile, config: ModelConfig) -> ModelConfig:
