@@ -4,7 +4,9 @@ directories, two layers, hidden 64, 4 experts of which 2 a token. The Qwen3-MoE 
 layer dense (mlp_only_layers) and comes with norm_topk_prob off and on (the same weights).
 Logits within 1e-4 through the step function on the cpu and xla backends (pages of 8, prefill
 chunks of 32, then decode), and the engine's greedy tokens equal transformers' for several
-requests at once. moe.py itself is checked against a per-token loop."""
+requests at once. moe.py itself is checked against a per-token loop, its megablox grouped
+matmul (the TPU's) in Pallas's interpreter against ragged_dot, and a Qwen3-30B-A3B-shaped
+sparse layer compiles for v5e and v6e with it (libtpu's compile-only topologies)."""
 
 from __future__ import annotations
 
@@ -120,8 +122,8 @@ def test_sparse_mlp_equals_a_per_token_loop(normalize, t):
                            "experts_down": down})
     gathered = jax.jit(lambda *args: moe.gathered_experts(*args, jax.nn.silu))
     grouped = jax.jit(lambda x, lp: moe.sparse_mlp(cfg, x, lp, jax.nn.silu))
-    spy = jax.make_jaxpr(lambda x, lp: moe.sparse_mlp(cfg, x, lp, jax.nn.silu))(x, lp)
-    assert ("ragged_dot" in str(spy)) == (t * 2 > e)
+    compiled = grouped.lower(x, lp).compile().as_text()  # for this CPU: one path kept
+    assert (" sort(" in compiled) == (t * 2 > e)  # the grouped path sorts the pairs
     got = grouped(x, lp)
     weights, chosen = moe.route(x @ router.T, 2, normalize)
     assert 4 not in np.asarray(chosen)
@@ -295,3 +297,55 @@ def test_tensor_parallel_keeps_transformers_tokens(checkpoint):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == [_greedy_reference(model, p, 6) for p in prompts]
+
+def test_megablox_grouped_matmul_equals_ragged_dot():
+    """moe._megablox (the TPU's grouped matmul) in Pallas's interpreter: 150 rows (padded to
+    two row tiles of 128), an empty group, and 20 rows past the last group (expert
+    parallelism's pairs routed elsewhere): ragged_dot's result, those rows 0."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.model import moe
+
+    rng = np.random.default_rng(4)
+    lhs = jnp.asarray(rng.standard_normal((150, 16)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((4, 16, 24)), jnp.float32)
+    sizes = jnp.array([40, 0, 70, 20], jnp.int32)
+    got = np.asarray(jax.jit(lambda *a: moe._megablox(*a, interpret=True))(lhs, rhs, sizes))
+    np.testing.assert_allclose(got, np.asarray(jax.lax.ragged_dot(lhs, rhs, sizes)),
+                               atol=1e-4, rtol=1e-4)
+    assert np.all(got[130:] == 0) and np.all(np.abs(got[:130]).sum(axis=1) > 0)
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_experts_compile_for_tpu_with_megablox(generation):
+    """A Qwen3-30B-A3B-shaped sparse layer (hidden 2048, 128 experts of 768 columns, top 8,
+    bf16) lowered for a TPU chip runs megablox's Pallas kernel (Mosaic compiles it) for a
+    decode step of 8 tokens (64 pairs: on the CPU each pair's expert is gathered) and a step
+    of 256, with every expert and with an expert-parallel device's 32; lowered for this CPU,
+    no Pallas call."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.config import ModelConfig
+    from jaxserve.model import moe
+    from tpu_topology import abstract, tpu_device
+
+    device = tpu_device(generation)
+    h, inter, e = 2048, 768, 128
+    cfg = ModelConfig(vocab_size=8, hidden_size=h, intermediate_size=8, num_layers=1,
+                      num_heads=2, num_kv_heads=1, head_dim=8, num_experts=e,
+                      num_experts_per_tok=8, moe_intermediate_size=inter)
+    run = jax.jit(lambda x, lp: moe.sparse_mlp(cfg, x, lp, jax.nn.silu, lambda y: y))
+    for experts in (e, e // 4):
+        lp = {"router": (e, h), "experts_gate_up": (experts, h, 2 * inter),
+              "experts_down": (experts, inter, h)}
+        lp = {k: abstract(v, jnp.bfloat16, device) for k, v in lp.items()}
+        if experts < e:
+            lp["expert_ids"] = abstract((experts,), jnp.int32, device)
+        for tokens in (8, 256):
+            text = run.lower(abstract((tokens, h), jnp.bfloat16, device), lp).compile().as_text()
+            assert "tpu_custom_call" in text, (experts, tokens)
+    cpu = jax.ShapeDtypeStruct((8, h), jnp.bfloat16)
+    lp = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in lp.items()}
+    assert "tpu_custom_call" not in run.lower(cpu, lp).compile().as_text()

@@ -62,6 +62,9 @@ flags.DEFINE_integer("max_num_batched_tokens", None, "The plan's engine option (
                      "engine's): it fixes the activation peak.")
 flags.DEFINE_integer("tensor_parallel_size", 1, "Devices the KV heads are sharded over: also "
                      "report per-device KV bytes (heads repeated when fewer than devices).")
+flags.DEFINE_bool("enable_expert_parallel", False, "The plan's engine option: a mixture of "
+                  "experts' experts spread over the --tensor_parallel_size devices (the plan's "
+                  "weights per device hold num_experts / tp of them).")
 flags.DEFINE_integer("sliding_window", None, "Every layer attends only the last W positions "
                      "(Mistral): also report the pages a request holds once pages wholly "
                      "before the window are released (default with --model: its window when "
@@ -264,6 +267,7 @@ def _memory_plan() -> dict:
                "kv_cache_dtype": FLAGS.kv_cache_dtype, "max_num_seqs": FLAGS.max_num_seqs,
                "max_num_batched_tokens": FLAGS.max_num_batched_tokens,
                "tensor_parallel_size": FLAGS.tensor_parallel_size,
+               "enable_expert_parallel": FLAGS.enable_expert_parallel,
                "quantization": FLAGS.quantization}
     if FLAGS.num_speculative_tokens or FLAGS.speculative_method:
         method = FLAGS.speculative_method or "ngram"

@@ -63,6 +63,7 @@ class Target:
     page_size: int
     max_model_len: int
     scan_layers: bool = False  # LoadConfig.scan_layers resolved for the backend
+    expert_parallel: bool = False  # ParallelConfig.enable_expert_parallel
 
 
 @dataclasses.dataclass
@@ -144,7 +145,7 @@ def tpu_target(config: EngineConfig, topology_name: str) -> Target:
     if o["quantization"] not in ("none", "int8"):
         raise ValueError(f"quantization={o['quantization']!r} runs on the CPU backend; on a "
                          "TPU use none or int8 (dtype bfloat16 is the default there)")
-    sharding.check_fits(model, tp, o["quantization"])
+    sharding.check_fits(model, tp, o["quantization"], o.get("enable_expert_parallel", False))
     spec = o["speculative_config"]
     if spec is not None and spec["method"] == "draft":
         raise ValueError("jaxserve compile does not compile a draft model's calls yet; use "
@@ -167,7 +168,8 @@ def tpu_target(config: EngineConfig, topology_name: str) -> Target:
                                  query_block=backend.query_block, packed=backend.packed,
                                  spec_tokens=spec_tokens)
     return Target(model, topology, mesh, backend, buckets, dtype, kv_dtype, o["page_size"],
-                  max_model_len, resolve_scan_layers(o["scan_layers"], "tpu"))
+                  max_model_len, resolve_scan_layers(o["scan_layers"], "tpu"),
+                  o.get("enable_expert_parallel", False))
 
 
 class _Compiler:
@@ -176,7 +178,8 @@ class _Compiler:
     def __init__(self, target: Target):
         self.t = target
         self.params = abstract.abstract_params(target.model, target.mesh, target.dtype,
-                                               scan_layers=target.scan_layers)
+                                               scan_layers=target.scan_layers,
+                                               expert_parallel=target.expert_parallel)
         self.step = _jitted_step(target.model, target.backend, target.mesh)
         self.feed = abstract.replicated(np.zeros(target.buckets.max_sample_rows, np.int32),
                                         target.mesh)

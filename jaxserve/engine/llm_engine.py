@@ -66,7 +66,8 @@ class LLMEngine:
             with self.startup.phase("load the model"):
                 loaded = load_model(load.model, dtype=dtype, lazy=True)
         self.model_config = loaded.config
-        sharding.check_fits(loaded.config, parallel.tensor_parallel_size, load.quantization)
+        sharding.check_fits(loaded.config, parallel.tensor_parallel_size, load.quantization,
+                            parallel.enable_expert_parallel)
         if mesh is None:
             if parallel.data_parallel_size > 1:
                 raise ValueError("data_parallel_size > 1 is served by several engines: "
@@ -106,7 +107,8 @@ class LLMEngine:
                                       backend=backend, quantization=load.quantization,
                                       max_sample_rows=self.buckets.max_sample_rows,
                                       huge_pages=load.huge_pages, mesh=mesh,
-                                      scan_layers=resolved.scan_layers)
+                                      scan_layers=resolved.scan_layers,
+                                      expert_parallel=parallel.enable_expert_parallel)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # Speculation's one owner (Speculator.speculation), which the scheduler asks for drafts.
         self.speculator = Speculator(config, resolved, self.buckets, draft,

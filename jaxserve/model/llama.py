@@ -145,7 +145,7 @@ def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: Att
     h = rms_norm(x, lp["mlp_norm"], eps, offset)
     act = jax.nn.silu if cfg.mlp_activation == "silu" else _gelu_tanh
     if "router" in lp:  # a sparse layer of a mixture of experts
-        o = moe.sparse_mlp(cfg, h, lp, act)
+        o = moe.sparse_mlp(cfg, h, lp, act, sum_shards)  # summed under expert parallelism
     else:
         gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
         o = sum_shards(matmul(act(gate) * up, lp["w_down"]))

@@ -12,7 +12,17 @@ The loaders' layout stacks them per layer: router [L, H, E], experts_gate, exper
 
 On XLA's CPU backend ragged_dot is lowered to a masked product over all E experts (E / k
 times the work of the chosen ones), so a step with no more (token, expert) pairs than experts
-(decode) gathers each pair's expert weights instead and reads only the chosen experts.
+(decode) gathers each pair's expert weights instead and reads only the chosen experts. Lowered
+for a TPU, every step runs JAX's megablox grouped matmul (a Pallas kernel that visits only the
+groups with tokens) in place of both (jax.lax.platform_dependent: the choice is made at
+lowering, so a compile-only TPU target gets it too).
+
+Expert parallelism (runtime/sharding.py): the experts are sharded on their first axis over the
+tensor-parallel devices and a sparse layer holds `expert_ids` i32[E / tp], its device's experts'
+global ids. Tokens are replicated there (attention's output was summed across devices), so each
+device routes every token, runs the pairs routed to its own experts (the others weigh 0) and
+the partial outputs are summed: one all-reduce of [T, H] per sparse layer, as a dense layer's
+w_down. No all-to-all: a serving step's tokens are already on every device.
 """
 
 from __future__ import annotations
@@ -43,23 +53,56 @@ def route(router_logits, top_k: int, normalize: bool):
 
 def run_experts(x, weights, experts, w_gate_up, w_down, activation):
     """x f[T, H], each token's k (weight, expert) -> f[T, H]: sum over its k experts of
-    weight * down(activation(gate x) * up x). The T * k pairs are sorted by expert so that
-    each expert's rows are contiguous for the grouped matmuls, then added back per token;
-    where there are no more pairs than experts (a decode step) each pair reads its expert's
-    weights instead (gathered_experts)."""
+    weight * down(activation(gate x) * up x). An expert id past the last (local_pairs') is in
+    no group and weighs 0. Where there are no more pairs than experts (a decode step) each
+    pair reads its expert's weights (gathered_experts), except lowered for a TPU."""
     t, k = experts.shape
-    num_experts = w_gate_up.shape[0]
-    if t * k <= num_experts:  # static: T is the step's bucket
-        return gathered_experts(x, weights, experts, w_gate_up, w_down, activation)
+    args = (x, weights, experts, w_gate_up, w_down, activation)
+    if t * k > w_gate_up.shape[0]:  # static: T is the step's bucket
+        return grouped_experts(*args)
+    return jax.lax.platform_dependent(
+        *args[:5], tpu=lambda *a: grouped_experts(*a, activation),
+        default=lambda *a: gathered_experts(*a, activation))
+
+
+def grouped_experts(x, weights, experts, w_gate_up, w_down, activation):
+    """run_experts by grouped matmuls: the T * k pairs sorted by expert so that each expert's
+    rows are contiguous, then added back per token."""
+    t, k = experts.shape
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    group_sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    gate, up = jnp.split(jax.lax.ragged_dot(x[token], w_gate_up, group_sizes), 2, axis=-1)
+    group_sizes = jnp.bincount(flat, length=w_gate_up.shape[0]).astype(jnp.int32)
+    gate, up = jnp.split(grouped_matmul(x[token], w_gate_up, group_sizes), 2, axis=-1)
     h = (activation(gate) * up).astype(x.dtype)
-    y = jax.lax.ragged_dot(h, w_down, group_sizes).astype(jnp.float32)
+    y = grouped_matmul(h, w_down, group_sizes).astype(jnp.float32)
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def grouped_matmul(lhs, rhs, group_sizes):
+    """lhs f[M, K] rows in groups (group g: the next group_sizes[g] rows, rows past the last
+    group give 0) times rhs f[G, K, N] -> f[M, N] in lhs's dtype: jax.lax.ragged_dot, or
+    lowered for a TPU JAX's megablox kernel."""
+    return jax.lax.platform_dependent(lhs, rhs, group_sizes, tpu=_megablox,
+                                      default=jax.lax.ragged_dot)
+
+
+def _megablox(lhs, rhs, group_sizes, interpret: bool = False):
+    """megablox.gmm with rows padded to its row tile, its tiles at most 128 rows and 512 of K
+    and N (the whole dimension where smaller). gmm wants groups that cover every row: the rows
+    past the last are one more group that rhs lacks, which gmm leaves out and zeroes (its mode
+    for an rhs holding only some groups). interpret: Pallas's interpreter (tests on a CPU)."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm  # imported only lowering for TPU
+
+    m, (k, n) = lhs.shape[0], rhs.shape[1:]
+    tm = min(m, 128)
+    padded = -(-m // tm) * tm
+    sizes = jnp.append(group_sizes, padded - jnp.sum(group_sizes)).astype(jnp.int32)
+    out = gmm(jnp.pad(lhs, ((0, padded - m), (0, 0))), rhs, sizes,
+              preferred_element_type=lhs.dtype, tiling=(tm, min(k, 512), min(n, 512)),
+              interpret=interpret)
+    return out[:m]
 
 
 def gathered_experts(x, weights, experts, w_gate_up, w_down, activation):
@@ -67,7 +110,7 @@ def gathered_experts(x, weights, experts, w_gate_up, w_down, activation):
     it reads only the chosen experts (at most T * k of them), where XLA's CPU ragged_dot
     computes every expert for every pair."""
     t, k = experts.shape
-    flat = experts.reshape(-1)
+    flat = jnp.minimum(experts.reshape(-1), w_gate_up.shape[0] - 1)  # local_pairs' 0-weight id
     xs = jnp.repeat(x, k, axis=0)  # pair i is token i // k
     gate, up = jnp.split(jnp.einsum("ph,phn->pn", xs, w_gate_up[flat]), 2, axis=-1)
     h = (activation(gate) * up).astype(x.dtype)
@@ -76,10 +119,23 @@ def gathered_experts(x, weights, experts, w_gate_up, w_down, activation):
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
 
 
-def sparse_mlp(cfg, h, lp, activation):
+def local_pairs(weights, experts, expert_ids):
+    """Expert parallelism: the (weight, expert) pairs as the device holding experts expert_ids
+    (consecutive global ids) runs them: experts as indices into its own, a pair routed to
+    another device's expert weighing 0 with index len(expert_ids) (past its last expert)."""
+    n = expert_ids.shape[0]
+    local = experts - expert_ids[0]
+    mine = (local >= 0) & (local < n)
+    return jnp.where(mine, weights, 0.0), jnp.where(mine, local, n)
+
+
+def sparse_mlp(cfg, h, lp, activation, sum_shards=None):
     """One sparse layer's MLP of the normed hidden states h f[T, H] (cfg: a ModelConfig). The
-    router's logits are in the model's dtype, as transformers computes them. Every device holds
-    every expert (they are replicated under tensor parallelism), so the output needs no sum
-    across devices."""
+    router's logits are in the model's dtype, as transformers computes them. Replicated experts
+    (one device, or tensor parallelism): the output needs no sum across devices; under expert
+    parallelism (lp has expert_ids) each device's partial output is summed by sum_shards."""
     weights, experts = route(h @ lp["router"].T, cfg.num_experts_per_tok, cfg.norm_topk_prob)
-    return run_experts(h, weights, experts, lp["experts_gate_up"], lp["experts_down"], activation)
+    if "expert_ids" in lp:
+        weights, experts = local_pairs(weights, experts, lp["expert_ids"])
+    out = run_experts(h, weights, experts, lp["experts_gate_up"], lp["experts_down"], activation)
+    return sum_shards(out) if "expert_ids" in lp else out

@@ -7,7 +7,8 @@ The params follow prepare_params's layout without reading or making a weight: pe
 [F, H] (F = the q heads, then each shard's KV heads, repeated where fewer than tp; sharding.py),
 wo [H, Hq*D], w_gate_up [2I, H], w_down [H, I] and the norms (biases, q/k norms, sandwich norms
 where the model has them; a mixture of experts' sparse layer has router [E, H], experts_gate_up
-[E, H, 2I'] and experts_down [E, I', H] instead of the MLP's, on every device: model/moe.py);
+[E, H, 2I'] and experts_down [E, I', H] instead of the MLP's, on every device, or under expert
+parallelism sharded on E with their expert_ids i32[E]: model/moe.py, sharding.with_expert_ids);
 outside the layers embed [V, H], final_norm [H] and lm_head [V, H]
 when untied or quantized. int8 weights are quantize.Int8Weight(q_t i8[out, in], scale and offset
 f16[out, in / 32]). A backend's pack_params (the CPU's packed panels) is not modelled: the
@@ -49,7 +50,8 @@ def _qkv_rows(cfg: ModelConfig, tp: int) -> int:
     return (cfg.num_heads + 2 * kv) * cfg.head_dim
 
 
-def _layer(cfg: ModelConfig, tp: int, dtype, quantization: str, i: int) -> dict:
+def _layer(cfg: ModelConfig, tp: int, dtype, quantization: str, i: int,
+           expert_parallel: bool = False) -> dict:
     """Layer i."""
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     vec = jax.ShapeDtypeStruct((h,), dtype)
@@ -73,6 +75,8 @@ def _layer(cfg: ModelConfig, tp: int, dtype, quantization: str, i: int) -> dict:
         layer.update(router=jax.ShapeDtypeStruct((e, h), dtype),
                      experts_gate_up=jax.ShapeDtypeStruct((e, h, 2 * m), dtype),
                      experts_down=jax.ShapeDtypeStruct((e, m, h), dtype))
+        if sharding.experts_sharded(cfg, tp, expert_parallel):
+            layer["expert_ids"] = jax.ShapeDtypeStruct((e,), jnp.int32)
     return layer
 
 
@@ -85,10 +89,10 @@ def _placed(tree, mesh: Mesh):
 
 
 def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str, quantization: str = "none",
-                    scan_layers: bool = False) -> dict:
+                    scan_layers: bool = False, expert_parallel: bool = False) -> dict:
     """The params the runner would place on `mesh` for `cfg` in `dtype` ("bfloat16", "float32",
     "float16") under `quantization`, as sharded ShapeDtypeStructs; with scan_layers stacked as
-    model/layer_scan.py groups them."""
+    model/layer_scan.py groups them; expert_parallel: the experts spread over the tp devices."""
     from jaxserve.runtime.runner import DTYPES
 
     dt, tp = DTYPES[dtype], sharding.tp_size(mesh)
@@ -96,7 +100,8 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str, quantization: str 
     top = {"embed": jax.ShapeDtypeStruct((v, h), dt), "final_norm": jax.ShapeDtypeStruct((h,), dt)}
     if not cfg.tie_word_embeddings or quantization != "none":  # quantize_head's own copy
         top["lm_head"] = _weight(v, h, dt, quantization)
-    top["layers"] = [_layer(cfg, tp, dt, quantization, i) for i in range(cfg.num_layers)]
+    top["layers"] = [_layer(cfg, tp, dt, quantization, i, expert_parallel)
+                     for i in range(cfg.num_layers)]
     if scan_layers:
         top["layers"] = layer_scan.group_layers(
             top["layers"], cfg,

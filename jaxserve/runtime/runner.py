@@ -173,16 +173,17 @@ class ModelRunner:
                  dtype: str = "float32", kv_cache_dtype: str | None = None,
                  backend: Backend = XLA, quantization: str = "none",
                  max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None,
-                 scan_layers: bool = False):
+                 scan_layers: bool = False, expert_parallel: bool = False):
         """mesh: this runner's ("dp", "tp") devices, one row (sharding.replica_mesh); default
         the first device. scan_layers: the layers' weights stacked and run by lax.scan, the pool
-        one cache of every layer's pages (model/layer_scan.py)."""
+        one cache of every layer's pages (model/layer_scan.py). expert_parallel: a mixture of
+        experts' experts spread over the tp devices (sharding.place_params)."""
         _use_compilation_cache()
         self.cfg, self.scan_layers = cfg, scan_layers
         self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
-        self.params = self._place(params, quantization, backend)
+        self.params = self._place(params, quantization, backend, expert_parallel)
         if scan_layers and "layers" in self.params:  # (a registered model's: its own)
             self.params["layers"] = layer_scan.group_layers(self.params["layers"], cfg,
                                                             layer_scan.stack_on_device)
@@ -205,7 +206,7 @@ class ModelRunner:
         self.huge_page_bytes = collapse_into_huge_pages(
             jax.tree_util.tree_leaves(self.params)) if huge_pages else 0
 
-    def _place(self, params, quantization: str, backend: Backend) -> dict:
+    def _place(self, params, quantization: str, backend: Backend, expert_parallel: bool) -> dict:
         """The loaders' host params on this runner's devices; an unread orbax checkpoint
         (weights.orbax_io.OrbaxParams) is restored straight into the shardings, unless its
         weights must first be quantized, packed or smoothed for int8 KV on the host."""
@@ -219,7 +220,7 @@ class ModelRunner:
             params = params.numpy()
         return sharding.place_params(*prepare_params(
             params, quantization, backend, self.cfg if int8_kv else None), self.cfg, self.mesh,
-            self._cast)
+            self._cast, expert_parallel)
 
     def reset_pool(self, num_pages: int | None = None) -> None:
         """A zeroed KV pool (at start, after a failed step consumed the donated one, and of the

@@ -15,6 +15,11 @@ Layout on a replica's tp devices (shard s of tp):
                   sampled row's logits (R x V floats a step, 12 MiB for 64 rows of SmolLM2) where the
                   hidden all-reduces move T x H; the price is V x H bytes per device
   page tables and all step metadata  replicated (page ids are global: the scheduler is unchanged)
+  a mixture of experts' router [E, H] replicated; its experts_gate_up [E, H, 2I'] and
+                  experts_down [E, I', H] replicated, or under expert parallelism
+                  (`enable_expert_parallel`) sharded on the expert axis: each device holds E/tp
+                  whole experts and the layer its expert_ids i32[E/tp] (model/moe.py), and the
+                  sparse layer's output is summed by one all-reduce, as a dense layer's w_down
 
 The model runs inside `shard_map` (`tensor_parallel_forward`), so the attention kernels (Pallas
 included) see plain per-device arrays; under plain `jit` a Pallas call over a sharded pool is
@@ -41,6 +46,9 @@ from jaxserve.model.quantize import GROUP
 AXES = ("dp", "tp")
 _COLUMN = ("w_qkv", "b_qkv", "w_gate_up")  # sharded on their output axis (0)
 _ROW = ("wo", "w_down")  # sharded on their input axis (1)
+# Sharded on the expert axis (0) under expert parallelism (gpt-oss's expert biases too).
+_EXPERTS = ("experts_gate_up", "experts_down", "expert_ids", "experts_gate_up_bias",
+            "experts_down_bias")
 
 
 def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices=None) -> Mesh:
@@ -87,11 +95,16 @@ def pool_bytes_per_token(cfg: ModelConfig, backend, tp: int, kv_dtype, q_dtype,
     return cfg.kv_bytes_per_token(dtype_bytes, scale_bytes) * stored // cfg.num_kv_heads
 
 
-def check_fits(cfg: ModelConfig, tp: int, quantization: str = "none") -> None:
+def check_fits(cfg: ModelConfig, tp: int, quantization: str = "none",
+               expert_parallel: bool = False) -> None:
     """A clear ValueError unless the model splits evenly over tp devices (an int8 weight's
-    row-parallel shards into whole groups of GROUP inputs)."""
+    row-parallel shards into whole groups of GROUP inputs; under expert parallelism its
+    experts into whole experts)."""
     if tp == 1:
         return
+    if experts_sharded(cfg, tp, expert_parallel) and cfg.num_experts % tp:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {tp} must divide the "
+                         f"model's {cfg.num_experts} experts (each device holds whole experts)")
     if cfg.num_heads % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's {cfg.num_heads} "
                          "query heads")
@@ -104,6 +117,20 @@ def check_fits(cfg: ModelConfig, tp: int, quantization: str = "none") -> None:
         if quantization == "int8" and n % GROUP:
             raise ValueError(f"quantization='int8' at tensor_parallel_size {tp} splits {name}'s "
                              f"inputs into {n} per device, not whole groups of {GROUP}")
+
+
+def experts_sharded(cfg: ModelConfig, tp: int, expert_parallel: bool) -> bool:
+    """Whether the experts are spread over the tp devices: expert parallelism asked, a
+    mixture of experts, several devices."""
+    return bool(expert_parallel and cfg.num_experts and tp > 1)
+
+
+def with_expert_ids(layer: dict, cfg: ModelConfig) -> dict:
+    """A sparse layer (one with a router) gains expert_ids i32[E], sharded with its experts so
+    that each device's slice names the experts it holds (model/moe.py); others unchanged."""
+    if "router" not in layer:
+        return layer
+    return {**layer, "expert_ids": np.arange(cfg.num_experts, dtype=np.int32)}
 
 
 def shard_config(cfg: ModelConfig, tp: int) -> ModelConfig:
@@ -141,29 +168,36 @@ def _name(path) -> str | None:
     return keys[-1] if keys else None
 
 
-def _spec(path, leaf) -> P:
+def _spec(path, leaf, experts: bool = False) -> P:
+    """experts: the experts are sharded (expert parallelism)."""
     name = _name(path)
-    spec = P("tp") if name in _COLUMN else P(None, "tp") if name in _ROW else P()
+    spec = (P("tp") if name in _COLUMN or (experts and name in _EXPERTS) else
+            P(None, "tp") if name in _ROW else P())
     # scan_layers' stacked weights (model/layer_scan.py) lead with an unsharded layer axis
     return P(None, *spec) if any(getattr(k, "key", None) == "stacked" for k in path) else spec
 
 
 def param_specs(params) -> dict:
-    """The PartitionSpec of every leaf of the execution-layout params."""
-    return jax.tree_util.tree_map_with_path(_spec, params)
+    """The PartitionSpec of every leaf of the execution-layout params (the experts sharded
+    where the layers hold expert_ids: with_expert_ids)."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    experts = any(_name(path) == "expert_ids" for path, _ in leaves)
+    return jax.tree_util.tree_map_with_path(functools.partial(_spec, experts=experts), params)
 
 
-def place_params(top: dict, layers, cfg: ModelConfig, mesh: Mesh, to_dtype) -> dict:
+def place_params(top: dict, layers, cfg: ModelConfig, mesh: Mesh, to_dtype,
+                 expert_parallel: bool = False) -> dict:
     """Execution-layout host params -> device arrays on `mesh`: the leaves outside the layers
     (`top`), then `layers` (an iterable: the runner makes them one at a time). Each leaf is cast
     by to_dtype, then each device's buffer is made from its own rows only (a column-parallel
     leaf regrouped shard by shard), so no device, and no host buffer beyond that one tensor,
     holds a whole regrouped weight; with several processes each builds only its devices'
-    shards."""
+    shards. expert_parallel: each device holds only its experts (with_expert_ids)."""
     tp = tp_size(mesh)
+    experts = experts_sharded(cfg, tp, expert_parallel)
 
     def place(path, x):
-        x, name, spec = to_dtype(x), _name(path), _spec(path, None)
+        x, name, spec = to_dtype(x), _name(path), _spec(path, None, experts)
         shape, shard = x.shape, x.__getitem__
         if tp > 1 and name in ("w_qkv", "b_qkv", "w_gate_up"):
             regroup = (functools.partial(_qkv_shard, x, cfg, tp) if name != "w_gate_up"
@@ -177,7 +211,8 @@ def place_params(top: dict, layers, cfg: ModelConfig, mesh: Mesh, to_dtype) -> d
         return jax.make_array_from_callback(shape, NamedSharding(mesh, spec), shard)
 
     placed = jax.tree_util.tree_map_with_path(place, top)
-    placed["layers"] = [jax.tree_util.tree_map_with_path(place, lp) for lp in layers]
+    placed["layers"] = [jax.tree_util.tree_map_with_path(
+        place, with_expert_ids(lp, cfg) if experts else lp) for lp in layers]
     return placed
 
 
