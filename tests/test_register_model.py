@@ -1,7 +1,7 @@
 """Models from outside the tree (jaxserve.register_model): a tiny Llama written here in flax NNX,
 registered under a made-up architecture name and loaded from a seeded transformers
 LlamaForCausalLM checkpoint, gives the built-in model's greedy tokens token for token through
-batching, chunked prefill and pages of 4 slots; so does the same model as a pure function; at
+batching, chunked prefill, pages of 4 slots, prefix-cache hits and a preemption; so does the same model as a pure function; at
 tensor parallelism 2 (two virtual devices, a subprocess) the NNX module's partition annotations
 shard its weights, the compiled step issues the built-in model's collectives (two all-reduces
 a layer) and the tokens stay the same. Bad registrations are clear errors."""
@@ -31,7 +31,8 @@ transformers = pytest.importorskip("transformers")
 
 TINY = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=95)
+            rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, eos_token_id=95,
+            initializer_range=0.1)  # (at 0.02, greedy text repeats one token)
 NNX_NAME, FUNCTION_NAME = "TinyNNXLlamaForCausalLM", "TinyFunctionLlamaForCausalLM"
 # Columns of q, k, v, gate and up split over "tp", the rows of o and down: Megatron's layout.
 COLUMNS = nnx.with_partitioning(nnx.initializers.lecun_normal(), (None, "tp"))
@@ -152,7 +153,10 @@ def megatron(name: str, shape: tuple):
 jaxserve.register_model(NNX_NAME, TinyLlama)
 jaxserve.register_model(FUNCTION_NAME, tiny_llama_function, partition=megatron)
 
-PROMPTS = [[5, 17, 33, 2, 80, 41, 9, 60, 12, 3, 77], [44, 6], [8, 8, 30, 91, 19, 25, 64]]
+# The third prompt starts with the first's two full pages (a prefix-cache hit once it is
+# admitted, after the second finishes).
+PROMPTS = [[5, 17, 33, 2, 80, 41, 9, 60, 12, 3, 77], [44, 6],
+           [5, 17, 33, 2, 80, 41, 9, 60, 30, 91, 19, 25, 64]]
 
 
 def write_checkpoints(directory: str) -> dict:
@@ -180,9 +184,10 @@ def write_checkpoints(directory: str) -> dict:
 
 def greedy(directory: str, **options) -> list[list[int]]:
     """Each prompt's 8 greedy tokens, the prompts batched (2 rows a step, 8 tokens: chunked
-    prefill) over pages of 4 slots."""
+    prefill) over 7 pages of 4 slots: too few for both rows' whole sequences, so one is
+    preempted and recomputed; and the engine."""
     engine = LLMEngine(EngineConfig.from_options(**{
-        "num_pages": 48, "page_size": 4, "max_num_seqs": 2, "max_num_batched_tokens": 8,
+        "num_pages": 8, "page_size": 4, "max_num_seqs": 2, "max_num_batched_tokens": 8,
         "attention_backend": "xla", "huge_pages": False, **options}), load_model(directory))
     ids = [engine.add_request(p, SamplingParams(max_tokens=8, temperature=0.0,
                                                 ignore_eos=True)).request_id for p in PROMPTS]
@@ -222,6 +227,8 @@ def test_registered_model_gives_the_builtin_greedy_tokens(checkpoints, builtin_t
     tokens, engine = greedy(checkpoints[name], **options)
     assert engine.model_config.architecture == name
     assert tokens == builtin_tokens
+    stats = engine.stats()
+    assert stats["num_preempted_total"] >= 1 and stats["prefix_cache_hits"] >= 2
     assert len({tuple(t) for t in tokens}) == len(PROMPTS)  # the prompts' outputs differ
     params = engine.runner.params["model"]
     if name == NNX_NAME:  # the module's parameters, filled from the checkpoint (kernel = W.T)
