@@ -23,34 +23,25 @@
                       read of the logits, rows in parallel, where XLA's top_k(x, 1) takes many
                       times as long.
 
-The sources are compiled with the machine's C++ compiler on first use (`compile_command`) into
-one library in $XDG_CACHE_HOME/jaxserve/kernels (or ~/.cache), keyed by the sources, the
-compiler flags, jaxlib's version and the CPU's features; `available()` says whether that worked,
-and `unavailable_reason()` why not. A new build removes the builds there unused for STALE_DAYS.
+The library is built at install (setup.py) or else on first use, by build.py (where, and the
+key that says a build is current); `available()` says whether loading it worked, and
+`unavailable_reason()` why not.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
-import hashlib
-import os
 import platform
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The library's translation units, and the header each includes.
-SOURCES = tuple(Path(__file__).with_name(n)
-                for n in ("paged_attention.cc", "write_kv.cc", "matmul.cc", "matmul_bf16.cc",
-                          "argmax.cc"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("parallel.h", "vec.h"))
+from jaxserve.backends.cpu import build
+# The build's names that the tests and scripts reach through this module.
+from jaxserve.backends.cpu.build import (HEADERS, NATIVE, SOURCES, STALE_DAYS,  # noqa: F401
+                                         _prune, compile_command, compiler)
+
 # FFI target name -> the handler symbol the sources export.
 _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_paged_attention_bf16": "JaxservePagedAttentionBf16",
@@ -65,27 +56,12 @@ _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_argmax": "JaxserveArgmax"}
 PANEL = 48  # output columns per weight panel (matmul.cc's kPanel)
 BF16_TILE, BF16_DEPTH = 16, 32  # output columns per bf16 weight tile, k per tile product
-# Associative math lets the compiler vectorise dot products and sums.
-_FLAGS = ("-O3", "-std=c++20", "-fPIC", "-fno-math-errno", "-fno-trapping-math",
-          "-fno-signed-zeros", "-fassociative-math", "-ffp-contract=fast")
-# The instruction set the library is built for: this CPU's. The sources pick their AVX-512,
-# AVX2+FMA, AMX-BF16 or portable branches from the macros these flags define.
-NATIVE = ("-march=native",)
 
-
-def _cpu_features() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as Linux lists them (avx512f, amx_bf16, ...); empty elsewhere."""
-    line = _cpu_features()
+    line = build.cpu_features()
     return frozenset(line.split(":", 1)[1].split()) if line.startswith("flags") else frozenset()
 
 
@@ -97,85 +73,18 @@ def has_vector_path() -> bool:
         "avx512f" in flags or {"avx2", "fma"} <= flags)
 
 
-def _library_path() -> Path:
-    key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES + HEADERS),
-                 " ".join(_FLAGS + NATIVE).encode(),
-                 jax.__version__.encode(), _cpu_features().encode()):
-        key.update(part)
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "jaxserve" / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
-
-
-STALE_DAYS = 7
-
-
-def _prune(keep: Path) -> None:
-    """Remove other builds in keep's directory not loaded for STALE_DAYS (each load touches its
-    file): every edit of the sources leaves a library behind."""
-    cutoff = time.time() - STALE_DAYS * 86400
-    for old in keep.parent.glob("cpu_kernels-*.so"):
-        try:
-            if old != keep and old.stat().st_mtime < cutoff:
-                old.unlink()
-        except OSError:
-            pass  # another process removed it first
-
-
-def compiler() -> str | None:
-    """The C++ compiler the kernels build with: $CXX, else g++ or c++ on PATH (None if none)."""
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-
-
-def compile_command(srcs, output, arch=NATIVE, *, shared: bool = True) -> list[str]:
-    """The compiler command line that builds the sources `srcs` with the kernels' flags for the
-    instruction set that the flags `arch` name (NATIVE: this CPU's; ("-march=haswell",): AVX2
-    and FMA, wherever it runs): into the shared library `output`, or with shared=False only
-    compiles them (one source) into the object file `output` (/dev/null to check a build)."""
-    cxx = compiler()
-    if cxx is None:
-        raise RuntimeError("no C++ compiler (g++/c++ or $CXX) to build the CPU kernels")
-    return [cxx, *_FLAGS, *arch, f"-I{jax.ffi.include_dir()}", "-shared" if shared else "-c",
-            *map(str, srcs), "-o", str(output)]
-
-
-def _run(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"building the CPU kernels failed:\n{done.stderr[-2000:]}")
-
-
-def _build(path: Path) -> None:
-    """Each source compiled on its own core (they are independent: a cold start waited for
-    them one after another, 36 s on an idle 2-core machine), then linked."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        objects = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
-        workers = min(len(SOURCES), os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda so: _run(compile_command([so[0]], so[1], shared=False)),
-                          zip(SOURCES, objects)))
-        library = Path(tmp) / path.name
-        _run(compile_command(objects, library))
-        os.replace(library, path)  # atomic: a concurrent build of the same key is harmless
-
-
 _library = None
 
 
 @functools.cache
 def _load() -> str | None:
-    """Builds (once per cache key) and registers the kernels; returns None or why it failed."""
+    """Finds or builds the library (build.library) and registers the kernels; returns None
+    or why that failed."""
     import ctypes
 
     global _library
     try:
-        path = _library_path()
-        if not path.exists():
-            _build(path)
-            _prune(path)
-        library = ctypes.cdll.LoadLibrary(str(path))
-        os.utime(path)  # in use: not stale
+        library = ctypes.cdll.LoadLibrary(str(build.library()))
         for target, symbol in _TARGETS.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
                                         platform="cpu")
