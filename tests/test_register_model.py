@@ -292,6 +292,11 @@ class NoRngs(nnx.Module):
         pass
 
 
+class NoCall(nnx.Module):
+    def __init__(self, config, *, rngs):
+        pass
+
+
 class TwoArguments(nnx.Module):
     def __init__(self, config, *, rngs):
         pass
@@ -315,6 +320,7 @@ class ExtraParameter(TinyLlama):
      r"must take \(params, token_ids, metadata, attention\)"),
     ("BadD", NoRngs, TypeError, r"must take \(self, config, \*, rngs\)"),
     ("BadE", TwoArguments, TypeError, "token_ids, metadata, attention"),
+    ("BadF", NoCall, TypeError, r"defines no __call__"),
     (NNX_NAME, ExtraParameter, ValueError, "already registered"),
 ])
 def test_bad_registrations_are_clear_errors(name, model, error, match):

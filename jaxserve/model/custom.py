@@ -29,7 +29,7 @@ from jaxserve.pytree import pytree_dataclass
 class StepMetadata:
     """What a registered model learns of the step besides its tokens."""
 
-    positions: jax.Array  # i32[T] position of each token in its sequence (padding: 0)
+    positions: jax.Array  # i32[T] position of each token in its sequence (padding: any)
 
 
 def attend_layer(cache, q, k, v, md: AttentionMetadata, *, backend, sm_scale: float,

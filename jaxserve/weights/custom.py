@@ -129,6 +129,9 @@ def register_model(architecture: str, model, *, weights: Callable | None = None,
             raise ValueError("register_model: partition= is a function's sharding; a module's "
                              "is its nnx.with_partitioning annotations")
         _check_signature(model.__init__, "(self, config, *, rngs)", None, None, rngs=None)
+        if not any("__call__" in vars(c) for c in model.__mro__):  # (else: its metaclass's)
+            raise TypeError(f"register_model: {model.__name__} defines no __call__(self, "
+                            "token_ids, metadata, attention)")
         _check_signature(model.__call__, "(self, token_ids, metadata, attention)",
                          None, None, None, None)
     elif callable(model) and not isinstance(model, type):
@@ -156,10 +159,8 @@ def _fields(entry: RegisteredModel) -> tuple:
 def _is_nnx_module(model) -> bool:
     if not isinstance(model, type):
         return False
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax is a dependency
-        return False
+    from flax import nnx
+
     if issubclass(model, nnx.Module):
         return True
     raise TypeError(f"register_model: the class {model.__name__} is not a flax nnx.Module")
