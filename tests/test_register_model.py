@@ -371,3 +371,33 @@ def test_misusing_attention_is_a_clear_error(misuse, match):
     with pytest.raises(ValueError, match=match):
         custom.forward({"model": None}, pool, jnp.zeros(t, jnp.int32), md, cfg=cfg,
                        backend=get("xla"), call=lambda p, ids, m, att: misuse(att, q, kv, kv))
+
+
+def test_an_installed_package_registers_its_model_through_an_entry_point(checkpoints, tmp_path,
+                                                                          monkeypatch):
+    """A checkpoint naming an architecture not yet registered loads the entry points of group
+    "jaxserve.models" (what `jaxserve serve` relies on); each registers its model once."""
+    import importlib.metadata
+
+    from jaxserve.weights import custom
+
+    calls = []
+
+    class Point:
+        name = "tiny-plugin"
+
+        def load(self):
+            return lambda: (calls.append(1), jaxserve.register_model("PluginLlama", TinyLlama))
+
+    def entry_points(group):
+        return [Point()] if group == custom.PLUGIN_GROUP else []
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+    directory = shutil.copytree(checkpoints[NNX_NAME], str(tmp_path / "plugin"))
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump({**config, "architectures": ["PluginLlama"]}, f)
+    assert load_model(directory).config.architecture == "PluginLlama"
+    load_model(directory)
+    assert calls == [1]

@@ -199,12 +199,32 @@ def architecture_of(directory: str) -> RegisteredModel | None:
             return None  # the built-in loader says what is wrong with it
     if not archs or any(a in _ARCHITECTURES for a in archs):
         return None
+    if not any(a in _REGISTRY for a in archs):
+        _load_plugins()
     entry = next((_REGISTRY[a] for a in archs if a in _REGISTRY), None)
     if entry is None:
         raise ValueError(f"unsupported architecture {archs!r}: built in are "
                          f"{sorted(_ARCHITECTURES)}; registered (jaxserve.register_model) "
                          f"{registered_names() or 'none'}")
     return entry
+
+
+PLUGIN_GROUP = "jaxserve.models"
+
+
+def _load_plugins() -> None:
+    """Installed packages' entry points in group "jaxserve.models" (as vLLM's plugins), each a
+    function that calls register_model, called once when a checkpoint names an architecture
+    not yet registered: so `jaxserve serve` serves an out-of-tree model its package installs."""
+    from importlib.metadata import entry_points
+
+    for point in entry_points(group=PLUGIN_GROUP):
+        if point.name not in _PLUGINS_LOADED:
+            _PLUGINS_LOADED.add(point.name)
+            point.load()()
+
+
+_PLUGINS_LOADED: set[str] = set()
 
 
 def read_config(c: dict, architecture: str) -> ModelConfig:
