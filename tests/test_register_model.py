@@ -311,6 +311,13 @@ class ExtraParameter(TinyLlama):
         self.bias = nnx.Param(jnp.zeros(config.hidden_size))
 
 
+class WrongAxis(TinyLlama):  # annotated with a mesh axis the engine's mesh does not have
+    def __init__(self, config, *, rngs):
+        super().__init__(config, rngs=rngs)
+        self.model.norm = nnx.RMSNorm(config.hidden_size, rngs=rngs, scale_init=(
+            nnx.with_partitioning(nnx.initializers.ones_init(), ("model",))))
+
+
 @pytest.mark.parametrize("name, model, error, match", [
     ("", TinyLlama, ValueError, "architecture must be a name"),
     ("LlamaForCausalLM", TinyLlama, ValueError, "built-in architecture"),
@@ -342,6 +349,13 @@ def test_unknown_architectures_and_unmapped_parameters_are_clear_errors(checkpoi
     jaxserve.register_model("ExtraParameterForCausalLM", ExtraParameter)
     with pytest.raises(ValueError, match="no tensor 'bias' for the module's parameter 'bias'"):
         load_model(renamed("ExtraParameterForCausalLM"))
+    jaxserve.register_model("WrongAxisForCausalLM", WrongAxis)
+    with pytest.raises(ValueError, match="may name the engine's mesh axes 'tp' and 'dp' only"):
+        load_model(renamed("WrongAxisForCausalLM"))
+    jaxserve.register_model("WrongRuleForCausalLM", tiny_llama_function,
+                            partition=lambda name, shape: ("model",))
+    with pytest.raises(ValueError, match=r"names mesh axis 'model'; the engine's mesh has"):
+        greedy(renamed("WrongRuleForCausalLM"))
 
 
 @pytest.mark.parametrize("misuse, match", [

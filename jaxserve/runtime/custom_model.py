@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.config import ModelConfig
@@ -85,13 +86,13 @@ def _checked(spec: P, shape: tuple, path, mesh: Mesh) -> P:
         raise ValueError(f"parameter {name}: partition spec {spec} has more axes than its "
                          f"shape {shape}")
     for dim, axes in zip(shape, spec):
-        for axis in (axes if isinstance(axes, tuple) else (axes,)):
-            if axis is None:
-                continue
-            if axis not in mesh.shape:
-                raise ValueError(f"parameter {name}: partition spec {spec} names mesh axis "
-                                 f"{axis!r}; the engine's mesh has {tuple(mesh.shape)}")
-            if dim % mesh.shape[axis]:
-                raise ValueError(f"parameter {name}: dimension {dim} does not split over "
-                                 f"{mesh.shape[axis]} devices of {axis!r}")
+        axes = tuple(a for a in (axes if isinstance(axes, tuple) else (axes,)) if a is not None)
+        unknown = [a for a in axes if a not in mesh.shape]
+        if unknown:
+            raise ValueError(f"parameter {name}: partition spec {spec} names mesh axis "
+                             f"{unknown[0]!r}; the engine's mesh has {tuple(mesh.shape)}")
+        devices = int(np.prod([mesh.shape[a] for a in axes]))
+        if dim % devices:
+            raise ValueError(f"parameter {name}: dimension {dim} does not split over "
+                             f"{devices} devices of {axes}")
     return spec
