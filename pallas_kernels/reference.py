@@ -22,6 +22,11 @@ C * tanh(s / C) before masking and the softmax (Gemma 2).
 Quantized pools: int8 pages i8[Hkv, N, B, D] come with a scale per token and KV head,
 k_scale/v_scale f32[Hkv, N, B], and mean k_pages * k_scale[..., None] (`dequantize_pages`);
 float pages have no scales. Scales of unused slots may be garbage or NaN too.
+
+Attention sinks (`sinks` f[Hq], keyword-only, None: off; gpt-oss): a learned logit per query
+head that joins each query's softmax denominator and carries no value, so the weights over the
+keys sum to 1 / (1 + exp(sink - logsumexp(scores))) instead of 1; a query that sees no key
+gives zeros either way.
 """
 
 from __future__ import annotations
@@ -51,11 +56,11 @@ def _gather_kv(pages: jax.Array, page_tables: jax.Array, scale=None) -> jax.Arra
     return jnp.swapaxes(gathered, 0, 1).astype(jnp.float32)
 
 
-def _masked_attention(q, k, v, valid, sm_scale, soft_cap=None):
+def _masked_attention(q, k, v, valid, sm_scale, soft_cap=None, sinks=None):
     """Grouped softmax attention with a boolean mask.
 
-    q: f32[R, Hkv, G, D]; k, v: f32[R, Hkv, L, D]; valid: bool[R, L] -> f32[R, Hkv, G, D].
-    A row with no valid key gives zeros.
+    q: f32[R, Hkv, G, D]; k, v: f32[R, Hkv, L, D]; valid: bool[R, L]; sinks f[Hkv * G] or
+    None -> f32[R, Hkv, G, D]. A row with no valid key gives zeros.
     """
     scores = jnp.einsum("rhgd,rhld->rhgl", q, k, precision=_HIGHEST) * sm_scale
     if soft_cap is not None:
@@ -63,9 +68,14 @@ def _masked_attention(q, k, v, valid, sm_scale, soft_cap=None):
     mask = valid[:, None, None, :]
     scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
+    if sinks is not None:  # the sink joins the max and the denominator, not the values
+        sink = sinks.astype(jnp.float32).reshape(1, *q.shape[1:3], 1)
+        row_max = jnp.maximum(row_max, sink)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.where(mask, jnp.exp(scores - row_max), 0.0)
     denom = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - row_max)
     v = jnp.where(valid[:, None, :, None], v, 0.0)
     out = jnp.einsum("rhgl,rhld->rhgd", weights, v, precision=_HIGHEST)
     return jnp.where(denom > 0, out / jnp.where(denom > 0, denom, 1.0), 0.0)
@@ -83,6 +93,7 @@ def ref_paged_decode_attention(
     v_scale: jax.Array | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f[Hq]: a logit per query head in the denominator
 ) -> jax.Array:  # f[S, Hq, D] in q.dtype
     """Query of row s (position seq_lens[s]-1) attends to KV positions 0..seq_lens[s]-1 (the
     last `window` of them)."""
@@ -96,7 +107,7 @@ def ref_paged_decode_attention(
     if window is not None:
         valid &= positions[None, :] >= seq_lens[:, None] - window
     qg = q.astype(jnp.float32).reshape(num_seqs, num_kv_heads, group, head_dim)
-    out = _masked_attention(qg, k, v, valid, sm_scale, soft_cap)
+    out = _masked_attention(qg, k, v, valid, sm_scale, soft_cap, sinks)
     return out.reshape(num_seqs, num_q_heads, head_dim).astype(q.dtype)
 
 
@@ -113,6 +124,7 @@ def ref_ragged_paged_attention(
     v_scale: jax.Array | None = None,
     window: int | None = None,
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # f[Hq]: a logit per query head in the denominator
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; padding rows are zeros
     """The semantics of every platform's `ragged_paged_attention`: rows in any order, each a
     decode row (one query token), a prefill chunk (many) or padding (none); row s's queries are
@@ -136,14 +148,14 @@ def ref_ragged_paged_attention(
     if window is not None:
         valid &= key_pos[None, :] > position[:, None] - window
     qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
-    out = _masked_attention(qg, k, v, valid, sm_scale, soft_cap)
+    out = _masked_attention(qg, k, v, valid, sm_scale, soft_cap, sinks)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
 
 
 def ref_ragged_paged_attention_f64(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
                                    sm_scale: float, k_scale=None, v_scale=None,
-                                   window: int | None = None,
-                                   soft_cap: float | None = None) -> np.ndarray:
+                                   window: int | None = None, soft_cap: float | None = None,
+                                   sinks=None) -> np.ndarray:
     """The same semantics in float64 numpy, written independently (each row's pages concatenated
     into a contiguous KV, a plain causal softmax per query head): the oracle the kernels and the
     jnp reference are both measured against. Returns f64[T, Hq, D]."""
@@ -174,8 +186,15 @@ def ref_ragged_paged_attention_f64(q, k_pages, v_pages, page_tables, seq_lens, q
             if window is not None:
                 seen &= keys > positions[:, None] - window
             scores = np.where(seen, scores, -np.inf)
-            w = np.exp(scores - scores.max(axis=1, keepdims=True))
-            w = w / w.sum(axis=1, keepdims=True)
+            top = scores.max(axis=1, keepdims=True)
+            if sinks is not None:  # one more logit in the denominator, with no value
+                sink = float(np.asarray(jnp.asarray(sinks, jnp.float32))[hq])
+                top = np.maximum(top, sink)
+            w = np.exp(scores - top)
+            denom = w.sum(axis=1, keepdims=True)
+            if sinks is not None:
+                denom = denom + np.exp(sink - top)
+            w = w / denom
             # Keys before a window may be garbage (released pages): only weighted ones count.
             out[q_lo:q_hi, hq] = np.where(seen[..., None], w[..., None] * v[hq // group][None],
                                           0).sum(axis=1)

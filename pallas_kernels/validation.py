@@ -77,9 +77,13 @@ def check_page_values(page_tables, seq_lens, num_pages: int, page_size: int) -> 
 
 
 def validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale=None,
-                    v_scale=None, *, window=None, soft_cap=None) -> None:
+                    v_scale=None, *, window=None, soft_cap=None, sinks=None) -> None:
     """Every check of the ragged contract; call outside jit to check values too."""
     check_pool(q, k_pages, v_pages, page_tables, seq_lens, k_scale, v_scale)
+    if sinks is not None and (sinks.shape != (q.shape[1],)
+                              or not jnp.issubdtype(sinks.dtype, jnp.floating)):
+        raise ValueError(f"sinks must be f[Hq] with Hq = {q.shape[1]} (one logit per query "
+                         f"head), got {sinks.dtype}{list(sinks.shape)}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise ValueError(f"window must be a positive int or None, got {window!r}")

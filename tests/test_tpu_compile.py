@@ -4,7 +4,8 @@ limits), nothing executes. Numerics are tests/test_tpu_kernels.py's (interpret m
 
 The option matrix is covered, not multiplied out: CASES holds every value of every option, and
 every pair that changes what Mosaic sees (KV dtype x head dim x path, KV dtype x page size,
-q dtype x KV dtype; windows and soft-capping on both paths and every KV dtype), checked by
+q dtype x KV dtype; windows, soft-capping and attention sinks on both paths and every KV
+dtype), checked by
 `test_cases_cover_the_matrix`; each case compiles for both generations (one topology each).
 Then, for SmolLM2-135M's shapes over a 4096-page pool: `compiled.memory_analysis()` (printed
 with -s), and whether the pool in XLA's default TPU layout reaches the kernel without a per-call
@@ -45,13 +46,14 @@ class Case:
     page_size: int
     window: int | None = None
     soft_cap: float | None = None
+    sinks: bool = False  # attention sinks f32[Hq] (gpt-oss)
     pages_per_block: int = 2
     block_q: int = 16
     num_pages: int = 64  # N
 
     def __str__(self):
         extra = (f"-w{self.window}" if self.window else "") + (
-            f"-cap{self.soft_cap:g}" if self.soft_cap else "")
+            f"-cap{self.soft_cap:g}" if self.soft_cap else "") + ("-sinks" if self.sinks else "")
         return (f"{self.path}-q{_NAMES[self.q_dtype]}-kv{_NAMES[self.kv_dtype]}-d{self.head_dim}-"
                 f"{self.kv_heads}x{self.group}-B{self.page_size}-ppb{self.pages_per_block}{extra}")
 
@@ -61,20 +63,20 @@ class Case:
 
 
 CASES = [  # per KV dtype: every head dim on both paths; page sizes, GQA and options spread
-    Case("decode", BF16, BF16, 64, 3, 3, 8, pages_per_block=4),
-    Case("prefill", BF16, BF16, 64, 1, 8, 16, window=128),
+    Case("decode", BF16, BF16, 64, 3, 3, 8, pages_per_block=4, sinks=True),
+    Case("prefill", BF16, BF16, 64, 1, 8, 16, window=128, sinks=True),
     Case("decode", F32, BF16, 128, 8, 1, 32, soft_cap=30.0),
     Case("prefill", BF16, BF16, 128, 2, 4, 64, pages_per_block=1, block_q=32),
     Case("decode", BF16, BF16, 256, 1, 2, 16, window=100, soft_cap=50.0, pages_per_block=4),
     Case("prefill", F32, BF16, 256, 2, 2, 8, soft_cap=30.0, pages_per_block=4, block_q=8),
-    Case("decode", F32, F32, 64, 2, 4, 32, window=64, pages_per_block=1),
-    Case("prefill", F32, F32, 64, 3, 3, 8, block_q=32),
+    Case("decode", F32, F32, 64, 2, 4, 32, window=64, pages_per_block=1, sinks=True),
+    Case("prefill", F32, F32, 64, 3, 3, 8, block_q=32, sinks=True),
     Case("decode", BF16, F32, 128, 1, 1, 64),
     Case("prefill", F32, F32, 128, 8, 4, 16, window=100, soft_cap=30.0, pages_per_block=4),
     Case("decode", F32, F32, 256, 2, 8, 8, soft_cap=50.0, pages_per_block=3),
     Case("prefill", BF16, F32, 256, 1, 4, 32),
-    Case("decode", BF16, I8, 64, 2, 4, 16),
-    Case("prefill", F32, I8, 64, 3, 3, 32, window=100, soft_cap=30.0),
+    Case("decode", BF16, I8, 64, 2, 4, 16, sinks=True),
+    Case("prefill", F32, I8, 64, 3, 3, 32, window=100, soft_cap=30.0, sinks=True),
     Case("decode", F32, I8, 128, 1, 8, 8, window=64, pages_per_block=4),
     Case("prefill", BF16, I8, 128, 2, 2, 64, soft_cap=50.0, pages_per_block=1, block_q=32),
     Case("decode", BF16, I8, 256, 8, 1, 32, soft_cap=30.0),
@@ -109,6 +111,8 @@ def test_cases_cover_the_matrix():
         with_option = [c for c in CASES if getattr(c, option) is not None]
         assert _pairs(with_option, "kv_dtype", "path") == full("kv_dtype", "path"), option
     assert any(c.window and c.soft_cap for c in CASES)
+    with_sinks = [c for c in CASES if c.sinks]
+    assert _pairs(with_sinks, "kv_dtype", "path") == full("kv_dtype", "path")
 
 
 def abstract_inputs(case: Case, device) -> dict:
@@ -125,6 +129,8 @@ def abstract_inputs(case: Case, device) -> dict:
     )
     if case.kv_dtype == I8:
         args["k_scale"] = args["v_scale"] = abstract(pool[:3], jnp.float32, device)
+    if case.sinks:
+        args["sinks"] = abstract((case.kv_heads * case.group,), jnp.float32, device)
     return args
 
 
@@ -208,8 +214,8 @@ def test_head_major_pool_is_copied_per_call(device, kv_dtype, head_dim):
 # 256, both paths, windows, soft caps, GQA with 3 KV heads).
 FLAT_CASES = [
     Case("decode", BF16, BF16, 64, 3, 3, 16, pages_per_block=4),
-    Case("prefill", F32, BF16, 64, 3, 3, 8, window=100, soft_cap=30.0),
-    Case("decode", F32, F32, 128, 2, 4, 32, window=64, soft_cap=50.0),
+    Case("prefill", F32, BF16, 64, 3, 3, 8, window=100, soft_cap=30.0, sinks=True),
+    Case("decode", F32, F32, 128, 2, 4, 32, window=64, soft_cap=50.0, sinks=True),
     Case("prefill", BF16, F32, 256, 1, 8, 16, pages_per_block=1),
 ]
 

@@ -41,7 +41,8 @@ class Backend:
     # key and value at its slot (kv_cache.write_kv's semantics); None: kv_cache.write_kv.
     write_kv: Callable | None = None
     # The KV pool's layout, this backend's choice: (KV heads per device, head dim, page dtype,
-    # *, num_q_heads per device, q_dtype) -> kv_cache.KVLayout; None: head-major
+    # *, num_q_heads per device, q_dtype, sinks: the model has attention sinks) ->
+    # kv_cache.KVLayout; None: head-major
     # [Hkv, N, B, D] (kv_cache.py).
     kv_layout: Callable | None = None
     # Prefill chunks start at multiples of this many tokens (see AttentionMetadata).
@@ -61,14 +62,15 @@ class Backend:
 
 
 def pool_layout(backend: Backend, num_kv_heads: int, head_dim: int, dtype, *,
-                num_q_heads: int, q_dtype):
-    """The backend's layout for a device's num_kv_heads (kv_cache.KVLayout)."""
+                num_q_heads: int, q_dtype, sinks: bool = False):
+    """The backend's layout for a device's num_kv_heads (kv_cache.KVLayout); sinks: the model
+    has attention sinks (a kernel without them must not be chosen)."""
     from jaxserve.model.kv_cache import KVLayout
 
     if backend.kv_layout is None:
         return KVLayout(num_kv_heads)
     return backend.kv_layout(num_kv_heads, head_dim, dtype, num_q_heads=num_q_heads,
-                             q_dtype=q_dtype)
+                             q_dtype=q_dtype, sinks=sinks)
 
 
 def get(name: str) -> Backend:

@@ -30,8 +30,10 @@ def backend(family: str, *, interpret: bool) -> Backend:
         raise ValueError(f"no Pallas kernel family {family!r} (gpu or tpu)")
 
     def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
-                  soft_cap: float | None = None):
+                  soft_cap: float | None = None, sinks=None):
         if isinstance(cache, PagedKV) and cache.kv.ndim == 4:
+            if sinks is not None:  # kv_layout keeps models with sinks off JAX's kernel
+                raise ValueError("JAX's TPU kernel has no attention sinks")
             return jax_kernel.ragged_paged_attention(
                 q, cache.kv, md.page_tables, md.seq_lens, md.query_start,
                 num_kv_heads=cache.num_kv_heads, sm_scale=sm_scale, window=window,
@@ -39,16 +41,17 @@ def backend(family: str, *, interpret: bool) -> Backend:
         if isinstance(cache, PagedKV):  # flat lanes, our TPU kernels (gpu/ takes no PagedKV)
             return ragged_paged_attention(q, cache.kv, None, md.page_tables, md.seq_lens,
                                           md.query_start, sm_scale=sm_scale, interpret=interpret,
-                                          window=window, soft_cap=soft_cap)
+                                          window=window, soft_cap=soft_cap, sinks=sinks)
         return ragged_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                       md.query_start, sm_scale=sm_scale, interpret=interpret,
                                       k_scale=cache.k_scale, v_scale=cache.v_scale,
-                                      window=window, soft_cap=soft_cap)
+                                      window=window, soft_cap=soft_cap, sinks=sinks)
 
     def kv_layout(num_kv_heads: int, head_dim: int, dtype, *, num_q_heads: int,
-                  q_dtype) -> KVLayout:
-        # JAX's kernel does not run interpreted (jax_kernel.py): interpreted, ours serve.
-        if family == "tpu" and not interpret and jax_kernel.applies(
+                  q_dtype, sinks: bool = False) -> KVLayout:
+        # JAX's kernel does not run interpreted (jax_kernel.py), nor has attention sinks: there
+        # ours serve.
+        if family == "tpu" and not interpret and not sinks and jax_kernel.applies(
                 head_dim, dtype, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads,
                 q_dtype=q_dtype):
             return KVLayout(jax_kernel.padded_kv_heads(num_kv_heads, dtype), page_major=True,

@@ -44,11 +44,13 @@ def _online_update(carry, s, v, valid=None):
 
 
 def _over_page_blocks(page_tables, seq_lens, first_key, pages_per_block: int, page_size: int,
-                      stats_shape: tuple, head_dim: int, block_fn, finish):
+                      stats_shape: tuple, head_dim: int, block_fn, finish, sink=None):
     """Runs block_fn(first_slot, pages i32[R, ppb], carry) -> carry over blocks of page-table
     columns, from the block holding key position first_key (i32: where sliding windows start)
     only as far as the longest row (dynamic trip counts: the table's width costs nothing, and
-    each visited page is read once). Returns finish(the normalised accumulator).
+    each visited page is read once). Returns finish(the normalised accumulator). sink
+    f32[stats_shape] (attention sinks): the softmax starts from it, as a key of weight
+    exp(sink) and value 0, so it joins the denominator only.
 
     The finished output is a result of the loop, computed with each block (the last one's
     kept), not after it: XLA's CPU backend fuses what follows the loop into the output
@@ -67,8 +69,10 @@ def _over_page_blocks(page_tables, seq_lens, first_key, pages_per_block: int, pa
         return m, l, acc, finish(acc / jnp.maximum(l, 1e-30)[..., None])
 
     acc = jnp.zeros(stats_shape + (head_dim,), jnp.float32)  # no block visited: outputs 0
-    init = (jnp.full(stats_shape, _MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32),
-            acc, finish(acc))
+    m, l = jnp.full(stats_shape, _MASKED, jnp.float32), jnp.zeros(stats_shape, jnp.float32)
+    if sink is not None:
+        m, l = sink, jnp.ones(stats_shape, jnp.float32)
+    init = (m, l, acc, finish(acc))
     return jax.lax.fori_loop(first_key // block_slots, num_blocks, body, init)[3]
 
 
@@ -93,11 +97,11 @@ def _gather_block(cache, pages):
 
 def _rows_attention(q, cache, page_tables, seq_lens, q_pos, *,
                     pages_per_block: int, rows_per_chunk: int, sm_scale: float,
-                    window: int | None, soft_cap: float | None):
+                    window: int | None, soft_cap: float | None, sinks=None):
     """Each row's queries attend that row's pages causally. q f[R, Qb, Hq, D]: Qb query tokens
     per row (1 for decode; a block of one prefill chunk otherwise); page_tables i32[R, P];
     seq_lens i32[R] (0: padding row); q_pos i32[R, Qb]. Work is rows x own keys only: a query
-    never meets another row's keys. window, soft_cap: see attention(). Returns
+    never meets another row's keys. window, soft_cap, sinks: see attention(). Returns
     f[R * Qb, Hq, D].
 
     Rows go in chunks of rows_per_chunk: XLA materialises each gathered key/value block, and a
@@ -105,7 +109,7 @@ def _rows_attention(q, cache, page_tables, seq_lens, q_pos, *,
     memory."""
     r, qb, hq, d = q.shape
     opts = dict(pages_per_block=pages_per_block, sm_scale=sm_scale, window=window,
-                soft_cap=soft_cap)
+                soft_cap=soft_cap, sinks=sinks)
     if r <= rows_per_chunk:
         return _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, **opts)
     c = rows_per_chunk
@@ -126,7 +130,7 @@ def _rows_attention(q, cache, page_tables, seq_lens, q_pos, *,
 
 def _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, *,
                           pages_per_block: int, sm_scale: float, window: int | None,
-                          soft_cap: float | None):
+                          soft_cap: float | None, sinks=None):
     """_rows_attention for one chunk of rows, all at once."""
     r, qb, hq, d = q.shape
     hkv, _, page_size, _ = cache.k.shape
@@ -161,17 +165,22 @@ def _rows_attention_block(q, cache, page_tables, seq_lens, q_pos, *,
         out = out.reshape(hkv, r, qb, g, d).transpose(1, 2, 0, 3, 4)
         return out.reshape(r * qb, hq * d).astype(q.dtype)
 
+    sink = None
+    if sinks is not None:  # [Hq] -> the statistics' [Hkv, R, Qb*G] (query head h*G + g)
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(hkv, 1, 1, g),
+                                (hkv, r, qb, g)).reshape(hkv, r, qb * g)
     out = _over_page_blocks(page_tables, seq_lens, first_key, pages_per_block, page_size,
-                            (hkv, r, qb * g), d, block, finish)
+                            (hkv, r, qb * g), d, block, finish, sink)
     return out.reshape(r * qb, hq, d)
 
 
 def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
-              soft_cap: float | None = None):
+              soft_cap: float | None = None, sinks=None):
     """Decode rows attend as rows of one query; prefill tokens as blocks of md.query_block
     tokens, each block inside one row (the batch builder aligns every chunk to the block).
     window: keys at positions > position - window only (blocks wholly before every row's window
-    are not visited); soft_cap: scores -> soft_cap * tanh(score / soft_cap) before the mask."""
+    are not visited); soft_cap: scores -> soft_cap * tanh(score / soft_cap) before the mask;
+    sinks f[Hq]: a logit per query head in the softmax's denominator (None: none)."""
     sd, t = md.num_decode, q.shape[0]
     parts = []
     if sd:
@@ -179,7 +188,7 @@ def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
                                      md.seq_lens[:sd], md.positions[:sd, None],
                                      pages_per_block=DECODE_PAGES_PER_BLOCK,
                                      rows_per_chunk=DECODE_ROWS_PER_CHUNK, sm_scale=sm_scale,
-                                     window=window, soft_cap=soft_cap))
+                                     window=window, soft_cap=soft_cap, sinks=sinks))
     if t > sd:
         qb, sp = md.query_block, md.page_tables.shape[0] - sd
         first_rows = md.token_row[sd::qb] - sd  # row of each query block; sp for padding
@@ -189,7 +198,7 @@ def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
             q[sd:].reshape(-1, qb, *q.shape[1:]), cache, md.page_tables[rows],
             jnp.where(real, md.seq_lens[rows], 0), md.positions[sd:].reshape(-1, qb),
             pages_per_block=PREFILL_PAGES_PER_BLOCK, rows_per_chunk=PREFILL_ROWS_PER_CHUNK,
-            sm_scale=sm_scale, window=window, soft_cap=soft_cap))
+            sm_scale=sm_scale, window=window, soft_cap=soft_cap, sinks=sinks))
     return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
 
 

@@ -82,6 +82,9 @@ class ModelConfig:
     sandwich_norms: bool = False  # norms after attention and MLP too, before the residual (Gemma 2/3)
     query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap)
+    # A learned logit per query head in each softmax's denominator, with no value (gpt-oss;
+    # model/attention.py's attend(sinks=)); the params then hold each layer's sinks f[Hq].
+    attention_sinks: bool = False
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     # Mixture of experts (Mixtral, Qwen3-MoE; model/moe.py): num_experts > 0 makes layer i
     # sparse unless i is in mlp_only_layers or (i + 1) is not a multiple of decoder_sparse_step
@@ -95,6 +98,10 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # gpt-oss's experts: a clamped SwiGLU, (min(up, limit) clipped at -limit too, + 1) *
+    # g * sigmoid(alpha * g) with g = min(gate, limit) (model/moe.py); None: activation(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -122,7 +129,8 @@ class ModelConfig:
         object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # JSON lists
         if self.num_experts:
             self._check_experts()
-        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar"):
+        for name in ("attn_logit_softcapping", "final_logit_softcapping", "query_pre_attn_scalar",
+                     "swiglu_limit"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"ModelConfig.{name} must be > 0 or None, got {value!r}")

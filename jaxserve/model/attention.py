@@ -37,7 +37,7 @@ class AttentionBackend(Protocol):
     """What the model needs of a backend (jaxserve.backends.Backend is one), passed down as an
     object: the model looks nothing up."""
 
-    attention: Callable  # (q, cache, md, *, sm_scale, window, soft_cap) -> f[T, Hq, D]
+    attention: Callable  # (q, cache, md, *, sm_scale, window, soft_cap, sinks) -> f[T, Hq, D]
     write_kv: Callable | None  # (cache, k, v, slot_mapping) -> cache; None: kv_cache.write_kv
 
 
@@ -48,8 +48,13 @@ def write(backend: AttentionBackend, cache: KVCache, k, v, slot_mapping) -> KVCa
 
 
 def attend(backend: AttentionBackend, q, cache: KVCache, md: AttentionMetadata,
-           sm_scale: float, *, window: int | None = None, soft_cap: float | None = None):
+           sm_scale: float, *, window: int | None = None, soft_cap: float | None = None,
+           sinks=None):
     """q f[T, Hq, D] -> f[T, Hq, D] over one layer's cache; this step's KV must already be
     written to it. window: a query at position p attends keys at positions > p - window only;
-    soft_cap: scores (scaled by sm_scale) become soft_cap * tanh(score / soft_cap)."""
-    return backend.attention(q, cache, md, sm_scale=sm_scale, window=window, soft_cap=soft_cap)
+    soft_cap: scores (scaled by sm_scale) become soft_cap * tanh(score / soft_cap); sinks
+    f[Hq] (gpt-oss's attention sinks): a learned logit per query head added to the softmax's
+    denominator, taking probability mass and giving no value. None (statically): none, and the
+    backends compute nothing for them."""
+    return backend.attention(q, cache, md, sm_scale=sm_scale, window=window, soft_cap=soft_cap,
+                             sinks=sinks)

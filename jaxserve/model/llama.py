@@ -16,6 +16,7 @@ Params in the execution layout (weights stored [out, in], y = x @ W.T; F = (Hq +
           wo f[H, Hq*D]; mlp_norm f[H]; w_gate_up f[2I, H]; w_down f[H, I]
           q_norm, k_norm f[D] (qk_norm only); post_attn_norm, post_mlp_norm f[H] (sandwich_norms
           only: Gemma 2/3's norms of the attention and MLP outputs before each residual add)
+          bo f[H] (the output projection's bias) and sinks f[Hq] (attention_sinks): gpt-oss only
           a sparse layer (mixture of experts): router, experts_gate_up, experts_down
           (model/moe.py) in place of w_gate_up, w_down
 A weight may instead be an int8 weight with group scales (quantize.Int8Weight), or a backend's
@@ -99,7 +100,7 @@ def fuse_layer(lp: dict) -> dict:
         fused.update(w_gate_up=_out_in([lp["w_gate"], lp["w_up"]]), w_down=_out_in([lp["w_down"]]))
     if "bq" in lp:
         fused["b_qkv"] = np.concatenate([lp["bq"], lp["bk"], lp["bv"]], axis=-1)
-    for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm"):  # where present
+    for name in ("q_norm", "k_norm", "post_attn_norm", "post_mlp_norm", "bo", "sinks"):
         if name in lp:
             fused[name] = lp[name]
     return fused
@@ -137,8 +138,10 @@ def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: Att
     v = v.reshape(t, cfg.num_kv_heads, d)
     cache = attention.write(backend, cache, k, v, md.slot_mapping)
     o = attention.attend(backend, q, cache, md, sm_scale=cfg.attention_scale, window=window,
-                         soft_cap=cfg.attn_logit_softcapping)
+                         soft_cap=cfg.attn_logit_softcapping, sinks=lp.get("sinks"))
     o = sum_shards(matmul(o.reshape(t, hq), lp["wo"]))
+    if "bo" in lp:  # the output projection's bias (gpt-oss), once after the sum over devices
+        o = o + lp["bo"]
     if cfg.sandwich_norms:
         o = rms_norm(o, lp["post_attn_norm"], eps, offset)
     x = x + o

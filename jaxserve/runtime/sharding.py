@@ -83,7 +83,8 @@ def pool_layout_of(cfg: ModelConfig, backend, tp: int, kv_dtype, q_dtype):
     of each device's heads (JAX's TPU kernel pads them), the heads repeated up to tp."""
     heads = pool_kv_heads(cfg, tp)
     return heads, pool_layout(backend, heads // tp, cfg.head_dim, kv_dtype,
-                              num_q_heads=cfg.num_heads // tp, q_dtype=q_dtype)
+                              num_q_heads=cfg.num_heads // tp, q_dtype=q_dtype,
+                              sinks=cfg.attention_sinks)
 
 
 def pool_bytes_per_token(cfg: ModelConfig, backend, tp: int, kv_dtype, q_dtype,

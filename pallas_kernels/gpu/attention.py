@@ -9,7 +9,9 @@ entries, an upper bound on the blocks any packing of T tokens into S rows needs;
 first token, first query position and token count come from cheap jnp ops on query_start and
 seq_lens outside the kernel (`block_metadata`), and spare blocks exit at once. Splits divide a
 row's pages (flash-decoding, the rule in `block_sizes`); their unnormalised results are merged in
-jnp (`merge_splits`), then scattered back to token order.
+jnp (`merge_splits`), then scattered back to token order. Attention sinks (`sinks` f[Hq]) join
+there, as one more split with the sink's logit and no value: the kernel is the same with or
+without them.
 
 Garbage never reaches the output: page-table entries past a row's length are replaced by page 0
 and clipped into the pool before the kernel (so no load leaves it), masked scores and V rows past
@@ -79,12 +81,13 @@ def ragged_paged_attention(
     v_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
     window: int | None = None,  # sliding window: keys at positions > p - window only
     soft_cap: float | None = None,  # scores -> soft_cap * tanh(score / soft_cap)
+    sinks: jax.Array | None = None,  # f[Hq]: a logit per query head in the denominator
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; tokens >= query_start[S] are zeros
     """Causal paged attention for a ragged batch; see `ref_ragged_paged_attention`. Inputs are
     checked (values too, outside jit); unsupported shapes raise ValueError naming the XLA
     fallback. interpret=True runs the kernel in Pallas's interpreter (any backend, for tests)."""
     validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale,
-                    window=window, soft_cap=soft_cap)
+                    window=window, soft_cap=soft_cap, sinks=sinks)
     check_supported(head_dim=q.shape[-1], page_size=k_pages.shape[2], dtype=k_pages.dtype)
     # The scale arrays are D times smaller than the pages, but checked all the same.
     largest = max(a.size for a in (k_pages, k_scale) if a is not None)
@@ -93,7 +96,7 @@ def ragged_paged_attention(
                          f"{largest} elements >= 2^31 (shard the pool over KV heads, or "
                          "use attention_backend='xla')")
     return _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale,
-                      sm_scale=float(sm_scale), interpret=interpret,
+                      sinks, sm_scale=float(sm_scale), interpret=interpret,
                       block_sizes=block_sizes or GpuBlockSizes(), window=window,
                       soft_cap=None if soft_cap is None else float(soft_cap))
 
@@ -108,7 +111,8 @@ def compute_dtype(q_dtype, pool_dtype):
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "block_sizes", "window",
                                              "soft_cap"))
-def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale, *,
+def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale, v_scale, sinks,
+               *,
                sm_scale: float, interpret: bool, block_sizes: GpuBlockSizes,
                window: int | None, soft_cap: float | None):
     num_tokens, num_q_heads, head_dim = q.shape
@@ -161,7 +165,13 @@ def _attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale,
         interpret=interpret,
         name="ragged_paged_attention",
     )(meta, table, qb, k_pages, v_pages, *scale_args)
-    out = merge_splits(acc, m, l)  # f32[blocks, Hkv, rows, D]
+    sink = None
+    if sinks is not None:  # [Hq] -> [Hkv, rows] (row r: query head h * G + r % Gp)
+        sink = sinks.astype(jnp.float32).reshape(num_kv_heads, 1, -1)
+        sink = jnp.pad(sink, ((0, 0), (0, 0), (0, p.group_pad - sink.shape[2])))
+        sink = jnp.broadcast_to(sink, (num_kv_heads, p.block_q, p.group_pad))
+        sink = sink.reshape(num_kv_heads, p.rows)
+    out = merge_splits(acc, m, l, sink)  # f32[blocks, Hkv, rows, D]
     return to_tokens(out, query_start, block_start, num_tokens, num_q_heads, p).astype(q.dtype)
 
 
@@ -205,12 +215,18 @@ def query_blocks(q, first_token, count, num_kv_heads: int, p: Plan):
     return qb.transpose(0, 2, 1, 3, 4).reshape(p.num_blocks, num_kv_heads, p.rows, head_dim)
 
 
-def merge_splits(acc, m, l):
+def merge_splits(acc, m, l, sink=None):
     """The splits' unnormalised (acc f32[K, ..., D], m, l f32[K, ...]) -> normalised f32[..., D]
-    (flash-decoding's last step); rows that saw no key give zeros."""
+    (flash-decoding's last step); rows that saw no key give zeros. sink (attention sinks,
+    broadcast against m[0]): one more split that saw a key of that logit and value 0, so it
+    joins the denominator only (the kernel itself knows nothing of sinks)."""
     m_all = jnp.max(m, axis=0)
+    if sink is not None:
+        m_all = jnp.maximum(m_all, sink)
     w = jnp.exp(m - m_all[None])
     l_all = jnp.sum(w * l, axis=0)
+    if sink is not None:
+        l_all = l_all + jnp.exp(sink - m_all)
     out = jnp.sum(w[..., None] * acc, axis=0)
     return jnp.where(l_all[..., None] > 0, out / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
 

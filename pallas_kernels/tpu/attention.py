@@ -59,6 +59,7 @@ def ragged_paged_attention(
     v_scale: jax.Array | None = None,  # f32[Hkv, N, B] for int8 pages
     window: int | None = None,  # sliding window: keys at positions > p - window only
     soft_cap: float | None = None,  # scores -> soft_cap * tanh(score / soft_cap)
+    sinks: jax.Array | None = None,  # f[Hq]: a logit per query head in the denominator
 ) -> jax.Array:  # f[T, Hq, D] in q.dtype; tokens >= query_start[S] are zeros
     """Causal paged attention for a ragged batch; see `ref_ragged_paged_attention`.
 
@@ -74,14 +75,14 @@ def ragged_paged_attention(
         view = jax.ShapeDtypeStruct((k_pages.shape[2] // (2 * q.shape[2]), *k_pages.shape[:2],
                                      q.shape[2]), k_pages.dtype)
         validate_inputs(q, view, view, page_tables, seq_lens, query_start,
-                        window=window, soft_cap=soft_cap)
+                        window=window, soft_cap=soft_cap, sinks=sinks)
     else:
         validate_inputs(q, k_pages, v_pages, page_tables, seq_lens, query_start, k_scale,
-                        v_scale, window=window, soft_cap=soft_cap)
+                        v_scale, window=window, soft_cap=soft_cap, sinks=sinks)
     bs = block_sizes or TpuBlockSizes()
     args = (q, k_pages, v_pages, page_tables, seq_lens, query_start)
     kw = dict(sm_scale=sm_scale, pages_per_block=bs.pages_per_block, interpret=interpret,
-              k_scale=k_scale, v_scale=v_scale, window=window, soft_cap=soft_cap)
+              k_scale=k_scale, v_scale=v_scale, window=window, soft_cap=soft_cap, sinks=sinks)
     if uses_decode_path(q.shape[0], page_tables.shape[0]):
         return decode_attention(*args, **kw)
     return prefill_attention(*args, block_q=bs.block_q, **kw)

@@ -30,6 +30,10 @@ test_tpu_compile.py), not run on a TPU: the view may cost a relayout copy of the
 call on TPU if XLA tiles [.., N, B] and [.., 1, B] differently (storing the scales as
 [Hkv, N, 1, B] avoids it); each [1, B] VMEM block is padded to a whole tile.
 
+Attention sinks (`sinks` f[Hq]): each program's softmax starts from its rows' sinks (`init_carry`,
+`sink_operand`: one more [R, 128] input block per KV head) instead of an empty state, so the
+loop over keys is unchanged and a model without sinks has no such input.
+
 Sliding windows and soft-capping (keyword-only arguments of the entry point): both paths start
 their key-block loop at the block holding the earliest key any of their queries' windows reaches
 (`window_start`) and mask the rest by position with the causal limit (their values too: pages
@@ -211,9 +215,23 @@ def online_softmax_step(carry, scores, valid, v, v_valid):
     return m_new, l_new, alpha[:, :1] * acc_prev + pv
 
 
-def init_carry(rows: int, head_dim: int):
+def init_carry(rows: int, head_dim: int, sink=None):
+    """The softmax's starting state; sink f32[R, 128] (attention sinks, lane-broadcast): a key
+    of logit sink and value 0 already seen, so it joins the denominator only."""
+    if sink is not None:
+        return sink, jnp.ones((rows, LANES), jnp.float32), jnp.zeros((rows, head_dim), jnp.float32)
     return (jnp.full((rows, LANES), MASK_VALUE, jnp.float32),
             jnp.zeros((rows, LANES), jnp.float32), jnp.zeros((rows, head_dim), jnp.float32))
+
+
+def sink_operand(sinks, num_kv_heads: int, rows_per_group: int):
+    """sinks f[Hq] -> f32[Hkv, R, 128]: the rows of KV head h's query matrix (token-major:
+    row r is query head h * G + r % G) with their sink broadcast over the lanes, one block per
+    KV head (the block's [R, 128] are whole dims, as Mosaic tiles them)."""
+    group = sinks.shape[0] // num_kv_heads
+    sink = sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group, 1)
+    sink = jnp.broadcast_to(sink, (num_kv_heads, rows_per_group // group, group, LANES))
+    return sink.reshape(num_kv_heads, rows_per_group, LANES)
 
 
 def finish(carry):

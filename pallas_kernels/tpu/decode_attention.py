@@ -33,10 +33,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu.common import (finish, init_carry, kv_scratch, masked_scores,
+from pallas_kernels.tpu.common import (LANES, finish, init_carry, kv_scratch, masked_scores,
                                        in_window, online_softmax_step, pipelined_kv_loop,
                                        pool_operands, prepare_page_tables, resolve_interpret,
-                                       split_refs, window_start)
+                                       sink_operand, split_refs, window_start)
 
 
 def token_rows_and_positions(seq_lens, query_start, num_tokens: int):
@@ -53,12 +53,14 @@ def token_rows_and_positions(seq_lens, query_start, num_tokens: int):
 
 def _decode_kernel(row_ref, position_ref, table_ref,  # scalar prefetch: i32[T] x2, i32[S * P']
                    q_ref,  # [G, D] query heads of token t that share KV head h
-                   *refs,  # pool in HBM: K, V [Hkv, N, B, D] (+ K, V scales f32[Hkv, N, 1, B]);
+                   *refs,  # sinks f32[G, 128] of this KV head's query heads (has_sinks only);
+                   # pool in HBM: K, V [Hkv, N, B, D] (+ K, V scales f32[Hkv, N, 1, B]);
                    # o_ref [G, D]; VMEM buffers K, V [2, pages_per_block, B, D] (+ scales
                    # f32[2, pages_per_block, 1, B]); DMA semaphores (buffers, 2 slots)
                    sm_scale: float, table_width: int, num_pool: int, window: int | None,
-                   soft_cap: float | None):
-    pool, o_ref, bufs, sems = split_refs(refs, num_pool=num_pool)
+                   soft_cap: float | None, has_sinks: bool):
+    sink = refs[0][...] if has_sinks else None
+    pool, o_ref, bufs, sems = split_refs(refs[has_sinks:], num_pool=num_pool)
     t, h = pl.program_id(0), pl.program_id(1)
     row, position = row_ref[t], position_ref[t]
     pages_per_block, page_size = bufs[0].shape[1:3]
@@ -79,14 +81,15 @@ def _decode_kernel(row_ref, position_ref, table_ref,  # scalar prefetch: i32[T] 
     carry = pipelined_kv_loop(
         pl.cdiv(position + 1, block_len) - first,
         lambda i: row * table_width + (first + i) * pages_per_block, body,
-        init_carry(group, head_dim), table_ref=table_ref, kv_head=h, pool=pool, bufs=bufs,
+        init_carry(group, head_dim, sink), table_ref=table_ref, kv_head=h, pool=pool, bufs=bufs,
         sems=sems)
     o_ref[...] = finish(carry).astype(o_ref.dtype)
 
 
 def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *, sm_scale: float,
                      pages_per_block: int, interpret: bool, k_scale=None, v_scale=None,
-                     window: int | None = None, soft_cap: float | None = None) -> jax.Array:
+                     window: int | None = None, soft_cap: float | None = None,
+                     sinks=None) -> jax.Array:
     """Inputs and output as `ragged_paged_attention` (validated there); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
     if v_pages is None:  # page-major kv f[N, B, 2 * Hkv * D]
@@ -104,13 +107,17 @@ def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
     pool = pool_operands(k_pages, v_pages, k_scale, v_scale)
     kernel = functools.partial(_decode_kernel, sm_scale=float(sm_scale),
                                table_width=table.shape[0] // num_seqs, num_pool=len(pool),
-                               window=window, soft_cap=soft_cap)
+                               window=window, soft_cap=soft_cap, has_sinks=sinks is not None)
+    sink_args, sink_specs = (), []
+    if sinks is not None:
+        sink_args = (sink_operand(sinks, num_kv_heads, group),)
+        sink_specs = [pl.BlockSpec((None, group, LANES), lambda t, h, *_: (h, 0, 0))]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(num_tokens, num_kv_heads),
-            in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pool),
+            in_specs=[q_spec, *sink_specs] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pool),
             out_specs=q_spec,
             scratch_shapes=kv_scratch(pages_per_block, page_size, head_dim, k_pages.dtype,
                                       quantized=len(pool) == 4, page_major=len(pool) == 1),
@@ -118,5 +125,6 @@ def decode_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), q.dtype),
         interpret=resolve_interpret(interpret),
-    )(row, position, table, q.reshape(num_tokens, num_kv_heads, group, head_dim), *pool)
+    )(row, position, table, q.reshape(num_tokens, num_kv_heads, group, head_dim), *sink_args,
+      *pool)
     return out.reshape(num_tokens, num_q_heads, head_dim)

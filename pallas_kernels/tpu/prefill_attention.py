@@ -36,21 +36,23 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu.common import (finish, init_carry, kv_scratch, masked_scores,
+from pallas_kernels.tpu.common import (LANES, finish, init_carry, kv_scratch, masked_scores,
                                        in_window, online_softmax_step, pipelined_kv_loop,
                                        pool_operands, prepare_page_tables, resolve_interpret,
-                                       split_refs, window_start)
+                                       sink_operand, split_refs, window_start)
 
 
 def _prefill_kernel(seq_lens_ref, table_ref, query_start_ref, first_seq_ref, last_seq_ref,
                     # scalar prefetch (SMEM): i32[S], i32[S * P'], i32[S+1], i32[T'/block_q] x2
                     q_ref,  # [block_q, G, D] queries of this token block sharing KV head h
-                    *refs,  # pool in HBM: K, V [Hkv, N, B, D] (+ K, V scales f32[Hkv, N, 1, B]);
+                    *refs,  # sinks f32[block_q * G, 128] (has_sinks only); pool in HBM: K, V
+                    # [Hkv, N, B, D] (+ K, V scales f32[Hkv, N, 1, B]);
                     # o_ref [block_q, G, D]; VMEM buffers K, V [2, pages_per_block, B, D] (+
                     # scales f32[2, pages_per_block, 1, B]); DMA semaphores (buffers, 2 slots)
                     sm_scale: float, table_width: int, num_pool: int, window: int | None,
-                    soft_cap: float | None):
-    pool, o_ref, bufs, sems = split_refs(refs, num_pool=num_pool)
+                    soft_cap: float | None, has_sinks: bool):
+    sink = refs[0][...] if has_sinks else None
+    pool, o_ref, bufs, sems = split_refs(refs[has_sinks:], num_pool=num_pool)
     qb, h = pl.program_id(0), pl.program_id(1)
     block_q, group, head_dim = q_ref.shape
     rows = block_q * group
@@ -90,7 +92,7 @@ def _prefill_kernel(seq_lens_ref, table_ref, query_start_ref, first_seq_ref, las
             table_ref=table_ref, kv_head=h, pool=pool, bufs=bufs, sems=sems)
 
     carry = jax.lax.fori_loop(first_seq_ref[qb], last_seq_ref[qb] + 1, seq_body,
-                              init_carry(rows, head_dim))
+                              init_carry(rows, head_dim, sink))
     o_ref[...] = finish(carry).reshape(block_q, group, head_dim).astype(o_ref.dtype)
 
 
@@ -110,7 +112,7 @@ def _rows_per_block(query_start, num_tokens: int, block_q: int):
 def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
                       sm_scale: float, block_q: int, pages_per_block: int, interpret: bool,
                       k_scale=None, v_scale=None, window: int | None = None,
-                      soft_cap: float | None = None) -> jax.Array:
+                      soft_cap: float | None = None, sinks=None) -> jax.Array:
     """Inputs and output as `ragged_paged_attention` (validated there); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
     if v_pages is None:  # page-major kv f[N, B, 2 * Hkv * D]
@@ -131,13 +133,17 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
     pool = pool_operands(k_pages, v_pages, k_scale, v_scale)
     kernel = functools.partial(_prefill_kernel, sm_scale=float(sm_scale),
                                table_width=table.shape[0] // num_seqs, num_pool=len(pool),
-                               window=window, soft_cap=soft_cap)
+                               window=window, soft_cap=soft_cap, has_sinks=sinks is not None)
+    sink_args, sink_specs = (), []
+    if sinks is not None:
+        sink_args = (sink_operand(sinks, num_kv_heads, block_q * group),)
+        sink_specs = [pl.BlockSpec((None, block_q * group, LANES), lambda i, h, *_: (h, 0, 0))]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=(padded_tokens // block_q, num_kv_heads),
-            in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pool),
+            in_specs=[q_spec, *sink_specs] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pool),
             out_specs=q_spec,
             scratch_shapes=kv_scratch(pages_per_block, page_size, head_dim, k_pages.dtype,
                                       quantized=len(pool) == 4, page_major=len(pool) == 1),
@@ -145,5 +151,5 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         interpret=resolve_interpret(interpret),
-    )(seq_lens, table, query_start, first_seq, last_seq, q4, *pool)
+    )(seq_lens, table, query_start, first_seq, last_seq, q4, *sink_args, *pool)
     return out.reshape(padded_tokens, num_q_heads, head_dim)[:num_tokens]

@@ -11,14 +11,15 @@ KV_CACHE_DTYPES = ("float32", "bfloat16", "int8")  # the pages its attention rea
 
 
 def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
-              soft_cap: float | None = None):
+              soft_cap: float | None = None, sinks=None):
     """Decode and prefill tokens alike in one custom call: each token attends its row's pages
-    causally (within its sliding window, scores soft-capped), read in place (no gathered copy). Any layout works (a padding token's row is S);
+    causally (within its sliding window, scores soft-capped, sinks in the denominator), read
+    in place (no gathered copy). Any layout works (a padding token's row is S);
     the batch packs chunks back to back so that no slot is alignment padding."""
     out = kernels.paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                   md.token_row, md.positions, sm_scale=sm_scale,
                                   k_scale=cache.k_scale, v_scale=cache.v_scale, window=window,
-                                  soft_cap=soft_cap)
+                                  soft_cap=soft_cap, sinks=sinks)
     return out.astype(q.dtype)
 
 

@@ -129,13 +129,15 @@ _ATTENTION_TARGETS = {jnp.dtype(jnp.float32): "jaxserve_paged_attention",
 
 def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_scale: float,
                     k_scale=None, v_scale=None, window: int | None = None,
-                    soft_cap: float | None = None):
+                    soft_cap: float | None = None, sinks=None):
     """q f32[T, Hq, D]; k, v [Hkv, N, B, D] of float32 or bfloat16, or int8 with k_scale, v_scale
     f32[Hkv, N, B] (a key is k * k_scale[..., None]; kv_cache.quantize_kv); page_tables
     i32[S, P]; seq_lens i32[S]; token_row i32[T] (S or more: a padding token, output zeros);
     positions i32[T]. Token t attends positions j <= positions[t], j < seq_lens[token_row[t]]
     of its row (and j > positions[t] - window with a window; pages wholly before it are not
-    read); soft_cap: scaled scores -> soft_cap * tanh(score / soft_cap). -> f32[T, Hq, D]. The pages are read in place in their dtype (never converted:
+    read); soft_cap: scaled scores -> soft_cap * tanh(score / soft_cap); sinks f[Hq]: a logit
+    per query head in the softmax's denominator (None: an empty buffer, no work).
+    -> f32[T, Hq, D]. The pages are read in place in their dtype (never converted:
     that would copy the pool each call); any other dtype, or scales missing for int8 pages or
     given for float ones, is a ValueError. A row's seq_len over its table's P * B keys, or a
     page id outside [0, N) among the pages its keys occupy, fails the call (a JaxRuntimeError
@@ -153,9 +155,13 @@ def paged_attention(q, k, v, page_tables, seq_lens, token_row, positions, *, sm_
             raise ValueError(f"k_scale {k_scale.shape}, v_scale {v_scale.shape}: want "
                              f"{k.shape[:3]} ([Hkv, N, B] of k {k.shape})")
         scales = (k_scale.astype(jnp.float32), v_scale.astype(jnp.float32))
+    if sinks is not None and sinks.shape != q.shape[1:2]:
+        raise ValueError(f"sinks must be f[Hq] with Hq = {q.shape[1]}, got {sinks.shape}")
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32)
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return _call(target, _f32(*q.shape), q.astype(jnp.float32), k, v, *scales, i32(page_tables),
-                 i32(seq_lens), i32(token_row), i32(positions), sm_scale=np.float32(sm_scale),
+                 i32(seq_lens), i32(token_row), i32(positions), sinks,
+                 sm_scale=np.float32(sm_scale),
                  window=np.int64(window or 0), soft_cap=np.float32(soft_cap or 0.0))
 
 

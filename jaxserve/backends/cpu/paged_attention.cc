@@ -4,26 +4,28 @@
 // whole context each step, written and read again, where this reads each key and value once.
 //
 // Shapes (the letters of jaxserve/model/attention.py): q f32[T, Hq, D]; k, v [Hkv, N, B, D] of
-// float32, bfloat16, or int8 with k_scale, v_scale f32[Hkv, N, B] (key = k * k_scale, one scale
-// per token and KV head: kv_cache.py's quantize_kv); page_tables i32[S, P]; seq_lens i32[S];
-// token_row i32[T] (S or more: padding, output zeros); positions i32[T]. Query head h * G + g
-// reads KV head h (G = Hq / Hkv). Token t attends key positions j <= positions[t] and
-// j < seq_lens[token_row[t]], and with a sliding window W > 0 only j > positions[t] - W: pages
-// wholly before the window are not read (their table entries may be the scratch page 0). A
-// soft cap C > 0 turns each scaled score s into C * tanh(s / C). A row's seq_len must fit its page table (P pages of B keys) and
-// the pages holding its keys must be in the pool (0 <= id < N): both are checked once per call,
+// float32, bfloat16, or int8 with k_scale, v_scale f32[Hkv, N, B] (key = k * k_scale, one scale per
+// token and KV head: kv_cache.py's quantize_kv); page_tables i32[S, P]; seq_lens i32[S]; token_row
+// i32[T] (S or more: padding, output zeros); positions i32[T]. Query head h * G + g reads KV head h
+// (G = Hq / Hkv). Token t attends key positions j <= positions[t] and j < seq_lens[token_row[t]],
+// and with a sliding window W > 0 only j > positions[t] - W: pages wholly before the window are not
+// read (their table entries may be the scratch page 0). A soft cap C > 0 turns each scaled score s
+// into C * tanh(s / C). sinks f32[Hq] (or [0]: none): a logit per query head in the softmax's
+// denominator, with no value (gpt-oss), taken as the softmax's starting state (max = sink, sum = 1)
+// by the first split of each unit only. A row's seq_len must fit its page table (P pages of B keys)
+// and the pages holding its keys must be in the pool (0 <= id < N): both are checked once per call,
 // before any key is read, and fail the call with an InvalidArgument error. Entries past a row's
 // keys are not read (padding rows: seq_len 0, page tables of 0s; page 0 is the pool's scratch
 // page), nor are those slots' scales (garbage, even NaN).
 //
-// Work is split into (token, KV head) units over the kernels' worker threads (parallel.h).
-// Each unit walks its pages once with an online float32 softmax, all G query heads of the group
+// Work is split into (token, KV head) units over the kernels' worker threads (parallel.h). Each
+// unit walks its pages once with an online float32 softmax, all G query heads of the group
 // together, so a KV page is read once per token. A step of too few units for the threads (one
-// decode row: 3) splits each unit's pages and merges the splits' softmax states. With many
-// decode rows the kernel is bound by reading scattered pages from memory, not by its
-// arithmetic, hence the software prefetch of each next page (Prefetch). Narrow pages (int8, a
-// quarter of the bytes; bfloat16, half) are widened to float32 a row at a time as they are read:
-// the pool is never converted or copied.
+// decode row: 3) splits each unit's pages and merges the splits' softmax states. With many decode
+// rows the kernel is bound by reading scattered pages from memory, not by its arithmetic, hence the
+// software prefetch of each next page (Prefetch). Narrow pages (int8, a quarter of the bytes;
+// bfloat16, half) are widened to float32 a row at a time as they are read: the pool is never
+// converted or copied.
 
 #include <algorithm>
 #include <bit>
@@ -35,31 +37,13 @@
 #include <utility>
 #include <vector>
 
+#include "exp_nonpositive.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
-
-// exp(x) for x <= 0 (scores minus their row max), branch-free so that loops over keys
-// vectorize: Cody-Waite range reduction and Cephes' degree-6 polynomial (relative error ~1e-7).
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // Pulls `bytes` at `p` toward the cache. A page of one head is a few KB wherever the page table
 // points, so the hardware prefetcher cannot see the next one coming.
@@ -100,6 +84,7 @@ struct Problem {
   const int32_t* seq_lens;
   const int32_t* token_row;
   const int32_t* positions;
+  const float* sinks;  // [Hq]; null: none
   float* out;
   int64_t num_tokens, num_q_heads, num_kv_heads, num_pages, page_size, num_rows, table_width;
   float sm_scale;
@@ -199,6 +184,10 @@ void AttendUnit(const Problem& p, int64_t unit, int64_t d_runtime, int64_t split
   float* row = kStatic ? row_static : acc + g_size * d;  // [D]: a narrow row widened (Widen)
   std::fill(m, m + g_size, -1e30f);
   std::fill(l, l + g_size, 0.0f);
+  if (p.sinks != nullptr && split == 0) {  // the sink as a key of weight exp(sink), value 0
+    std::copy(p.sinks + h * g_size, p.sinks + (h + 1) * g_size, m);
+    std::fill(l, l + g_size, 1.0f);
+  }
   std::fill(acc, acc + g_size * d, 0.0f);
   // Runs of keys within one page: [first, first + n), n <= B; only the window's first run may
   // start inside its page (at offset `skip`).
@@ -330,8 +319,9 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kPa
                   ffi::Buffer<kPage> v, const ffi::Buffer<ffi::F32>* k_scale,
                   const ffi::Buffer<ffi::F32>* v_scale, ffi::Buffer<ffi::S32> page_tables,
                   ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> token_row,
-                  ffi::Buffer<ffi::S32> positions, float sm_scale, int64_t window,
-                  float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> sinks,
+                  float sm_scale, int64_t window, float soft_cap,
+                  ffi::ResultBuffer<ffi::F32> out) {
   using T = ffi::NativeType<kPage>;  // float, int8_t, or bfloat16's bits (Bf16Bits)
   const auto qd = q.dimensions(), kd = k.dimensions(), td = page_tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || td.size() != 2 || !(v.dimensions() == kd) ||
@@ -341,17 +331,18 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kPa
       !(out->dimensions() == qd) ||
       seq_lens.element_count() != static_cast<size_t>(td[0]) ||
       token_row.element_count() != static_cast<size_t>(qd[0]) ||
-      positions.element_count() != static_cast<size_t>(qd[0])) {
+      positions.element_count() != static_cast<size_t>(qd[0]) ||
+      (sinks.element_count() != 0 && sinks.element_count() != static_cast<size_t>(qd[1]))) {
     return ffi::Error::InvalidArgument(
         "paged attention: q [T, Hq, D], k and v [Hkv, N, B > 0, D] (Hkv divides Hq), page_tables "
         "[S, P], seq_lens [S], token_row and positions [T] -> out [T, Hq, D]; int8 pages' "
-        "k_scale and v_scale [Hkv, N, B]");
+        "k_scale and v_scale [Hkv, N, B]; sinks [Hq] or [0]");
   }
   Problem p{q.typed_data(), k.typed_data(), v.typed_data(),
             k_scale != nullptr ? k_scale->typed_data() : nullptr,
             v_scale != nullptr ? v_scale->typed_data() : nullptr, page_tables.typed_data(),
             seq_lens.typed_data(), token_row.typed_data(), positions.typed_data(),
-            out->typed_data(), qd[0], qd[1], kd[0], kd[1], kd[2], td[0], td[1], sm_scale,
+            sinks.element_count() ? sinks.typed_data() : nullptr, out->typed_data(), qd[0], qd[1], kd[0], kd[1], kd[2], td[0], td[1], sm_scale,
             window, soft_cap};
   if (auto e = CheckPages(p); e.failure()) return e;
   const int64_t d = qd[2];
@@ -395,10 +386,11 @@ template <ffi::DataType kPage>
 ffi::Error PagedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<kPage> k,
                           ffi::Buffer<kPage> v, ffi::Buffer<ffi::S32> page_tables,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> token_row,
-                          ffi::Buffer<ffi::S32> positions, float sm_scale, int64_t window,
-                          float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                          ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> sinks,
+                          float sm_scale, int64_t window, float soft_cap,
+                          ffi::ResultBuffer<ffi::F32> out) {
   return Attend<kPage>(pool, q, k, v, nullptr, nullptr, page_tables, seq_lens, token_row,
-                       positions, sm_scale, window, soft_cap, out);
+                       positions, sinks, sm_scale, window, soft_cap, out);
 }
 
 ffi::Error PagedAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
@@ -406,10 +398,10 @@ ffi::Error PagedAttentionInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                               ffi::Buffer<ffi::S32> page_tables, ffi::Buffer<ffi::S32> seq_lens,
                               ffi::Buffer<ffi::S32> token_row, ffi::Buffer<ffi::S32> positions,
-                              float sm_scale, int64_t window, float soft_cap,
-                              ffi::ResultBuffer<ffi::F32> out) {
+                              ffi::Buffer<ffi::F32> sinks, float sm_scale, int64_t window,
+                              float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Attend<ffi::S8>(pool, q, k, v, &k_scale, &v_scale, page_tables, seq_lens, token_row,
-                         positions, sm_scale, window, soft_cap, out);
+                         positions, sinks, sm_scale, window, soft_cap, out);
 }
 
 // The handlers' arguments: q, then k and v of dtype kPage (then int8's scales: see below) ...
@@ -430,6 +422,7 @@ auto BindRest(Binding binding) {
       .template Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
       .template Arg<ffi::Buffer<ffi::S32>>()  // token_row
       .template Arg<ffi::Buffer<ffi::S32>>()  // positions
+      .template Arg<ffi::Buffer<ffi::F32>>()  // sinks
       .template Attr<float>("sm_scale")
       .template Attr<int64_t>("window")
       .template Attr<float>("soft_cap")
