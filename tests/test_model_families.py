@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 from hf_families import FAMILIES, WINDOW, StepLogits, family_loaded, family_model, greedy_reference  # noqa: E402,E501
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.core.kv_groups import groups_of  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.core.sequence import Request, Sequence  # noqa: E402
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
@@ -45,7 +46,10 @@ def test_logits_match_transformers(family, backend):
     prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, 2 * CHUNK)]
     seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt),
                    len(prompt))
-    seq.page_ids = [int(p) for p in rng.permutation(np.arange(1, 64))[:12]]  # non-contiguous
+    pages = [int(p) for p in rng.permutation(np.arange(1, 64))]  # non-contiguous
+    # a table per layer group (core/kv_groups.py), each of its own pages
+    seq.page_ids, seq.group_page_ids = pages[:12], [pages[12 * g:12 * g + 12] for g in
+                                                    range(1, groups_of(cfg).num_groups)]
     runner = StepLogits(cfg, params, PAGE, backend)
 
     def release(position):
@@ -80,7 +84,7 @@ def test_pallas_kernels_in_the_model_match_transformers(family, backend):
     model, cfg, params = family_model(family)
     prompt = [int(t) for t in np.random.default_rng(1).integers(3, cfg.vocab_size, 24)]
     seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt), 24)
-    seq.page_ids = [5, 2, 7, 1]
+    seq.page_ids, seq.group_page_ids = [5, 2, 7, 1], [[9, 3, 11, 4]]  # two layer groups
     runner = StepLogits(cfg, params, PAGE, backend)
     runner.step(StepPlan([ScheduledChunk(seq, 0, 8, [])]))
     ours = [runner.step(StepPlan([ScheduledChunk(seq, 8, 16, [seq])]))[0]]
@@ -165,9 +169,10 @@ def test_mistral_window_with_draft_speculation():
 def test_gemma_greedy_generation_matches_transformers(family):
     """The engine (auto backend: the C++ kernels on a CPU that has them) keeps every page of a
     mixed local/global model and generates transformers' greedy tokens past the window, for
-    requests sharing a cached 40-token prefix in a pool of 12 usable pages, too few for all
-    three (preemption)."""
-    llm = _engine(family, "auto", num_pages=13)
+    requests sharing a cached 40-token prefix in a pool too small for all three (preemption)."""
+    # Gemma 2/3: pages of one layer group (half the layers); 18 of them hold 9 pages' bytes of
+    # Gemma, where a sliding group's pages go before its window (fits all three with 24)
+    llm = _engine(family, "auto", num_pages=13 if family == "gemma" else 19)
     rng = np.random.default_rng(4)
     prefix = [int(t) for t in rng.integers(3, 211, 40)]
     prompts = [prefix + [int(t) for t in rng.integers(3, 211, n)] for n in (3, 9, 17)]

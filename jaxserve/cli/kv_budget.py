@@ -76,6 +76,7 @@ flags.DEFINE_string("architectures", None, "JSON file of named architectures for
 flags.DEFINE_integer("plot_max_context", 131072, "Longest context in the GiB-vs-context plot.")
 
 EXIT_USAGE = 2
+LAYER_WINDOWS: list = []  # --model's window per layer (None: full): its layer groups
 
 
 class _Usage(Exception):
@@ -127,6 +128,7 @@ def _architecture() -> kvb.KVArchitecture:
                 fields[k] = int(getattr(config, k))
         if FLAGS.sliding_window is None:
             FLAGS.sliding_window = config.kv_window
+        LAYER_WINDOWS[:] = [config.layer_window(i) for i in range(config.num_layers)]
         name = f"model {FLAGS.model}"
     missing = [f"--{k}" for k, v in fields.items() if v is None]
     if missing:
@@ -195,6 +197,13 @@ def _render(result: dict) -> str:
             out.append(f"speculative lookahead of {la['lookahead']}, pages of {la['page_size']}: "
                        f"peak {la['peak_pages']} pages (plain {la['pages']}; "
                        f"+{_human_bytes(la['extra_bytes'])} during a verification)")
+        for lg in s.get("layer_groups", []):
+            groups = " + ".join(f"{g['pages']} ({'full' if g['window'] is None else g['window']})"
+                                for g in lg["groups"])
+            out.append(f"layer groups of {lg['layers_per_page']} layers, pages of "
+                       f"{lg['page_size']}, {lg['length']} tokens: {groups} = {lg['pages']} "
+                       f"pages, {_human_bytes(lg['bytes'])} (every page kept: "
+                       f"{_human_bytes(lg['every_page_kept_bytes'])})")
         for sw in s.get("sliding_window", []):
             out.append(f"sliding window of {sw['window']}, pages of {sw['page_size']}: "
                        f"{sw['window_pages']} pages held (full length {sw['pages']}; "
@@ -329,7 +338,7 @@ def main(argv: list[str]) -> None:
                              page_sizes=page_sizes, reserve=FLAGS.reserve,
                              lookahead=FLAGS.num_speculative_tokens,
                              tensor_parallel_size=FLAGS.tensor_parallel_size,
-                             window=FLAGS.sliding_window)
+                             window=FLAGS.sliding_window, layer_windows=LAYER_WINDOWS or None)
         if FLAGS.plot_dir:
             result["plots"] = _plot(result, arch, lengths, FLAGS.uniform_max, page_sizes,
                                     FLAGS.reserve)

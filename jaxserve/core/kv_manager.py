@@ -17,27 +17,77 @@ skips or masks it), its reference is dropped (a prefix-cache page stays findable
 requests), and it is gone for this sequence: released entries are only ever a leading run of
 the table. Preemption recomputes from token 0 as before. So a sequence holds about
 window + chunk tokens of pages, however long it grows.
+
+Layer groups (core/kv_groups.py): a model whose layers are of several kinds (Gemma 2/3's
+local and global layers, Qwen2's from max_window_layers on) has one page table per group and
+sequence (Sequence.page_ids for group 0, Sequence.group_page_ids for the others), all drawing
+on the one pool. Each table grows alike; a sliding group's releases its pages before its
+window as above, a full group's keeps them. Every count (pages needed, to hold, to admit) sums
+the groups. A prefix-cache key of group g's page is the token chain's key tagged with g
+(PrefixCache.group_key), and a hit of h pages needs every full group's pages 0..h-1 and each
+sliding group's pages from the first one the query at position h * page_size reads (its last
+window); pages before that are attached as released. find_prefix takes the longest such h
+(vLLM intersects its groups' hits the same way). A model of one kind is one group, found and
+kept exactly as before.
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
-from jaxserve.core.page_pool import PagePool
+from jaxserve.core.page_pool import OutOfPages, PagePool
 from jaxserve.core.prefix_cache import PrefixCache
 from jaxserve.core.sequence import Sequence
 
 
+class PrefixHit(NamedTuple):
+    """Cached pages for the head of a prompt: group 0's, the chain keys of those pages, and
+    the other groups' tables (a sliding group's pages before the hit's last window are 0)."""
+
+    pages: list[int]
+    keys: list[bytes]
+    group_pages: tuple = ()
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+    def all_pages(self) -> list[int]:
+        return [p for table in (self.pages, *self.group_pages) for p in table if p]
+
+
+NO_HIT = PrefixHit([], [])
+
+
 class KVManager:
     def __init__(self, pool: PagePool, page_size: int, cache: PrefixCache | None = None,
-                 window: int | None = None):
+                 window: int | None = None, group_windows: tuple | None = None):
+        """window: one group's (ModelConfig.kv_window); group_windows: each layer group's
+        window (None: full attention; kv_groups.KVGroups.windows), which replaces it."""
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
-        self.window = window  # ModelConfig.kv_window: None unless every layer is windowed
+        self.windows = tuple(group_windows) if group_windows else (window,)
+        self.window = self.windows[0] if len(self.windows) == 1 else None
         self._keys: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full computed pages
+        self._group_of: dict[int, int] = {}  # page -> the group it was last given to (G > 1)
         self.peak_referenced_pages = 0
         self._salt: dict[int, str | None] = {}
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def tables(self, seq: Sequence) -> list[list[int]]:
+        """seq's page tables, one per group (group 0's is seq.page_ids)."""
+        return [seq.page_ids, *seq.group_page_ids]
+
+    def _allocate(self, n: int, group: int) -> list[int]:
+        pages = self.pool.allocate(n)
+        if self.num_groups > 1:
+            self._group_of.update((p, group) for p in pages)
+        return pages
 
     # ---- sizing ---------------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -45,108 +95,156 @@ class KVManager:
 
     def pages_to_hold(self, num_tokens: int, chunk: int) -> int:
         """The most pages a sequence of num_tokens holds at once, computed in chunks of at most
-        `chunk` tokens: all of them, or with a window the pages of window - 1 keys and a chunk
-        (one more where they straddle a page boundary)."""
-        if self.window is None:
-            return self.pages_for(num_tokens)
-        return min(self.pages_for(num_tokens), self.pages_for(self.window - 1 + chunk) + 1)
+        `chunk` tokens, summed over the groups: all of them, or with a window the pages of
+        window - 1 keys and a chunk (one more where they straddle a page boundary)."""
+        n = self.pages_for(num_tokens)
+        return sum(n if w is None else min(n, self.pages_for(w - 1 + chunk) + 1)
+                   for w in self.windows)
 
     def release_outside_window(self, seq: Sequence, position: int) -> None:
         """Release seq's pages whose slots all lie before the window of a query at `position`
-        (and so of every later one): see the module docstring. A step still in flight that may
-        read them holds them (the pool defers their reuse)."""
-        if self.window is None:
-            return
-        num_outside = min(len(seq.page_ids), max(0, position - self.window + 1) // self.page_size)
-        for i in range(num_outside):
-            if seq.page_ids[i]:
-                self.pool.decref(seq.page_ids[i])
-                seq.page_ids[i] = 0
+        (and so of every later one) in each sliding group: see the module docstring. A step
+        still in flight that may read them holds them (the pool defers their reuse)."""
+        for window, table in zip(self.windows, self.tables(seq)):
+            if window is None:
+                continue
+            num_outside = min(len(table), max(0, position - window + 1) // self.page_size)
+            for i in range(num_outside):
+                if table[i]:
+                    self.pool.decref(table[i])
+                    table[i] = 0
 
-    def _shared_pages_in(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Indices of existing pages of seq overlapping slots [start, end) with refcount > 1."""
+    def _shared_pages_in(self, table: list[int], start: int, end: int) -> list[int]:
+        """Indices of a table's pages overlapping slots [start, end) with refcount > 1."""
         b = self.page_size
-        last = min(len(seq.page_ids), self.pages_for(end))
-        return [i for i in range(start // b, last) if self.pool.refcount(seq.page_ids[i]) > 1]
+        last = min(len(table), self.pages_for(end))
+        return [i for i in range(start // b, last) if self.pool.refcount(table[i]) > 1]
 
     def pages_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New pages to write seq.token_ids[num_computed : num_computed + num_tokens]: growth plus
-        copy-on-write copies of shared pages in that range."""
+        copy-on-write copies of shared pages in that range, over every group."""
         start = seq.num_computed_tokens
         end = start + num_tokens
-        grow = max(0, self.pages_for(end) - len(seq.page_ids))
-        return grow + len(self._shared_pages_in(seq, start, end))
+        return sum(max(0, self.pages_for(end) - len(table))
+                   + len(self._shared_pages_in(table, start, end)) for table in self.tables(seq))
+
+    def admission_pages(self, hit: PrefixHit, num_tokens: int) -> tuple[int, int]:
+        """(pages to allocate, pages available for them) to admit a sequence with `hit` and
+        compute up to token num_tokens: growth in every group, against free and evictable pages
+        less the evictable ones the hit itself revives."""
+        need = self.num_groups * (self.pages_for(num_tokens) - hit.num_pages)
+        revived = sum(self.pool.is_evictable(p) for p in hit.all_pages())
+        return need, self.pool.num_available - revived
+
+    def tokens_fitting(self, seq: Sequence) -> int:
+        """The end of the longest chunk whose new pages are available now (no copies counted):
+        each page of growth costs one page per group."""
+        grow = self.pool.num_available // self.num_groups
+        return (len(seq.page_ids) + grow) * self.page_size
 
     # ---- admission ------------------------------------------------------------------------------
-    def find_prefix(self, seq: Sequence, salt: str | None) -> tuple[list[int], list[bytes]]:
+    def find_prefix(self, seq: Sequence, salt: str | None) -> PrefixHit:
         """Cached pages for the head of seq.token_ids, never covering its last token. Requests that
         score their prompt (prompt_logprobs) compute every prompt token, so they take no hits."""
         if self.cache is None or seq.sampling_params.prompt_logprobs is not None:
-            return [], []
+            return NO_HIT
         max_pages = (seq.num_tokens - 1) // self.page_size
-        return self.cache.lookup(seq.token_ids, salt, max_pages=max_pages)
+        if self.num_groups == 1:
+            return PrefixHit(*self.cache.lookup(seq.token_ids, salt, max_pages=max_pages))
+        keys = self.cache.chain_keys(seq.token_ids, salt, max_pages)
+        found = [[self.cache.page_of(self.cache.group_key(k, g)) for k in keys]
+                 for g in range(self.num_groups)]
+        for h in range(len(keys), 0, -1):
+            tables = []
+            for window, pages in zip(self.windows, found):
+                first = 0 if window is None else \
+                    max(0, h * self.page_size - window + 1) // self.page_size
+                if any(p is None for p in pages[first:h]):
+                    break
+                tables.append([0] * first + pages[first:h])
+            else:
+                return PrefixHit(tables[0], keys[:h], tuple(tables[1:]))
+        return NO_HIT
 
-    def admit(self, seq: Sequence, salt: str | None, hit: tuple[list[int], list[bytes]] = ([], [])):
+    def admit(self, seq: Sequence, salt: str | None, hit: PrefixHit | tuple = NO_HIT):
         """Start a page table for a sequence with no pages, attaching prefix-hit pages (refcount++)."""
         if seq.page_ids or seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id} already holds pages")
-        pages, keys = hit
-        for page in pages:
-            self.pool.incref(page)
-        seq.page_ids = list(pages)
-        seq.num_computed_tokens = len(pages) * self.page_size
+        hit = PrefixHit(*hit)
+        tables = [list(hit.pages), *map(list, hit.group_pages)]
+        tables += [[] for _ in range(self.num_groups - len(tables))]
+        for g, table in enumerate(tables):
+            for page in table:
+                if page:
+                    self.pool.incref(page)
+                    if self.num_groups > 1:
+                        self._group_of[page] = g
+        seq.page_ids, seq.group_page_ids = tables[0], tables[1:]
+        seq.num_computed_tokens = len(hit.keys) * self.page_size
         seq.num_cached_tokens = seq.num_computed_tokens
-        self._keys[seq.seq_id] = list(keys)
+        self._keys[seq.seq_id] = list(hit.keys)
         self._salt[seq.seq_id] = salt
 
     # ---- writing ----------------------------------------------------------------------------------
     def prepare_write(self, seq: Sequence, num_tokens: int, copies: list[tuple[int, int]]) -> None:
         """Make seq's pages writable for its next num_tokens tokens: allocate the growth and replace
-        every shared page in range by a private copy, recording (src, dst) in `copies`.
-        All or nothing: raises OutOfPages and changes nothing if the pages cannot be had."""
+        every shared page in range by a private copy, recording (src, dst) in `copies`, in
+        every group. All or nothing: raises OutOfPages and changes nothing if the pages cannot
+        be had."""
         start = seq.num_computed_tokens
         end = start + num_tokens
-        shared = self._shared_pages_in(seq, start, end)
-        grow = max(0, self.pages_for(end) - len(seq.page_ids))
-        fresh = self.pool.allocate(grow + len(shared))
-        for i, dst in zip(shared, fresh):
-            src = seq.page_ids[i]
-            copies.append((src, dst))
-            seq.page_ids[i] = dst
-            self.pool.decref(src)
-        seq.page_ids.extend(fresh[len(shared):])
+        tables = self.tables(seq)
+        shared = [self._shared_pages_in(table, start, end) for table in tables]
+        grow = [max(0, self.pages_for(end) - len(table)) for table in tables]
+        if sum(grow) + sum(map(len, shared)) > self.pool.num_available:
+            raise OutOfPages(f"need {sum(grow) + sum(map(len, shared))} pages, "
+                             f"{self.pool.num_available} available")
+        for g, table in enumerate(tables):
+            fresh = self._allocate(grow[g] + len(shared[g]), g)
+            for i, dst in zip(shared[g], fresh):
+                src = table[i]
+                copies.append((src, dst))
+                table[i] = dst
+                self.pool.decref(src)
+            table.extend(fresh[len(shared[g]):])
         self.release_outside_window(seq, start)
 
     def prepare_slots(self, slots: list[tuple[Sequence, int]]) -> bool:
         """Make slot `position` of each (seq, position) writable, where seq's pages already cover
-        every slot before it: a fresh page at a page boundary. All or nothing: False, changing
-        nothing, when a slot's page is shared (it would need a copy) or the pool lacks pages."""
-        if any(self._shared_pages_in(seq, position, position + 1) for seq, position in slots):
+        every slot before it: a fresh page at a page boundary, in every group. All or nothing:
+        False, changing nothing, when a slot's page is shared (it would need a copy) or the
+        pool lacks pages."""
+        if any(self._shared_pages_in(table, position, position + 1)
+               for seq, position in slots for table in self.tables(seq)):
             return False
-        grow = [seq for seq, position in slots if self.pages_for(position + 1) > len(seq.page_ids)]
+        grow = [(g, table) for seq, position in slots
+                for g, table in enumerate(self.tables(seq))
+                if self.pages_for(position + 1) > len(table)]
         if len(grow) > self.pool.num_available:
             return False
-        for seq, page in zip(grow, self.pool.allocate(len(grow))):
-            seq.page_ids.append(page)
+        for g, table in grow:
+            table.extend(self._allocate(1, g))
         for seq, position in slots:
             self.release_outside_window(seq, position)
         return True
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """child shares every page of parent (refcount++); writes later copy-on-write."""
+        """child shares every page of parent (refcount++), in every group; writes later
+        copy-on-write."""
         if child.page_ids:
             raise ValueError(f"fork target {child.seq_id} already holds pages")
-        for page in parent.page_ids:
+        tables = [list(table) for table in self.tables(parent)]
+        for page in (p for table in tables for p in table):
             if page:  # 0: released (outside the window)
                 self.pool.incref(page)
-        child.page_ids = list(parent.page_ids)
+        child.page_ids, child.group_page_ids = tables[0], tables[1:]
         child.num_computed_tokens = parent.num_computed_tokens
         self._keys[child.seq_id] = list(self._keys.get(parent.seq_id, []))
         self._salt[child.seq_id] = self._salt.get(parent.seq_id)
 
     def register_full_pages(self, seq: Sequence) -> int:
-        """Key seq's pages that are full of computed tokens and offer them to the prefix cache.
-        Returns how many pages were newly inserted."""
+        """Key seq's pages that are full of computed tokens and offer them to the prefix cache,
+        each group's under its own key. Returns how many pages were newly inserted."""
         if self.cache is None:
             return 0
         keys = self._keys.setdefault(seq.seq_id, [])
@@ -157,9 +255,10 @@ class KVManager:
         parent = keys[-1] if keys else None
         new_keys = self.cache.chain_keys(seq.token_ids, salt, num_full, parent, first_page=len(keys))
         inserted = 0
-        for i, key in enumerate(new_keys, start=len(keys)):
-            if seq.page_ids[i]:  # a page released before it was offered stays unoffered
-                inserted += self.cache.insert(key, seq.page_ids[i])
+        for g, table in enumerate(self.tables(seq)):
+            for i, key in enumerate(new_keys, start=len(keys)):
+                if table[i]:  # a page released before it was offered stays unoffered
+                    inserted += self.cache.insert(self.cache.group_key(key, g), table[i])
         keys.extend(new_keys)
         return inserted
 
@@ -167,20 +266,25 @@ class KVManager:
     def free(self, seq: Sequence) -> None:
         """Drop all of seq's references (tail first, so its tail pages are evicted first). The caller
         resets num_computed_tokens when the sequence will be recomputed (preemption)."""
-        for page in reversed(seq.page_ids):
-            if page:
-                self.pool.decref(page)
-        seq.page_ids = []
+        for table in self.tables(seq):
+            for page in reversed(table):
+                if page:
+                    self.pool.decref(page)
+        # Empty tables, as many as groups: a finished sequence's chunk in a plan still counts them.
+        seq.page_ids, seq.group_page_ids = [], [[] for _ in self.windows[1:]]
         self._keys.pop(seq.seq_id, None)
         self._salt.pop(seq.seq_id, None)
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
-        """Drop seq's pages past those that hold its first num_tokens slots (speculative
-        lookahead that was rolled back); their later slots are rewritten before they are read."""
+        """Drop seq's pages past those that hold its first num_tokens slots in every group
+        (speculative lookahead that was rolled back); their later slots are rewritten before
+        they are read."""
         keep = self.pages_for(num_tokens)
-        for page in reversed(seq.page_ids[keep:]):
-            self.pool.decref(page)
-        del seq.page_ids[keep:]
+        for table in self.tables(seq):
+            for page in reversed(table[keep:]):
+                if page:
+                    self.pool.decref(page)
+            del table[keep:]
 
     # ---- steps in flight --------------------------------------------------------------------------
     def step_launched(self, step: int) -> None:
@@ -199,6 +303,15 @@ class KVManager:
         self.peak_referenced_pages = max(self.peak_referenced_pages, self.pool.num_referenced)
 
     # ---- introspection ----------------------------------------------------------------------------
+    def referenced_pages_per_group(self) -> list[int]:
+        """Pages referenced now, per group (one group: the pool's count)."""
+        if self.num_groups == 1:
+            return [self.pool.num_referenced]
+        counts = [0] * self.num_groups
+        for page, g in self._group_of.items():
+            counts[g] += self.pool.refcount(page) > 0
+        return counts
+
     def page_stats(self) -> dict:
         pool = self.pool
         return dict(
@@ -210,6 +323,7 @@ class KVManager:
             cached_pages=pool.num_evictable,
             cached_pages_findable=self.cache.num_cached if self.cache else 0,
             referenced_pages=pool.num_referenced,
+            referenced_pages_per_group=self.referenced_pages_per_group(),
             evictions=pool.num_evictions,
             peak_referenced_pages=self.peak_referenced_pages)
 
@@ -221,12 +335,13 @@ class KVManager:
         table_entries = 0
         b = self.page_size
         for seq in live_seqs:
-            table_entries += len(seq.page_ids)  # released entries too: the table keeps them
-            for j, page in enumerate(seq.page_ids):
-                if not page:
-                    continue
-                filled[page] = max(filled.get(page, 0),
-                                   min(b, max(0, seq.num_computed_tokens - j * b)))
+            for table in self.tables(seq):
+                table_entries += len(table)  # released entries too: the table keeps them
+                for j, page in enumerate(table):
+                    if not page:
+                        continue
+                    filled[page] = max(filled.get(page, 0),
+                                       min(b, max(0, seq.num_computed_tokens - j * b)))
         useful = sum(filled.values())
         referenced = self.pool.num_referenced
         return {"page_size": b, "referenced_pages": referenced, "useful_slots": useful,
@@ -238,24 +353,30 @@ class KVManager:
     # ---- checking ---------------------------------------------------------------------------------
     def check(self, live_seqs: list[Sequence]) -> None:
         """Conservation, plus: refcounts equal the number of page-table entries of live sequences,
-        so a page appears in two tables only when its refcount says it is shared."""
+        so a page appears in two tables only when its refcount says it is shared, and only in
+        tables of one group."""
         self.pool.check()
         if self.cache is not None:
             self.cache.check()
         counts: dict[int, int] = {}
+        groups: dict[int, int] = {}
         for seq in live_seqs:
-            assert len(seq.page_ids) >= self.pages_for(seq.num_computed_tokens), \
-                f"seq {seq.seq_id} computed {seq.num_computed_tokens} tokens in {len(seq.page_ids)} pages"
-            pages = seq.page_ids
-            released = len(pages) - len([p for p in pages if p])
-            assert not any(pages[:released]), \
-                f"seq {seq.seq_id}: released pages are not a leading run"
-            assert released == 0 or self.window is not None, \
-                f"seq {seq.seq_id} has page 0 in its table without a window"
-            live = pages[released:]
-            assert len(set(live)) == len(live), f"seq {seq.seq_id} repeats a page"
-            for page in live:
-                counts[page] = counts.get(page, 0) + 1
+            tables = self.tables(seq)
+            assert len(tables) == self.num_groups or not any(tables), \
+                f"seq {seq.seq_id} has {len(tables)} page tables for {self.num_groups} groups"
+            for g, pages in enumerate(tables):
+                assert len(pages) >= self.pages_for(seq.num_computed_tokens), \
+                    f"seq {seq.seq_id} computed {seq.num_computed_tokens} tokens in {len(pages)} pages"
+                released = len(pages) - len([p for p in pages if p])
+                assert not any(pages[:released]), \
+                    f"seq {seq.seq_id}: released pages are not a leading run"
+                assert released == 0 or self.windows[g] is not None, \
+                    f"seq {seq.seq_id} has page 0 in its table without a window"
+                live = pages[released:]
+                assert len(set(live)) == len(live), f"seq {seq.seq_id} repeats a page"
+                for page in live:
+                    counts[page] = counts.get(page, 0) + 1
+                    assert groups.setdefault(page, g) == g, f"page {page} is in two groups"
         assert 0 not in counts, "page 0 is in a page table"
         for page in range(1, self.pool.num_pages):
             assert self.pool.refcount(page) == counts.get(page, 0), (

@@ -65,6 +65,17 @@ class PrefixCache:
             keys.append(parent)
         return pages, keys
 
+    @staticmethod
+    def group_key(key: bytes, group: int) -> bytes:
+        """The key of layer group `group`'s page at `key` (core/kv_groups.py): group 0's is the
+        chain key itself, so a model of one group keys its pages as it always did."""
+        if group == 0:
+            return key
+        return hashlib.blake2b(key + struct.pack("<q", group), digest_size=16).digest()
+
+    def page_of(self, key: bytes) -> int | None:
+        return self._page_by_key.get(key)
+
     def insert(self, key: bytes, page: int) -> bool:
         """Make a referenced, full page findable under key. False (nothing changes) if the key is
         already cached (another page computed the same prefix) or the page already has a key."""

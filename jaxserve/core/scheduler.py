@@ -67,9 +67,10 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, *, num_pages: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], model_fingerprint: str,
                  kv_window: int | None = None, speculation: Speculation | None = None,
-                 prefill_keys_per_token: int = 0):
+                 prefill_keys_per_token: int = 0, group_windows: tuple | None = None):
         """speculation: speculative decoding's owner (default: none; the engine passes the one
-        its Speculator drives). prefill_keys_per_token: resolved (ResolvedConfig); 0: off."""
+        its Speculator drives). prefill_keys_per_token: resolved (ResolvedConfig); 0: off.
+        group_windows: each layer group's window (core/kv_groups.py), replacing kv_window."""
         self.config = config
         self.page_size, self.cache_salt = cache.page_size, cache.cache_salt
         self.max_model_len = max_model_len
@@ -78,7 +79,7 @@ class Scheduler:
         self.cache = (PrefixCache(self.pool, self.page_size, model_fingerprint)
                       if cache.enable_prefix_caching else None)
         # kv_window (ModelConfig.kv_window): pages before every layer's window are released.
-        self.kv = KVManager(self.pool, self.page_size, self.cache, window=kv_window)
+        self.kv = KVManager(self.pool, self.page_size, self.cache, kv_window, group_windows)
         self.watermark_pages = int(cache.watermark * self.pool.num_usable)
         self.budget = StepBudget(config.max_num_batched_tokens, prefill_keys_per_token
                                  if config.enable_chunked_prefill else 0, kv_window)
@@ -255,13 +256,13 @@ class Scheduler:
             return False
         salt = seq.request.cache_salt if seq.request.cache_salt is not None else self.cache_salt
         hit = self.kv.find_prefix(seq, salt)
-        hit_tokens = len(hit[0]) * self.page_size
+        hit_tokens = hit.num_pages * self.page_size
         n = self._chunk_len(seq, hit_tokens, budget_left, plan) if budget_left > 0 else 0
         if n == 0 and not allow_empty:
             return False
         # A static batch reserves room for each member's whole prompt before admitting more.
-        need = self.kv.pages_for(seq.num_tokens if allow_empty else hit_tokens + n) - len(hit[0])
-        available = self.pool.num_available - sum(self.pool.is_evictable(p) for p in hit[0])
+        need, available = self.kv.admission_pages(hit, seq.num_tokens if allow_empty
+                                                  else hit_tokens + n)
         alone = not self.running
         if need > available - (0 if alone else self.watermark_pages):
             if alone and self.pool.num_pending == 0 \
@@ -419,8 +420,7 @@ class Scheduler:
         if not (self.config.enable_chunked_prefill
                 or seq.num_tokens - start > self.config.max_num_batched_tokens):
             return 0
-        end = (len(seq.page_ids) + self.pool.num_available) * self.page_size
-        return max(0, min(n, end - start))
+        return max(0, min(n, self.kv.tokens_fitting(seq) - start))
 
     # ---- introspection ------------------------------------------------------------------------------
     def live_sequences(self) -> list[Sequence]:

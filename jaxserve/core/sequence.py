@@ -33,7 +33,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One token stream. `page_ids` is its page table on the host; the KV of token i lives in page
     page_ids[i // page_size] at offset i % page_size. Tokens [0, num_computed_tokens) have KV in the
-    pool."""
+    pool. A model of several layer groups (core/kv_groups.py) gives it one page table per
+    group: page_ids is group 0's, group_page_ids the others' (empty for a model of one group)."""
 
     seq_id: int
     request: "Request"
@@ -42,6 +43,7 @@ class Sequence:
     fork_index: int = 0  # which of the request's n samples this is
     status: SequenceStatus = SequenceStatus.WAITING
     page_ids: list[int] = dataclasses.field(default_factory=list)
+    group_page_ids: list[list[int]] = dataclasses.field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     stop_reason: int | str | None = None

@@ -33,6 +33,7 @@ import numpy as np
 from jaxserve import backends
 from jaxserve.config import DEFAULT_MEMORY_UTILIZATION, EngineConfig, ModelConfig
 from jaxserve.config.resolved import resolve_scan_layers
+from jaxserve.core import kv_groups
 from jaxserve.engine import memory_plan
 from jaxserve.engine.memory_plan import GIB, MARGIN, MemoryPlan
 from jaxserve.runtime import abstract, sharding
@@ -191,7 +192,9 @@ class _Compiler:
 
     def batch(self, shape, prompt_logprobs: int | None = None):
         b, t = self.t.buckets, self.t
-        return build_batch(warmup_plan(shape, b, t.page_size, prompt_logprobs), b, t.page_size)[0]
+        plan = warmup_plan(shape, b, t.page_size, prompt_logprobs,
+                           kv_groups.groups_of(t.model).num_groups)
+        return build_batch(plan, b, t.page_size)[0]
 
     def compile_step(self, batch, pool):
         step = abstract.replicated(dataclasses.replace(batch, sampling=None), self.t.mesh)
@@ -210,7 +213,7 @@ class _Compiler:
     def compile_copies(self, n: int, pool):
         idx = abstract.replicated(np.zeros(n, np.int32), self.t.mesh)
         with compile_target(self.t.mesh):
-            return _copy_pages.lower(pool, idx, idx, self.t.model.num_layers
+            return _copy_pages.lower(pool, idx, idx, kv_groups.groups_of(self.t.model).size
                                      if self.t.scan_layers else 0).compile()
 
 
@@ -236,7 +239,8 @@ def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> Me
         (o["memory_utilization"] or DEFAULT_MEMORY_UTILIZATION) * hbm)
     margin = int(MARGIN * budget)
     plan = functools.partial(MemoryPlan, budget_bytes=budget, weight_bytes=weights,
-                             margin_bytes=margin, page_bytes=page_bytes, page_size=t.page_size)
+                             margin_bytes=margin, page_bytes=page_bytes, page_size=t.page_size,
+                             group_windows=kv_groups.groups_of(t.model).windows)
     if weights + margin + 2 * page_bytes > budget:  # no step need be compiled to know
         return plan(activation_peak_bytes=0, runtime_bytes=0, num_pages=0)
     shape = memory_plan.largest_shape(b, t.page_size)
@@ -245,7 +249,8 @@ def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> Me
                 for k in (None, b.logprobs[-1])]
     activation = max(_step_bytes(c) for c in compiled)
     code = compiled[0].memory_analysis().generated_code_size_in_bytes
-    batches = [batch for batch, _ in warmup_batches(b, t.page_size)]
+    batches = [batch for batch, _ in warmup_batches(
+        b, t.page_size, num_groups=kv_groups.groups_of(t.model).num_groups)]
     warmup_shapes = len(batches) + len(b.copies)
     # The sampling calls' code too (for an 8B at TP 4 it was 0.1 of 0.24 GiB of code): the
     # largest one (the most rows, filtered, with logit controls) counted for each of them.
@@ -274,7 +279,8 @@ def _jobs(compiler: _Compiler, pool):
     each step, its sampling call per sample-row count in each mode without and with logit
     controls (masks only), and each page-copies bucket."""
     b, sampled = compiler.t.buckets, set()
-    for batch, _ in warmup_batches(b, compiler.t.page_size):
+    groups = kv_groups.groups_of(compiler.t.model).num_groups
+    for batch, _ in warmup_batches(b, compiler.t.page_size, num_groups=groups):
         rows = batch.logits_indices.shape[0]
         yield (f"step of {batch.token_ids.shape[0]} tokens, {batch.attn.page_tables.shape[0]} "
                f"rows, {rows} sampled", "step",

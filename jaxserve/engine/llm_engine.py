@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jaxserve import backends
 from jaxserve.config import EngineConfig, ModelConfig, ResolvedConfig, kv_slot_bytes
 from jaxserve.config.resolved import resolve_kv_cache_dtype
+from jaxserve.core import kv_groups
 from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
@@ -132,6 +133,7 @@ class LLMEngine:
             model_fingerprint=(f"{loaded.fingerprint}:{resolved.dtype}:{load.quantization}:"
                                f"kv-{resolved.kv_cache_dtype}"),
             kv_window=loaded.config.kv_window, speculation=self.speculator.speculation,
+            group_windows=kv_groups.groups_of(loaded.config).windows,
             num_pages=self.num_pages)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests = RequestTable(self.scheduler, self.outputs)

@@ -25,6 +25,7 @@ import math
 import numpy as np
 
 from jaxserve.config import CacheConfig, ParallelConfig
+from jaxserve.core.kv_groups import groups_of
 from jaxserve.runtime import memory
 from jaxserve.runtime.buckets import Buckets
 
@@ -43,9 +44,18 @@ class MemoryPlan:
     activation_peak_bytes: int
     runtime_bytes: int
     margin_bytes: int
-    page_bytes: int  # one page of every layer's pool (scales included)
+    page_bytes: int  # one page of every layer slot's pool (scales included)
     page_size: int
     num_pages: int  # scratch page 0 included
+    # Each layer group's window (core/kv_groups.py; None: full attention): a request holds
+    # pages in every group, a sliding group's only over its window.
+    group_windows: tuple = (None,)
+
+    def pages_per_group(self, max_model_len: int) -> list[int]:
+        """Pages a decoding request of max_model_len tokens holds in each group."""
+        n = math.ceil(max_model_len / self.page_size)
+        return [n if w is None else min(n, math.ceil(w / self.page_size) + 1)
+                for w in self.group_windows]
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -59,18 +69,21 @@ class MemoryPlan:
 
     def max_requests(self, max_model_len: int) -> int:
         """Requests of max_model_len tokens the pool holds at once."""
-        return (self.num_pages - 1) // math.ceil(max_model_len / self.page_size)
+        return (self.num_pages - 1) // sum(self.pages_per_group(max_model_len))
 
     def describe(self, max_model_len: int) -> str:
         def gib(n: int) -> str:
             return f"{n / GIB:.3f} GiB"
 
+        groups = "" if len(self.group_windows) == 1 else "; pages per request by layer group: " \
+            + " + ".join(f"{n} ({'full' if w is None else f'window {w}'})" for n, w in
+                         zip(self.pages_per_group(max_model_len), self.group_windows))
         return (f"memory plan per device: budget {gib(self.budget_bytes)} = weights "
                 f"{gib(self.weight_bytes)} + activation peak {gib(self.activation_peak_bytes)}"
                 f" + runtime {gib(self.runtime_bytes)} + margin {gib(self.margin_bytes)} "
                 f"+ KV pool {gib(self.kv_pool_bytes)} ({self.num_pages} pages of "
                 f"{self.page_size} tokens; {self.max_requests(max_model_len)} requests of "
-                f"max_model_len {max_model_len} at once)")
+                f"max_model_len {max_model_len} at once{groups})")
 
     def as_dict(self) -> dict:
         return {**dataclasses.asdict(self), "kv_pool_bytes": self.kv_pool_bytes,
@@ -145,7 +158,7 @@ def plan(runner, buckets: Buckets, budget_bytes: int, held_before: int,
     return MemoryPlan(budget_bytes=budget_bytes, weight_bytes=weights,
                       activation_peak_bytes=activation, runtime_bytes=runtime,
                       margin_bytes=margin, page_bytes=page_bytes, page_size=runner.page_size,
-                      num_pages=int(num_pages))
+                      num_pages=int(num_pages), group_windows=groups_of(runner.cfg).windows)
 
 
 def budget(config: CacheConfig, parallel: ParallelConfig, platform: str) -> int | None:

@@ -8,6 +8,7 @@ Hq query heads, Hkv KV heads, G = Hq // Hkv, D head dim.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Protocol
 
 import jax
@@ -31,6 +32,19 @@ class AttentionMetadata:
     # Prefill chunks start at multiples of this many tokens after the decode rows (padding in
     # between); query_start then counts a row's padding as its own. 1 = packed.
     query_block: int = static_field(default=1)
+    # Layer groups (core/kv_groups.py), None for a model of one: each group's page tables
+    # and slots (group 0's are also page_tables and slot_mapping); for_group(g) is a layer's.
+    group_page_tables: jax.Array | None = None  # i32[G, S, P]
+    group_slot_mapping: jax.Array | None = None  # i32[G, T]
+
+    def for_group(self, group):
+        """The metadata a layer of `group` attends with (its group's table and slots): plain
+        metadata, as every backend takes. group may be traced (scanned layers)."""
+        if self.group_page_tables is None:
+            return self
+        return dataclasses.replace(self, page_tables=self.group_page_tables[group],
+                                   slot_mapping=self.group_slot_mapping[group],
+                                   group_page_tables=None, group_slot_mapping=None)
 
 
 class AttentionBackend(Protocol):

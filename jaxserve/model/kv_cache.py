@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.core.kv_groups import groups_of  # noqa: F401 (the pool's slots: a group's layers)
 from jaxserve.pytree import pytree_dataclass, static_field
 
 

@@ -10,9 +10,10 @@ the body; the layers past the last whole block run unrolled
 after it. params["layers"] = {"stacked": (period dicts of leaves [blocks, ...]),
 "rest": (per-layer dicts)}.
 
-KV pool: every layer's pages in one cache of L * N pages (layer i's page p is page i * N + p),
-stacked on the page axis, not a new leading one: the scan carries the one buffer, and layer i
-reads and writes it through its page tables and slots offset by i * N pages. No backend kernel
+KV pool: every layer slot's pages in one cache of Lg * N pages (slot s's page p is page
+s * N + p; Lg = L slots for a model of one layer group, core/kv_groups.py), stacked on the page
+axis, not a new leading one: the scan carries the one buffer, and layer i (slot s of group g)
+reads and writes it through group g's page tables and slots offset by s * N pages. No backend kernel
 changes, no layer's pages are sliced out (a slice fed to a custom call is copied), writes stay
 in place, and the head axis is where tensor parallelism shards it. Page 0 of each layer's range
 is that layer's scratch page."""
@@ -26,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxserve.core import kv_groups
 from jaxserve.model.kv_cache import KVPool
 
 
@@ -76,7 +78,8 @@ def _pages(cache) -> int:
 
 
 def copy_pages(pool: KVPool, src, dst, num_layers: int) -> KVPool:
-    """Copy-on-write in a scanned pool: page src[i] -> dst[i] in every layer's range."""
+    """Copy-on-write in a scanned pool: page src[i] -> dst[i] in every layer slot's range
+    (num_layers: the pool's slots, kv_groups.KVGroups.size)."""
     (cache,) = pool.layers
     n = _pages(cache) // num_layers
     offsets = n * jnp.arange(num_layers, dtype=jnp.int32)[:, None]
@@ -88,13 +91,21 @@ def run_layers(params: dict, pool: KVPool, x, md, *, cfg, layer, rope_of):
     """x f[T, H] through every layer: layer(md, window, rope, x, cache, lp) -> (x, cache) is
     one decoder layer (md: that layer's metadata, rope: rope_of(window), its rope tables)."""
     (cache,) = pool.layers
-    n = _pages(cache) // cfg.num_layers
+    groups = kv_groups.groups_of(cfg)
+    n = _pages(cache) // groups.size
     page_size = cache.page_size
+    group_of, slot_of = (np.asarray(a, np.int32) for a in zip(*groups.slot_of))
 
     def run(i, j, x, cache, lp):
         """Layer i, position j of the window pattern."""
-        shifted = dataclasses.replace(md, page_tables=md.page_tables + i * n,
-                                      slot_mapping=md.slot_mapping + i * n * page_size)
+        if groups.num_groups == 1:  # slot i, the plain metadata
+            shifted = dataclasses.replace(md, page_tables=md.page_tables + i * n,
+                                          slot_mapping=md.slot_mapping + i * n * page_size)
+        else:
+            g, s = jnp.asarray(group_of)[i], jnp.asarray(slot_of)[i]
+            mine = md.for_group(g)
+            shifted = dataclasses.replace(mine, page_tables=mine.page_tables + s * n,
+                                          slot_mapping=mine.slot_mapping + s * n * page_size)
         window = cfg.layer_window(j)
         return layer(shifted, window, rope_of(window), x, cache, lp)
 

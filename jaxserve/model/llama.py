@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxserve.config import ModelConfig
+from jaxserve.core import kv_groups
 from jaxserve.model import attention, layer_scan, moe
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, KVPool
@@ -179,12 +180,18 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=N
             layer=lambda md, w, r, x, c, lp: decoder_layer(cfg, backend, md, r, w, x, c, lp,
                                                            sum_shards))
         return pool, rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
-    caches = []
-    for i, (lp, cache) in enumerate(zip(params["layers"], pool.layers, strict=True)):
+    # Layer i reads and writes slot s of the pool through its group g's pages
+    # (core/kv_groups.py); a model of one group: slot i, the plain metadata.
+    groups = kv_groups.groups_of(cfg)
+    if len(pool.layers) != groups.size:
+        raise ValueError(f"a pool of {len(pool.layers)} layer slots for {groups.size}")
+    caches = list(pool.layers)
+    for i, lp in enumerate(params["layers"]):
         window = cfg.layer_window(i)  # static per layer: the loop is unrolled
-        x, cache = decoder_layer(cfg, backend, md, rope if window is None else local_rope,
-                                 window, x, cache, lp, sum_shards)
-        caches.append(cache)
+        g, s = groups.slot_of[i]
+        x, caches[s] = decoder_layer(cfg, backend, md.for_group(g),
+                                     rope if window is None else local_rope, window, x,
+                                     caches[s], lp, sum_shards)
     return KVPool(tuple(caches)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps,
                                            cfg.norm_weight_offset)
 

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.backends import Backend
 from jaxserve.config import ModelConfig
+from jaxserve.core import kv_groups
 from jaxserve.model import layer_scan
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import GROUP, Int8Weight
@@ -118,7 +119,8 @@ def abstract_pool(cfg: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, 
 
     tp = sharding.tp_size(mesh)
     heads, layout = sharding.pool_layout_of(cfg, backend, tp, DTYPES[kv_dtype], DTYPES[dtype])
-    layers, pages = (1, cfg.num_layers * num_pages) if scan_layers else (cfg.num_layers, num_pages)
+    slots = kv_groups.groups_of(cfg).size  # layers of each group's pages
+    layers, pages = (1, slots * num_pages) if scan_layers else (slots, num_pages)
     pool = jax.eval_shape(lambda: KVPool.zeros(layers, heads, pages, page_size,
                                                cfg.head_dim, DTYPES[kv_dtype], layout, tp))
     return jax.tree_util.tree_map(

@@ -54,14 +54,17 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
     if buckets.packed:  # rows follow the token bucket: one step shape per token bucket
         sp = max(sp, buckets.packed_rows(tp))
     num_rows = sd + sp
+    # Layer groups (core/kv_groups.py): a table and slot mapping per group, group 0's also
+    # as the plain ones; a model of one group gets no more.
+    groups = max((1 + len(c.seq.group_page_ids) for c in plan.chunks), default=1)
     width = buckets.pages
     t = sd + tp
     token_ids = np.zeros(t, np.int32)
     feed_rows = np.full(t, -1, np.int32)
     positions = np.zeros(t, np.int32)
-    slots = np.arange(t, dtype=np.int32) % page_size  # padding -> scratch page 0
     token_row = np.full(t, num_rows, np.int32)
-    page_tables = np.zeros((num_rows, width), np.int32)
+    group_tables = np.zeros((groups, num_rows, width), np.int32)
+    group_slots = np.tile(np.arange(t, dtype=np.int32) % page_size, (groups, 1))
     seq_lens = np.zeros(num_rows, np.int32)
     query_start = np.zeros(num_rows + 1, np.int32)
     prompt_targets = np.zeros(t, np.int32)
@@ -76,17 +79,18 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
         if seq.is_finished:  # failed after planning (LLMEngine._launch): a padding row
             rows.extend((first + n - 1, None) for _ in chunk.sample_rows)
             return
-        pages = seq.page_ids[:math.ceil(end / page_size)]
-        page_tables[row, :len(pages)] = pages
-        seq_lens[row] = end
         pos = np.arange(start, end, dtype=np.int32)
+        for g, table in enumerate([seq.page_ids, *seq.group_page_ids]):
+            pages = np.asarray(table[:math.ceil(end / page_size)], np.int32)
+            group_tables[g, row, :len(pages)] = pages
+            group_slots[g, first:first + n] = pages[pos // page_size] * page_size \
+                + pos % page_size
+        seq_lens[row] = end
         if chunk.feed_row >= 0:  # a decode of the token the step in flight samples
             feed_rows[first] = chunk.feed_row
         else:
             token_ids[first:first + n] = chunk.input_token_ids
         positions[first:first + n] = pos
-        slots[first:first + n] = np.asarray(pages, np.int32)[pos // page_size] * page_size \
-            + pos % page_size
         token_row[first:first + n] = row
         nonlocal prompt_k
         wanted = seq.sampling_params.prompt_logprobs
@@ -140,9 +144,12 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
     batch = StepBatch(
         token_ids=token_ids,
         feed_rows=feed_rows,
-        attn=AttentionMetadata(positions=positions, slot_mapping=slots, page_tables=page_tables,
-                               seq_lens=seq_lens, query_start=query_start, token_row=token_row,
-                               num_decode=sd, query_block=qb),
+        attn=AttentionMetadata(positions=positions, slot_mapping=group_slots[0],
+                               page_tables=group_tables[0], seq_lens=seq_lens,
+                               query_start=query_start, token_row=token_row, num_decode=sd,
+                               query_block=qb,
+                               group_page_tables=group_tables if groups > 1 else None,
+                               group_slot_mapping=group_slots if groups > 1 else None),
         logits_indices=logits_indices,
         sampling=SamplingMetadata(
             temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
@@ -165,10 +172,10 @@ def page_copies(copies: list[tuple[int, int]], buckets: Buckets) -> tuple[np.nda
 
 
 def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int,
-                prompt_logprobs: int | None = None) -> StepPlan:
+                prompt_logprobs: int | None = None, num_groups: int = 1) -> StepPlan:
     """A plan of the step shape (Sd, prefill tokens, prefill rows) from Buckets.step_shapes, of
     greedy dummy sequences that read and write only the scratch page 0 (scoring their prompts
-    with prompt_logprobs, if given)."""
+    with prompt_logprobs, if given), with a page table per layer group."""
     sd, tp, sp = shape
     qb = buckets.query_block
     max_chunk = buckets.pages * page_size
@@ -176,7 +183,8 @@ def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int,
     dummy = Request("warmup", [0], SamplingParams(temperature=0, prompt_logprobs=prompt_logprobs))
 
     def seq(num_tokens: int) -> Sequence:
-        return Sequence(-1, dummy, [0] * num_tokens, 1, page_ids=[0] * buckets.pages)
+        return Sequence(-1, dummy, [0] * num_tokens, 1, page_ids=[0] * buckets.pages,
+                        group_page_ids=[[0] * buckets.pages] * (num_groups - 1))
 
     plan = StepPlan()
     for _ in range(sd):
@@ -191,12 +199,12 @@ def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int,
     return plan
 
 
-def warmup_batches(buckets: Buckets, page_size: int, full: bool = False):
+def warmup_batches(buckets: Buckets, page_size: int, full: bool = False, num_groups: int = 1):
     """(batch, rows) of each step shape of Buckets.step_shapes that warm-up compiles, on dummy
     plans that use only the scratch page 0. With speculative decoding, a step that verifies
     drafts samples more rows: a variant of the shape wherever that changes its sample rows."""
     for shape in buckets.step_shapes(page_size, full):
-        plan = warmup_plan(shape, buckets, page_size)
+        plan = warmup_plan(shape, buckets, page_size, num_groups=num_groups)
         sizes = set()
         for verifying in (False, True) if buckets.spec_tokens else (False,):
             batch, rows, _ = build_batch(plan, buckets, page_size, verifying=verifying)

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxserve.backends import Backend
 from jaxserve.config import ModelConfig
+from jaxserve.core.kv_groups import groups_of
 from jaxserve.core.sequence import Sequence
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan
 from jaxserve.core.structured_output import bitmask_words, fill_masks
@@ -48,7 +49,15 @@ def check_shared_vocabulary(target_cfg: ModelConfig, target_tokenizer, draft_cfg
 def check_draft_window(target_cfg: ModelConfig, draft_cfg: ModelConfig) -> None:
     """A target whose every layer is windowed releases the pages before its window (the draft
     pool shares its page ids): the draft must never read them, so it too must attend at most
-    that window at every layer."""
+    that window at every layer. A target of several layer groups (core/kv_groups.py): the draft
+    reads group 0's pages (a full group's, never released) with every layer, so it must be a
+    model of one full-attention group."""
+    target = groups_of(target_cfg)
+    if target.num_groups > 1 and (target.windows[0] is not None
+                                  or groups_of(draft_cfg).windows != (None,)):
+        raise ValueError(f"the target model's layers form {target.num_groups} KV page groups "
+                         f"({target.describe()}); a draft model must then attend fully at every "
+                         "layer: use the ngram method or a full-attention draft model")
     window = target_cfg.kv_window
     if window is None:
         return

@@ -29,7 +29,7 @@ from jaxserve.backends import Backend
 from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import layer_scan, llama
-from jaxserve.model.kv_cache import KVPool
+from jaxserve.model.kv_cache import KVPool, groups_of
 from jaxserve.model.kv_smoothing import layer_smoother
 from jaxserve.model.quantize import quantize_head, quantize_layer
 from jaxserve.runtime import memory
@@ -234,8 +234,8 @@ class ModelRunner:
         cfg = self.cfg
         tp = sharding.tp_size(self.mesh)
         heads, layout = sharding.pool_layout_of(cfg, self.backend, tp, self.kv_dtype, self.dtype)
-        layers, pages = ((1, cfg.num_layers * self.num_pages) if self.scan_layers
-                         else (cfg.num_layers, self.num_pages))  # scanned: one cache of all
+        n, slots = self.num_pages, groups_of(cfg).size  # slots: each layer group's layers
+        layers, pages = (1, slots * n) if self.scan_layers else (slots, n)  # scanned: one cache
         zeros = functools.partial(KVPool.zeros, layers, heads, pages,
                                   self.page_size, cfg.head_dim, self.kv_dtype, layout, tp)
         # Made in place on each device (never whole on one): sharded on the head axis.
@@ -343,7 +343,7 @@ class ModelRunner:
         return self.fetch(self.dispatch(batch, copies, controls=controls), num_rows)
 
     def _shape_batch(self, shape, buckets: Buckets, prompt_logprobs: int | None = None):
-        plan = warmup_plan(shape, buckets, self.page_size, prompt_logprobs)
+        plan = warmup_plan(shape, buckets, self.page_size, prompt_logprobs, self._groups)
         return build_batch(plan, buckets, self.page_size)[:2]
 
     def step_temp_bytes(self, shape, buckets: Buckets, prompt_logprobs: int | None = None) -> int:
@@ -371,7 +371,7 @@ class ModelRunner:
         logit controls and with masks only (structured outputs; penalties and logit_bias
         compile their entry bucket on first use, about a second), and the page copies."""
         pool, sampled = self.pool, set()
-        for batch, _ in warmup_batches(buckets, self.page_size, full):
+        for batch, _ in warmup_batches(buckets, self.page_size, full, self._groups):
             key, step = _signature(batch), dataclasses.replace(batch, sampling=None)
             tokens, rows = batch.token_ids.shape[0], batch.logits_indices.shape[0]
             yield (key, f"step of {tokens} tokens, {batch.attn.page_tables.shape[0]} rows, "
@@ -408,8 +408,9 @@ class ModelRunner:
         _copy_pages.lower(pool, zeros, zeros, self._scanned_layers).compile()
 
     @property
-    def _scanned_layers(self) -> int:
-        return self.cfg.num_layers if self.scan_layers else 0
+    def _scanned_layers(self) -> int:  # the scanned pool's layer slots (0: not scanned)
+        return groups_of(self.cfg).size if self.scan_layers else 0
+    _groups = property(lambda self: groups_of(self.cfg).num_groups)  # layer groups
 
     def warmup(self, buckets: Buckets, full: bool = False,
                on_shape: Callable[[str, float], None] | None = None, *, threads: int = 2,

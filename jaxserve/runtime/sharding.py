@@ -41,6 +41,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxserve.backends import pool_layout
 from jaxserve.config import ModelConfig, kv_heads_per_device
+from jaxserve.core import kv_groups
 from jaxserve.model.quantize import GROUP
 
 AXES = ("dp", "tp")
@@ -90,10 +91,13 @@ def pool_layout_of(cfg: ModelConfig, backend, tp: int, kv_dtype, q_dtype):
 def pool_bytes_per_token(cfg: ModelConfig, backend, tp: int, kv_dtype, q_dtype,
                          dtype_bytes: int, scale_bytes: int) -> int:
     """One token's KV bytes as the pool stores them over all devices (padded and repeated
-    heads included), so a byte budget buys the pages it pays for."""
+    heads included), so a byte budget buys the pages it pays for: of each layer group's
+    layers (core/kv_groups.py; every layer for a model of one group)."""
     _, layout = pool_layout_of(cfg, backend, tp, kv_dtype, q_dtype)
     stored = layout.heads * tp
-    return cfg.kv_bytes_per_token(dtype_bytes, scale_bytes) * stored // cfg.num_kv_heads
+    slots = kv_groups.groups_of(cfg).size
+    return (cfg.kv_bytes_per_token(dtype_bytes, scale_bytes) * stored // cfg.num_kv_heads
+            * slots // cfg.num_layers)
 
 
 def check_fits(cfg: ModelConfig, tp: int, quantization: str = "none",

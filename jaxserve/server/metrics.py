@@ -64,6 +64,13 @@ class _EngineStatsCollector:
         yield GaugeMetricFamily(f"{self.prefix}:kv_cache_usage_perc",
                                 "Fraction of KV pages referenced by live sequences (0-1).",
                                 value=s.get("referenced_pages", 0) / total if total else 0.0)
+        by_group = GaugeMetricFamily(f"{self.prefix}:kv_referenced_pages_by_group",
+                                     "KV pages referenced by live sequences, per layer group "
+                                     "(core/kv_groups.py; one group for a uniform model).",
+                                     labels=["group"])
+        for g, n in enumerate(s.get("referenced_pages_per_group") or ()):
+            by_group.add_metric([str(g)], float(n))
+        yield by_group
         for name, key, help_ in _COUNTERS:
             yield CounterMetricFamily(f"{self.prefix}:{name}", help_, value=float(s.get(key, 0)))
 

@@ -24,6 +24,7 @@ from fractions import Fraction
 from typing import Any, Iterable, Sequence
 
 from jaxserve.config import kv_heads_per_device
+from jaxserve.core.kv_groups import group_layers
 
 GIB = 1 << 30
 DEFAULT_PAGE_SIZES = (16, 32)
@@ -302,7 +303,8 @@ def uniform_analysis(max_len: int, page_sizes: Sequence[int] = DEFAULT_PAGE_SIZE
 def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
             uniform_max: int | None = None, page_sizes: Sequence[int] = DEFAULT_PAGE_SIZES,
             reserve: int | None = None, lookahead: int = 0,
-            tensor_parallel_size: int = 1, window: int | None = None) -> dict[str, Any]:
+            tensor_parallel_size: int = 1, window: int | None = None,
+            layer_windows: Sequence[int | None] | None = None) -> dict[str, Any]:
     """Everything the CLI reports, as a JSON-able dict.
 
     ``lookahead`` (speculative decoding's drafts per step, k): a verification writes KV for
@@ -319,6 +321,11 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
 
     ``window`` (W, every layer windowed): a request holds ``window_pages`` pages however long it
     grows; reported per page size beside the full ``ceil(T / B)``.
+
+    ``layer_windows`` (each layer's window, None: full attention): a model of several layer
+    groups (core/kv_groups.py) holds per group ``ceil(T / B)`` pages (full) or ``window_pages``
+    (sliding), each page of ``size`` layers; reported per request and page size as
+    "layer_groups" beside the bytes of keeping every page on every layer.
     """
     page_sizes = tuple(_positive_int(b, "page_size") for b in page_sizes)
     if not page_sizes:
@@ -374,6 +381,21 @@ def analyse(arch: KVArchitecture, lengths: Iterable[int] | None = None,
             out["lengths"]["sliding_window"] = [
                 {"page_size": b, "window": w, "pages": pages_needed(ls, b), "window_pages": n,
                  "window_bytes": n * b * bpt} for b, n in held.items()]
+        groups = group_layers(tuple(layer_windows)) if layer_windows else None
+        if groups is not None and groups.num_groups > 1:
+            layer_bytes = lambda n, b: n * b * bpt * groups.size // arch.num_layers  # noqa: E731
+            out["lengths"]["layer_groups"] = [
+                {"page_size": b, "length": t, "layers_per_page": groups.size,
+                 "groups": [{"window": w, "layers": list(layers),
+                             "pages": pages_needed(t, b) if w is None else window_pages(t, b, w)}
+                            for w, layers in zip(groups.windows, groups.layers)],
+                 "every_page_kept_bytes": pages_needed(t, b) * b * bpt} for b in page_sizes
+                for t in ls]
+            for r in out["lengths"]["layer_groups"]:
+                r["pages"] = sum(g["pages"] for g in r["groups"])
+                r["bytes"] = layer_bytes(r["pages"], r["page_size"])
+                for g in r["groups"]:
+                    g["bytes"] = layer_bytes(g["pages"], r["page_size"])
     if uniform_max is not None:
         u = uniform_analysis(uniform_max, page_sizes, reserve, bpt)
         u["reserve_source"] = "flag" if reserve is not None else "default: max length"
