@@ -202,26 +202,34 @@ def _reference(name, prompt: tuple, max_tokens: int) -> list[int]:
 
 
 @pytest.mark.parametrize("name,groups", [("gemma3", 3), ("qwen2", 3)])
-def test_greedy_parity_through_prefix_hits_preemption_and_forks(name, groups):
+def test_greedy_parity_through_prefix_hits_preemption_forks_and_lookahead(name, groups):
     """Three requests sharing a 40-token prefix (cached), one of them with n = 2 forks, each
     several windows long (prompt + 12 tokens, prefill chunks of 32), in a pool too small for
-    all at once: preemption. Every output equals transformers' greedy tokens; afterwards no
-    page is referenced and the invariants hold."""
+    all at once: preemption. Qwen2's engine also speculates (prompt lookup, k = 3) on a fourth
+    request repeating a phrase: verification chunks reserve lookahead pages in every group and
+    return the unused ones in every group. Every output equals transformers' greedy tokens;
+    afterwards no page is referenced and the invariants hold."""
     from jaxserve.config import EngineConfig
+    from jaxserve.core.kv_groups import groups_of
     from jaxserve.engine.llm_engine import LLMEngine
     from jaxserve.llm import LLM
 
     _, loaded = _model(name)
-    from jaxserve.core.kv_groups import groups_of
     assert groups_of(loaded.config).num_groups == groups
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
+                                   "adaptive": False}} if name == "qwen2" else {}
     config = EngineConfig.from_options(page_size=PAGE, max_num_batched_tokens=CHUNK,
-                                       max_num_seqs=4, num_pages=28, attention_backend="xla")
+                                       max_num_seqs=4, num_pages=28, attention_backend="xla",
+                                       **spec)
     llm = LLM.from_engine(LLMEngine(config, loaded))
     rng = np.random.default_rng(5)
     prefix = [int(t) for t in rng.integers(3, 211, 40)]
     prompts = [prefix + [int(t) for t in rng.integers(3, 211, n)] for n in (3, 11, 21)]
-    llm.generate([{"prompt_token_ids": prompts[0]}], _greedy(2), use_tqdm=False)
     params = [_greedy(12), _greedy(12, n=2), _greedy(12)]
+    if spec:
+        prompts.append([int(t) for t in rng.integers(3, 211, 7)] * 5)
+        params.append(_greedy(12))
+    llm.generate([{"prompt_token_ids": prompts[0]}], _greedy(2), use_tqdm=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out, sp in zip(prompts, outs, params):
         assert len(out.outputs) == sp.n
@@ -230,6 +238,7 @@ def test_greedy_parity_through_prefix_hits_preemption_and_forks(name, groups):
     sched = llm.engine.scheduler
     assert sched.counters["prefix_cache_hits"] >= 4 * PAGE
     assert sched.counters["num_preempted_total"] > 0
+    assert llm.stats()["spec_draft_tokens"] > 0 or not spec
     sched.check_invariants()
     assert sched.pool.num_referenced == 0
     assert llm.stats()["referenced_pages_per_group"] == [0] * groups
@@ -237,3 +246,4 @@ def test_greedy_parity_through_prefix_hits_preemption_and_forks(name, groups):
 
 def _greedy(max_tokens, n=1):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
+
