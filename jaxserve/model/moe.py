@@ -1,5 +1,5 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE): the router picks num_experts_per_tok experts
-a token, and the experts run as two grouped matmuls over the (token, expert) pairs sorted by
+"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE, gpt-oss): the router picks num_experts_per_tok
+experts a token, and the experts run as two grouped matmuls over the (token, expert) pairs sorted by
 expert (`jax.lax.ragged_dot`). Capacity-free: every pair is computed, none dropped, so the
 output is transformers' up to float rounding.
 
@@ -9,6 +9,9 @@ Params of a sparse layer in the execution layout (llama.py's, beside attention's
       right-hand side); experts_down f[E, I, H]
 The loaders' layout stacks them per layer: router [L, H, E], experts_gate, experts_up
 [L, E, H, I], experts_down [L, E, I, H] (weights/hf_loader.py).
+gpt-oss adds biases: router_bias f[E], experts_gate_up_bias f[E, 2I], experts_down_bias
+f[E, H] (loaders' layout: experts_gate_bias, experts_up_bias [L, E, I], experts_down_bias
+[L, E, H]), and its experts' activation is a clamped SwiGLU (ClampedSwiGLU).
 
 On XLA's CPU backend ragged_dot is lowered to a masked product over all E experts (E / k
 times the work of the chosen ones), so a step with no more (token, expert) pairs than experts
@@ -27,6 +30,8 @@ w_down. No all-to-all: a serving step's tokens are already on every device.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -36,9 +41,36 @@ EXPERT_KEYS = ("router", "experts_gate", "experts_up", "experts_down")  # loader
 
 def fuse_experts(lp: dict) -> dict:
     """A sparse layer's expert weights, loaders' layout -> execution layout (see above)."""
-    return {"router": np.ascontiguousarray(np.asarray(lp["router"]).T),
-            "experts_gate_up": np.concatenate([lp["experts_gate"], lp["experts_up"]], axis=-1),
-            "experts_down": np.asarray(lp["experts_down"])}
+    out = {"router": np.ascontiguousarray(np.asarray(lp["router"]).T),
+           "experts_gate_up": np.concatenate([lp["experts_gate"], lp["experts_up"]], axis=-1),
+           "experts_down": np.asarray(lp["experts_down"])}
+    if "router_bias" in lp:  # gpt-oss
+        out.update(router_bias=np.asarray(lp["router_bias"]),
+                   experts_gate_up_bias=np.concatenate([lp["experts_gate_bias"],
+                                                        lp["experts_up_bias"]], axis=-1),
+                   experts_down_bias=np.asarray(lp["experts_down_bias"]))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's experts' activation of (gate, up): gate clamped above at limit, up to
+    [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate)."""
+
+    limit: float
+    alpha: float
+
+    def __call__(self, gate, up):
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * gate * jax.nn.sigmoid(self.alpha * gate)
+
+
+def _hidden(activation, gate, up):
+    """An expert's hidden state: activation(gate) * up, or a ClampedSwiGLU of both."""
+    if isinstance(activation, ClampedSwiGLU):
+        return activation(gate, up)
+    return activation(gate) * up
 
 
 def route(router_logits, top_k: int, normalize: bool):
@@ -51,21 +83,21 @@ def route(router_logits, top_k: int, normalize: bool):
     return weights, experts
 
 
-def run_experts(x, weights, experts, w_gate_up, w_down, activation):
+def run_experts(x, weights, experts, w_gate_up, w_down, activation, biases=None):
     """x f[T, H], each token's k (weight, expert) -> f[T, H]: sum over its k experts of
     weight * down(activation(gate x) * up x). An expert id past the last (local_pairs') is in
     no group and weighs 0. Where there are no more pairs than experts (a decode step) each
     pair reads its expert's weights (gathered_experts), except lowered for a TPU."""
     t, k = experts.shape
-    args = (x, weights, experts, w_gate_up, w_down, activation)
+    args = (x, weights, experts, w_gate_up, w_down, activation, biases)
     if t * k > w_gate_up.shape[0]:  # static: T is the step's bucket
         return grouped_experts(*args)
     return jax.lax.platform_dependent(
-        *args[:5], tpu=lambda *a: grouped_experts(*a, activation),
-        default=lambda *a: gathered_experts(*a, activation))
+        *args[:5], tpu=lambda *a: grouped_experts(*a, activation, biases),
+        default=lambda *a: gathered_experts(*a, activation, biases))
 
 
-def grouped_experts(x, weights, experts, w_gate_up, w_down, activation):
+def grouped_experts(x, weights, experts, w_gate_up, w_down, activation, biases=None):
     """run_experts by grouped matmuls: the T * k pairs sorted by expert so that each expert's
     rows are contiguous, then added back per token."""
     t, k = experts.shape
@@ -73,9 +105,14 @@ def grouped_experts(x, weights, experts, w_gate_up, w_down, activation):
     order = jnp.argsort(flat, stable=True)
     token = order // k
     group_sizes = jnp.bincount(flat, length=w_gate_up.shape[0]).astype(jnp.int32)
-    gate, up = jnp.split(grouped_matmul(x[token], w_gate_up, group_sizes), 2, axis=-1)
-    h = (activation(gate) * up).astype(x.dtype)
+    gate_up = grouped_matmul(x[token], w_gate_up, group_sizes)
+    if biases is not None:  # each pair's expert's (gpt-oss)
+        gate_up = gate_up + jnp.take(biases[0], flat[order], axis=0, mode="clip")
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    h = _hidden(activation, gate, up).astype(x.dtype)
     y = grouped_matmul(h, w_down, group_sizes).astype(jnp.float32)
+    if biases is not None:
+        y = y + jnp.take(biases[1], flat[order], axis=0, mode="clip")
     y = y * weights.reshape(-1)[order][:, None]
     return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
@@ -105,16 +142,21 @@ def _megablox(lhs, rhs, group_sizes, interpret: bool = False):
     return out[:m]
 
 
-def gathered_experts(x, weights, experts, w_gate_up, w_down, activation):
+def gathered_experts(x, weights, experts, w_gate_up, w_down, activation, biases=None):
     """run_experts with each of the T * k pairs multiplying its own expert's weights, gathered:
     it reads only the chosen experts (at most T * k of them), where XLA's CPU ragged_dot
     computes every expert for every pair."""
     t, k = experts.shape
     flat = jnp.minimum(experts.reshape(-1), w_gate_up.shape[0] - 1)  # local_pairs' 0-weight id
     xs = jnp.repeat(x, k, axis=0)  # pair i is token i // k
-    gate, up = jnp.split(jnp.einsum("ph,phn->pn", xs, w_gate_up[flat]), 2, axis=-1)
-    h = (activation(gate) * up).astype(x.dtype)
+    gate_up = jnp.einsum("ph,phn->pn", xs, w_gate_up[flat])
+    if biases is not None:  # each pair's expert's (gpt-oss)
+        gate_up = gate_up + biases[0][flat]
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    h = _hidden(activation, gate, up).astype(x.dtype)
     y = jnp.einsum("pi,pih->ph", h, w_down[flat]).astype(jnp.float32)
+    if biases is not None:
+        y = y + biases[1][flat]
     y = y * weights.reshape(-1)[:, None]
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
 
@@ -134,8 +176,16 @@ def sparse_mlp(cfg, h, lp, activation, sum_shards=None):
     router's logits are in the model's dtype, as transformers computes them. Replicated experts
     (one device, or tensor parallelism): the output needs no sum across devices; under expert
     parallelism (lp has expert_ids) each device's partial output is summed by sum_shards."""
-    weights, experts = route(h @ lp["router"].T, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    logits = h @ lp["router"].T
+    biases = None
+    if "router_bias" in lp:  # gpt-oss: the router's and the experts' biases
+        logits = logits + lp["router_bias"]
+        biases = (lp["experts_gate_up_bias"], lp["experts_down_bias"])
+    if cfg.swiglu_limit is not None:
+        activation = ClampedSwiGLU(cfg.swiglu_limit, cfg.swiglu_alpha)
+    weights, experts = route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
     if "expert_ids" in lp:
         weights, experts = local_pairs(weights, experts, lp["expert_ids"])
-    out = run_experts(h, weights, experts, lp["experts_gate_up"], lp["experts_down"], activation)
+    out = run_experts(h, weights, experts, lp["experts_gate_up"], lp["experts_down"], activation,
+                      biases)
     return sum_shards(out) if "expert_ids" in lp else out

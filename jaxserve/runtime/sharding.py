@@ -45,7 +45,8 @@ from jaxserve.core import kv_groups
 from jaxserve.model.quantize import GROUP
 
 AXES = ("dp", "tp")
-_COLUMN = ("w_qkv", "b_qkv", "w_gate_up")  # sharded on their output axis (0)
+# Sharded on their output axis (0); sinks f[Hq] (gpt-oss) by query head as w_qkv's q rows.
+_COLUMN = ("w_qkv", "b_qkv", "w_gate_up", "sinks")
 _ROW = ("wo", "w_down")  # sharded on their input axis (1)
 # Sharded on the expert axis (0) under expert parallelism (gpt-oss's expert biases too).
 _EXPERTS = ("experts_gate_up", "experts_down", "expert_ids", "experts_gate_up_bias",

@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.weights import gpt_oss
 from jaxserve.weights.layer_stack import LayerStack
 
 _ARCHITECTURES = {
@@ -31,6 +32,7 @@ _ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 _MODEL_TYPES = {"gemma3_text": "gemma3"}  # model_type names that differ from ours
 _GEMMAS = ("gemma", "gemma2", "gemma3")
@@ -39,7 +41,7 @@ _GEMMAS = ("gemma", "gemma2", "gemma3")
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 # Every layer windowed unless layer_types says otherwise (Mistral); Gemma 2 alternates
 # sliding and full layers; Gemma 3 has one full layer in sliding_window_pattern.
-_DEFAULT_USE_WINDOW = ("mistral", "mixtral", "gemma2", "gemma3")
+_DEFAULT_USE_WINDOW = ("mistral", "mixtral", "gemma2", "gemma3", "gpt_oss")
 _EVERY_LAYER_WINDOWED = ("mistral", "mixtral", "qwen3_moe")  # a window applies to all layers
 # Mixtures of experts: HF names of a sparse layer's router and of expert e's gate, up and down.
 _MOE_TENSORS = {
@@ -47,6 +49,7 @@ _MOE_TENSORS = {
                 "block_sparse_moe.experts.{e}.w3.weight", "block_sparse_moe.experts.{e}.w2.weight"),
     "qwen3_moe": ("mlp.gate.weight", "mlp.experts.{e}.gate_proj.weight",
                   "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
+    "gpt_oss": gpt_oss.MOE_TENSORS,  # made from its stacked (maybe MXFP4) experts
 }
 
 
@@ -156,6 +159,7 @@ def config_from_hf(config_json: dict) -> ModelConfig:
         attn_logit_softcapping=optional("attn_logit_softcapping"),
         final_logit_softcapping=optional("final_logit_softcapping"),
         **_experts(c, arch),
+        **(gpt_oss.config_fields(c) if arch == "gpt_oss" else {}),
     )
 
 
@@ -242,6 +246,8 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float
         t = tensors[name]
         return np.asarray(t() if callable(t) else t)
 
+    if config.architecture == "gpt_oss":
+        tensors = gpt_oss.expert_tensors(tensors, config)
     L = config.num_layers
     H, D = config.hidden_size, config.head_dim
     expected = {
@@ -265,6 +271,9 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float
         keys.update({k: (v, True) for k, v in zip(_EXPERT_KEYS, _MOE_TENSORS[config.architecture])})
         expected.update(router=(H, E), experts_gate=(E, H, moe_i), experts_up=(E, H, moe_i),
                         experts_down=(E, moe_i, H))
+    if config.architecture == "gpt_oss":
+        keys.update(gpt_oss.LAYER_KEYS)
+        expected.update(gpt_oss.layer_shapes(config))
 
     def names(key: str, suffix: str, i: int) -> list[str]:
         """The tensors layer i's `key` is made of (none: the layer lacks it)."""
