@@ -246,4 +246,3 @@ def test_greedy_parity_through_prefix_hits_preemption_forks_and_lookahead(name, 
 
 def _greedy(max_tokens, n=1):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, n=n)
-
