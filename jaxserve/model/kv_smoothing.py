@@ -77,7 +77,7 @@ class _DenseAttention:
         return KVCache(k.astype(jnp.float32), v.astype(jnp.float32))
 
     @staticmethod
-    def attention(q, cache, md, *, sm_scale, window, soft_cap):
+    def attention(q, cache, md, *, sm_scale, window, soft_cap, sinks=None):
         del md
         t, group = q.shape[0], q.shape[1] // cache.k.shape[1]
         k, v = (jnp.repeat(a, group, axis=1) for a in (cache.k, cache.v))
@@ -88,7 +88,11 @@ class _DenseAttention:
         seen = pos[None, :] <= pos[:, None]
         if window is not None:
             seen &= pos[None, :] > pos[:, None] - window
-        p = jax.nn.softmax(jnp.where(seen[None], s, -jnp.inf), axis=-1)
+        s = jnp.where(seen[None], s, -jnp.inf)
+        if sinks is not None:  # gpt-oss: a logit per query head in the denominator, no value
+            sink = jnp.broadcast_to(sinks.astype(jnp.float32)[:, None, None], (*s.shape[:2], 1))
+            s = jnp.concatenate([s, sink], axis=-1)
+        p = jax.nn.softmax(s, axis=-1)[..., :t]
         return jnp.einsum("hqk,khd->qhd", p, v).astype(q.dtype)
 
 
