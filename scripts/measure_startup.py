@@ -32,6 +32,7 @@ flags.DEFINE_bool("cold", False, "A fresh XDG_CACHE_HOME per run (no compilation
 flags.DEFINE_bool("all_shapes", True, "Also wait for every warm-up shape to compile.")
 flags.DEFINE_integer("timeout", 900, "Seconds to give one start.")
 flags.DEFINE_multi_string("serve_flag", [], "Extra flags for jaxserve serve.")
+flags.DEFINE_bool("keep_logs", False, "Keep each run's server log (its start-up timeline).")
 
 
 def _ready(port: int) -> bool:
@@ -69,7 +70,10 @@ def _one_start(env: dict) -> tuple[float, float | None]:
     if ready is None:
         sys.exit(f"no 200 from /health/ready; the log: {log.name}\n"
                  + open(log.name).read()[-3000:])
-    os.unlink(log.name)
+    if FLAGS.keep_logs:
+        print(f"the server's log: {log.name}")
+    else:
+        os.unlink(log.name)
     return ready, all_shapes
 
 
