@@ -189,6 +189,44 @@ def test_expert_shards_sum_to_one_device(tokens):
             assert np.all(part[~here] == 0) and np.all(np.abs(part[here]).sum(axis=1) > 0)
 
 
+# Only config.json: `jaxserve compile` reads no weights.
+COMPILE_CONFIG = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                  "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                  "num_key_value_heads": 4, "head_dim": 32, "intermediate_size": 256,
+                  "num_experts": E, "num_experts_per_tok": K, "moe_intermediate_size": 128,
+                  "norm_topk_prob": True, "mlp_only_layers": [1], "vocab_size": 512,
+                  "max_position_embeddings": 256, "tie_word_embeddings": False,
+                  "eos_token_id": 1}
+
+
+def test_jaxserve_compile_counts_experts_per_device(tmp_path):
+    """`jaxserve compile --enable_expert_parallel` for v5e:2x2 at TP 4 (compile-only, every
+    warm-up shape): every step compiles (megablox inside the shard_map) and the plan's weights
+    per device are the replicated layout's less 3/4 of the sparse layer's bf16 experts (plus
+    each device's 2 expert ids)."""
+    pytest.importorskip("libtpu")
+    from jaxserve.runtime import abstract, sharding
+    from jaxserve.runtime.topology import tpu_topology
+    from jaxserve.weights.model_config import read_model_config
+
+    (tmp_path / "config.json").write_text(json.dumps(COMPILE_CONFIG))
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxserve.cli.main", "compile", "--topology=v5e:2x2",
+         f"--model={tmp_path}", "--json", "--tensor_parallel_size=4", "--enable_expert_parallel",
+         "--max_num_seqs=1", "--max_num_batched_tokens=8", "--max_model_len=32"],
+        cwd=os.path.dirname(HERE), env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["failures"] == [] and report["fits"] and report["shapes"] > 0
+    mesh = sharding.replica_mesh(sharding.make_mesh(
+        4, devices=tpu_topology("v5e:2x2").devices), 0)
+    replicated = abstract.bytes_per_device(abstract.abstract_params(
+        read_model_config(str(tmp_path)), mesh, "bfloat16"))
+    experts = E * 3 * 128 * 128 * 2
+    assert replicated - report["per_device"]["weight_bytes"] == experts * 3 // 4 - 4 * E // 4
+
+
 def test_experts_that_do_not_divide_are_refused():
     """8 experts over 3 devices: refused before any device is asked for; without expert
     parallelism (replicated experts) and for a dense model the count does not matter."""

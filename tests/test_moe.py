@@ -349,3 +349,23 @@ def test_experts_compile_for_tpu_with_megablox(generation):
     cpu = jax.ShapeDtypeStruct((8, h), jnp.bfloat16)
     lp = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in lp.items()}
     assert "tpu_custom_call" not in run.lower(cpu, lp).compile().as_text()
+
+
+@pytest.mark.parametrize("m,sizes", [(150, [40, 0, 70, 20]), (64, [0] * 7 + [60]),
+                                     (2048, [64] * 31 + [0]), (5, [0, 0, 0])])
+def test_tiled_grouped_matmul_equals_ragged_dot(m, sizes):
+    """moe.tiled_grouped_matmul (the CPU's grouped matmul): groups that share row tiles, empty
+    groups, one group of all rows, rows past the last group (0), no rows in any group."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxserve.model import moe
+
+    rng = np.random.default_rng(len(sizes))
+    lhs = jnp.asarray(rng.standard_normal((m, 16)), jnp.float32)
+    rhs = jnp.asarray(rng.standard_normal((len(sizes), 16, 24)), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = np.asarray(jax.jit(moe.tiled_grouped_matmul)(lhs, rhs, group_sizes))
+    np.testing.assert_allclose(got, np.asarray(jax.lax.ragged_dot(lhs, rhs, group_sizes)),
+                               atol=1e-4, rtol=1e-4)
+    assert np.all(got[sum(sizes):] == 0)

@@ -14,7 +14,9 @@ f[E, H] (loaders' layout: experts_gate_bias, experts_up_bias [L, E, I], experts_
 [L, E, H]), and its experts' activation is a clamped SwiGLU (ClampedSwiGLU).
 
 On XLA's CPU backend ragged_dot is lowered to a masked product over all E experts (E / k
-times the work of the chosen ones), so a step with no more (token, expert) pairs than experts
+times the work of the chosen ones), so there the grouped matmul is tiled_grouped_matmul (a loop
+over the row tiles each group touches, as megablox visits them: 15x faster than ragged_dot at
+2048 pairs over 32 experts), and a step with no more (token, expert) pairs than experts
 (decode) gathers each pair's expert weights instead and reads only the chosen experts. Lowered
 for a TPU, every step runs JAX's megablox grouped matmul (a Pallas kernel that visits only the
 groups with tokens) in place of both (jax.lax.platform_dependent: the choice is made at
@@ -120,9 +122,44 @@ def grouped_experts(x, weights, experts, w_gate_up, w_down, activation, biases=N
 def grouped_matmul(lhs, rhs, group_sizes):
     """lhs f[M, K] rows in groups (group g: the next group_sizes[g] rows, rows past the last
     group give 0) times rhs f[G, K, N] -> f[M, N] in lhs's dtype: jax.lax.ragged_dot, or
-    lowered for a TPU JAX's megablox kernel."""
+    lowered for a TPU JAX's megablox kernel, for a CPU tiled_grouped_matmul."""
     return jax.lax.platform_dependent(lhs, rhs, group_sizes, tpu=_megablox,
-                                      default=jax.lax.ragged_dot)
+                                      cpu=tiled_grouped_matmul, default=jax.lax.ragged_dot)
+
+
+def tiled_grouped_matmul(lhs, rhs, group_sizes):
+    """grouped_matmul as a loop over (row tile, group) visits: each group's rows are the tiles
+    of tm rows they overlap, so there are at most M / tm + G - 1 visits, each one small dense
+    matmul of its tile by its group's weight, rows of other groups masked; visits past the last
+    group are skipped (lax.cond), so only the chosen experts are read. tm ~ M / G (8..128)."""
+    m, g, n = lhs.shape[0], rhs.shape[0], rhs.shape[2]
+    tm = max(8, min(128, 1 << max(0, (m // g).bit_length() - 1)))
+    tiles = -(-m // tm)
+    x = jnp.pad(lhs, ((0, tiles * tm - m), (0, 0)))
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    count = jnp.where(group_sizes > 0, (ends - 1) // tm - starts // tm + 1, 0)
+    visit_end = jnp.cumsum(count)
+    v = jnp.arange(tiles + g - 1)
+    group = jnp.minimum(jnp.searchsorted(visit_end, v, side="right"), g - 1)
+    tile = starts[group] // tm + v - (visit_end[group] - count[group])
+    rows = jnp.arange(tm)
+
+    def visit(out, at):
+        e, start = at
+        y = jnp.dot(jax.lax.dynamic_slice_in_dim(x, start, tm), rhs[e],
+                    preferred_element_type=jnp.float32)
+        mine = (start + rows >= starts[e]) & (start + rows < ends[e])
+        y = jax.lax.dynamic_slice_in_dim(out, start, tm) + jnp.where(mine[:, None], y, 0.0)
+        return jax.lax.dynamic_update_slice_in_dim(out, y, start, 0)
+
+    def body(out, meta):
+        e, t, live = meta
+        return jax.lax.cond(live, visit, lambda out, _: out, out, (e, t * tm)), None
+
+    out, _ = jax.lax.scan(body, jnp.zeros((tiles * tm, n), jnp.float32),
+                          (group, tile, v < visit_end[-1]))
+    return out[:m].astype(lhs.dtype)
 
 
 def _megablox(lhs, rhs, group_sizes, interpret: bool = False):
