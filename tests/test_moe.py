@@ -298,6 +298,7 @@ def test_tensor_parallel_keeps_transformers_tokens(checkpoint):
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == [_greedy_reference(model, p, 6) for p in prompts]
 
+
 def test_megablox_grouped_matmul_equals_ragged_dot():
     """moe._megablox (the TPU's grouped matmul) in Pallas's interpreter: 150 rows (padded to
     two row tiles of 128), an empty group, and 20 rows past the last group (expert
