@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 
 from hf_families import TINY, WINDOW, StepLogits, family_model  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.core.kv_groups import groups_of  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.core.sequence import Request, Sequence  # noqa: E402
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
@@ -98,7 +99,9 @@ def _write(path, family: str):
 def _last_logits_match(model, cfg, params):
     prompt = [int(t) for t in np.random.default_rng(7).integers(3, cfg.vocab_size, 40)]
     seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt), 40)
-    seq.page_ids = list(range(1, 8))
+    seq.page_ids = list(range(1, 8))  # and a table of its own pages per other layer group
+    seq.group_page_ids = [list(range(1 + 7 * g, 8 + 7 * g))
+                          for g in range(1, groups_of(cfg).num_groups)]
     runner = StepLogits(cfg, params, 8, "xla")
     runner.step(StepPlan([ScheduledChunk(seq, 0, 8, [])]))
     ours = runner.step(StepPlan([ScheduledChunk(seq, 8, 32, [seq])]))[0]
