@@ -110,6 +110,43 @@ def test_prefix_hits_need_the_full_groups_pages_and_the_sliding_groups_last_wind
     assert sched.pool.num_referenced == 0
 
 
+def test_a_hit_is_the_longest_prefix_every_group_covers():
+    """Cached pages offered by hand: the full group has pages 0..8 of a 10-page prompt, the
+    sliding group (window 12) 5..7. A hit of 9 pages would need the sliding group's 7 and 8
+    (the window of the query at 72), so the hit is 8 pages: the full group's 0..7, the sliding
+    group's 6 and 7 after released entries. Without the full group's page 3, no hit."""
+    from jaxserve.core.kv_manager import KVManager
+    from jaxserve.core.page_pool import PagePool
+    from jaxserve.core.prefix_cache import PrefixCache
+    from jaxserve.core.sequence import Sequence
+
+    def setup(full_pages, sliding_pages):
+        pool = PagePool(64)
+        cache = PrefixCache(pool, PAGE, "m")
+        kv = KVManager(pool, PAGE, cache, group_windows=(None, WINDOW))
+        tokens = list(range(3, 84))  # 81 tokens: at most 10 pages hit
+        keys = cache.chain_keys(tokens, None, 10)
+        offered = {}
+        for g, indices in enumerate((full_pages, sliding_pages)):
+            for i in indices:
+                (page,) = pool.allocate(1)
+                cache.insert(cache.group_key(keys[i], g), page)
+                pool.decref(page)  # unreferenced, findable
+                offered[g, i] = page
+        seq = Sequence(0, _request("r", tokens, 4), tokens, len(tokens))
+        return kv, seq, offered
+
+    kv, seq, offered = setup(range(9), (5, 6, 7))
+    hit = kv.find_prefix(seq, None)
+    assert hit.num_pages == 8 and hit.pages == [offered[0, i] for i in range(8)]
+    assert hit.group_pages == ([0] * 6 + [offered[1, 6], offered[1, 7]],)
+    kv.admit(seq, None, hit)
+    kv.check([seq])
+    assert seq.num_computed_tokens == 64 and kv.pool.num_referenced == 10
+    kv, seq, _ = setup([i for i in range(9) if i != 3], (5, 6, 7))
+    assert kv.find_prefix(seq, None).num_pages == 0
+
+
 def test_accounting_reports_pages_and_bytes_per_group():
     """kv_budget for a Gemma-3-4B-shaped model (34 layers, 4 KV heads of 256, bf16, 5 local
     layers of window 1024 to 1 global): at 4K and 32K tokens a request holds 256 and 2048

@@ -33,6 +33,7 @@ kept exactly as before.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import NamedTuple
 
@@ -154,15 +155,15 @@ class KVManager:
         keys = self.cache.chain_keys(seq.token_ids, salt, max_pages)
         found = [[self.cache.page_of(self.cache.group_key(k, g)) for k in keys]
                  for g in range(self.num_groups)]
+        # runs[g][i]: group g's cached pages in a row ending at page i, so a candidate h costs
+        # one look per group (a long prompt without hits is not quadratic).
+        runs = [list(itertools.accumulate(pages, lambda n, p: 0 if p is None else n + 1,
+                                          initial=0))[1:] for pages in found]
         for h in range(len(keys), 0, -1):
-            tables = []
-            for window, pages in zip(self.windows, found):
-                first = 0 if window is None else \
-                    max(0, h * self.page_size - window + 1) // self.page_size
-                if any(p is None for p in pages[first:h]):
-                    break
-                tables.append([0] * first + pages[first:h])
-            else:
+            firsts = [0 if w is None else max(0, h * self.page_size - w + 1) // self.page_size
+                      for w in self.windows]
+            if all(run[h - 1] >= h - first for run, first in zip(runs, firsts)):
+                tables = [[0] * first + pages[first:h] for pages, first in zip(found, firsts)]
                 return PrefixHit(tables[0], keys[:h], tuple(tables[1:]))
         return NO_HIT
 
