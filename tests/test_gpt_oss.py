@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 from hf_families import StepLogits  # noqa: E402
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
+from jaxserve.core.kv_groups import groups_of  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.core.sequence import Request, Sequence  # noqa: E402
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
@@ -74,15 +75,6 @@ def checkpoint(tmp_path_factory):
     return model, directory
 
 
-def _num_groups(cfg) -> int:
-    """Layer groups of the KV pool (sliding and full layers apart), where the engine has them."""
-    try:
-        from jaxserve.core.kv_groups import groups_of
-    except ImportError:  # one page table for every layer
-        return 1
-    return groups_of(cfg).num_groups
-
-
 def _need(backend):
     if backend == "cpu" and not cpu_kernels.available():
         pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
@@ -110,7 +102,7 @@ def test_logits_match_transformers(checkpoint, backend):
                    len(prompt))
     pages = [int(p) for p in rng.permutation(np.arange(1, 40))]  # non-contiguous
     seq.page_ids = pages[:10]
-    groups = _num_groups(loaded.config)
+    groups = groups_of(loaded.config).num_groups
     if groups > 1:  # a table per layer group (core/kv_groups.py), each of its own pages
         seq.group_page_ids = [pages[10 * g:10 * g + 10] for g in range(1, groups)]
     runner = StepLogits(loaded.config, loaded.params, PAGE, backend, num_pages=40)
@@ -136,8 +128,7 @@ def test_pallas_kernels_in_the_model_match_transformers(checkpoint, backend):
     seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt), 24)
     tables = [[5, 2, 7, 1], [9, 3, 11, 4], [6, 12, 8, 10]]
     seq.page_ids = tables[0]
-    if _num_groups(loaded.config) > 1:
-        seq.group_page_ids = tables[1:_num_groups(loaded.config)]
+    seq.group_page_ids = tables[1:groups_of(loaded.config).num_groups]  # one table a group
     runner = StepLogits(loaded.config, loaded.params, PAGE, backend, num_pages=16)
     runner.step(StepPlan([ScheduledChunk(seq, 0, 8, [])]))
     ours = [runner.step(StepPlan([ScheduledChunk(seq, 8, 16, [seq])]))[0]]
@@ -173,7 +164,7 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, backend):
     model, directory = checkpoint
     loaded = load_model(directory)
     # 10 usable pages per layer group: the longest request (10 pages a group) just fits.
-    pages = 1 + 10 * _num_groups(loaded.config)
+    pages = 1 + 10 * groups_of(loaded.config).num_groups
     config = EngineConfig.from_options(page_size=PAGE, max_num_batched_tokens=CHUNK,
                                        max_num_seqs=5, num_pages=pages, attention_backend=backend,
                                        enable_prefix_caching=True)
