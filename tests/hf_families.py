@@ -48,28 +48,58 @@ def _hf_config(name: str):
     raise ValueError(name)
 
 
+def seeded_model(cls, hf_cfg, scaled: dict[str, float] | None = None):
+    """transformers model `cls(hf_cfg)` in f32 eval mode, seeded, with every norm weight drawn
+    around its identity (ones, or zeros for Gemma's 1 + weight) and the query and key projections
+    scaled up (scores of a few units, not near zero: the softmax, its window and soft cap all
+    matter); scaled: {parameter-name part: factor} multiplied too (a mixture's routers, so that
+    choices are clear, and its experts, so that they weigh in the residual stream)."""
+    import torch
+
+    torch.manual_seed(0)
+    model = cls(hf_cfg).eval().float()
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith("norm.weight"):
+                w.add_(torch.randn_like(w) * 0.3)
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                w.mul_(8.0)
+            for part, factor in (scaled or {}).items():
+                if part in name:
+                    w.mul_(factor)
+    return model
+
+
+def tp_greedy(script: str, *args: str, devices: int = 2):
+    """The last stdout line of `script` (python -c, given args) run on `devices` virtual CPU
+    devices, read as JSON: a tensor-parallel engine's outputs, from a process of its own."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @functools.cache
 def family_model(name: str):
     """(transformers model in f32 eval mode, ModelConfig, params) of a seeded tiny checkpoint,
     loaded through our config and tensor readers."""
-    import torch
     import transformers
 
     from jaxserve.weights import config_from_hf, params_from_hf_state_dict
 
-    torch.manual_seed(0)
     hf_cfg = _hf_config(name)
     cls = {"mistral": transformers.MistralForCausalLM, "gemma": transformers.GemmaForCausalLM,
            "gemma2": transformers.Gemma2ForCausalLM,
            "gemma3": transformers.Gemma3ForCausalLM,
            "qwen2-window": transformers.Qwen2ForCausalLM}[name]
-    model = cls(hf_cfg).eval().float()
-    with torch.no_grad():
-        for param_name, w in model.named_parameters():
-            if param_name.endswith("norm.weight"):  # ones (Llama) or zeros (Gemma) at init
-                w.add_(torch.randn_like(w) * 0.3)
-            if param_name.endswith(("q_proj.weight", "k_proj.weight")):  # scores of a few units,
-                w.mul_(8.0)  # not near zero: the softmax, its window and soft cap all matter
+    model = seeded_model(cls, hf_cfg)
     cfg = config_from_hf(hf_cfg.to_dict())
     tensors = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return model, cfg, params_from_hf_state_dict(cfg, tensors)

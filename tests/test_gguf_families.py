@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from hf_families import TINY, WINDOW, StepLogits, family_model  # noqa: E402
+from hf_families import TINY, WINDOW, StepLogits, family_model, seeded_model  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.kv_groups import groups_of  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
@@ -67,6 +67,19 @@ def _writer(path, arch: str, hf, rope_theta: float):
     return w
 
 
+def _close(w):
+    """Write and close a GGUFWriter's file."""
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _interleaved(w: np.ndarray, heads: int, d: int) -> np.ndarray:
+    """A q/k projection's rows in llama.cpp's order for interleaved rotary."""
+    return w.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(w.shape)
+
+
 def _write(path, family: str):
     model, cfg, _ = family_model(family)
     hf = model.config
@@ -89,10 +102,7 @@ def _write(path, family: str):
         if name.endswith("norm.weight"):  # as llama.cpp's converter stores Gemma norms
             arr = arr + 1.0
         w.add_tensor(_gguf_name(name, family), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _close(w)
     return model, cfg
 
 
@@ -162,12 +172,9 @@ def test_llama3_rope_freqs_gguf_matches_transformers(tmp_path):
         arr = t.detach().numpy().astype(np.float32)
         heads = {"q_proj": 4, "k_proj": 2}.get(name.split(".")[-2])
         if heads:  # llama.cpp's row order for interleaved rotary
-            arr = arr.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(arr.shape)
+            arr = _interleaved(arr, heads, d)
         w.add_tensor(_gguf_name(name, "llama"), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _close(w)
     g = read_gguf(str(tmp_path / "m.gguf"))
     cfg = with_rope_freq_factors(g, config_from_gguf(g.metadata, n_vocab_tensor=211))
     assert cfg.rope_scaling.rope_type == "freq_factors"
@@ -198,12 +205,9 @@ def _write_plain(path, arch: str, model, permute: bool, window=None):
         heads = {"q_proj": hf.num_attention_heads,
                  "k_proj": hf.num_key_value_heads}.get(name.split(".")[-2])
         if permute and heads:
-            arr = arr.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(arr.shape)
+            arr = _interleaved(arr, heads, d)
         w.add_tensor(_gguf_name(name, arch), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _close(w)
     g = read_gguf(str(path))
     cfg = config_from_gguf(g.metadata, n_vocab_tensor=hf.vocab_size,
                            has_output="output.weight" in g.tensors)
@@ -237,16 +241,9 @@ def test_qwen3_gguf_matches_transformers(tmp_path):
     Hugging Face directory's."""
     import transformers
 
-    torch.manual_seed(0)
     hf_cfg = transformers.Qwen3Config(**TINY, head_dim=24, rope_theta=1e6,
                                       tie_word_embeddings=True)
-    model = transformers.Qwen3ForCausalLM(hf_cfg).eval().float()
-    with torch.no_grad():
-        for name, w in model.named_parameters():
-            if name.endswith("norm.weight"):  # ones at init: vary them
-                w.add_(torch.randn_like(w) * 0.3)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                w.mul_(8.0)
+    model = seeded_model(transformers.Qwen3ForCausalLM, hf_cfg)
     cfg, params = _write_plain(tmp_path / "m.gguf", "qwen3", model, permute=False)
     hf = config_from_hf(hf_cfg.to_dict())
     for field in ("head_dim", "qk_norm", "attention_bias", "tie_word_embeddings", "rope_theta",
@@ -306,19 +303,7 @@ def _moe_model(arch: str):
         hf_cfg = transformers.Qwen3MoeConfig(**TINY, **moe, num_experts=4, head_dim=16,
                                              moe_intermediate_size=40, norm_topk_prob=True)
         cls = transformers.Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    model = cls(hf_cfg).eval().float()
-    with torch.no_grad():
-        for name, w in model.named_parameters():
-            if name.endswith("norm.weight"):
-                w.add_(torch.randn_like(w) * 0.3)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                w.mul_(8.0)
-            if name.endswith("mlp.gate.weight"):
-                w.mul_(30.0)
-            if ".experts." in name:
-                w.mul_(3.0)
-    return model
+    return seeded_model(cls, hf_cfg, {"mlp.gate.weight": 30.0, ".experts.": 3.0})
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3moe"])
@@ -351,12 +336,9 @@ def test_gguf_mixtures_of_experts_match_transformers(tmp_path, arch):
             heads = {"q_proj": hf.num_attention_heads,
                      "k_proj": hf.num_key_value_heads}.get(name.split(".")[-2])
             if arch == "llama" and heads:
-                arr = arr.reshape(heads, 2, d // 2, -1).swapaxes(1, 2).reshape(arr.shape)
+                arr = _interleaved(arr, heads, d)
             w.add_tensor(_gguf_name(name, arch), arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _close(w)
     g = read_gguf(str(tmp_path / "m.gguf"))
     cfg = config_from_gguf(g.metadata, n_vocab_tensor=hf.vocab_size)
     assert cfg.architecture == {"llama": "mixtral", "qwen3moe": "qwen3_moe"}[arch]

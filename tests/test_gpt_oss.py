@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_families import StepLogits  # noqa: E402
+from hf_families import StepLogits, seeded_model, tp_greedy  # noqa: E402
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.kv_groups import groups_of  # noqa: E402
@@ -44,22 +44,16 @@ def _hf_model():
                              truncate=False),
         rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         tie_word_embeddings=False, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = transformers.GptOssForCausalLM(cfg).eval().float()
+    # routers: clear choices, far from uniform; experts: some gates past the clamp
+    model = seeded_model(transformers.GptOssForCausalLM, cfg,
+                         {"router.weight": 30.0, "experts.gate_up_proj": 20.0,
+                          "experts.down_proj": 20.0})
     with torch.no_grad():
         for name, w in model.named_parameters():
-            if name.endswith("norm.weight"):
-                w.add_(torch.randn_like(w) * 0.3)
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                w.mul_(8.0)
             if name.endswith("sinks"):  # logits like the scores': each takes a visible share
                 w.copy_(torch.randn_like(w) * 2.0)
-            if name.endswith(("bias",)):
+            if name.endswith("bias"):
                 w.copy_(torch.randn_like(w) * 0.5)
-            if name.endswith("router.weight"):  # clear choices, far from uniform
-                w.mul_(30.0)
-            if ".experts." in name and not name.endswith("bias"):  # some gates past the clamp
-                w.mul_(20.0)
     return model
 
 
@@ -310,18 +304,10 @@ def test_tensor_parallel_keeps_transformers_tokens(checkpoint):
     its query heads' sinks (sharded as the q rows) and adds the output bias once after the sum.
     Greedy tokens = transformers'."""
     import json
-    import os
-    import subprocess
-    import sys
 
     model, directory = checkpoint
     prompts = [[5, 9, 31, 77, 120, 4, 8], [int(t) for t in range(40, 80)]]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, directory, json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = tp_greedy(_TP_SCRIPT, directory, json.dumps(prompts))
     assert got == [_greedy_reference(model, p, 6) for p in prompts]
 
 

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_families import TINY, StepLogits  # noqa: E402
+from hf_families import TINY, StepLogits, seeded_model, tp_greedy  # noqa: E402
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
@@ -45,19 +45,8 @@ def _hf_model(name: str):
                                           head_dim=16, mlp_only_layers=[1],
                                           norm_topk_prob=name.endswith("-norm"))
         cls = transformers.Qwen3MoeForCausalLM
-    torch.manual_seed(0)
-    model = cls(cfg).eval().float()
-    with torch.no_grad():
-        for param_name, w in model.named_parameters():
-            if param_name.endswith("norm.weight"):
-                w.add_(torch.randn_like(w) * 0.3)
-            if param_name.endswith(("q_proj.weight", "k_proj.weight")):
-                w.mul_(8.0)
-            if param_name.endswith("gate.weight"):  # routers: clear choices, far from uniform
-                w.mul_(30.0)
-            if ".experts." in param_name:  # experts' outputs (x27) weigh in the residual stream
-                w.mul_(3.0)
-    return model
+    # routers: clear choices, far from uniform; experts' outputs (x27) weigh in the residual
+    return seeded_model(cls, cfg, {"gate.weight": 30.0, ".experts.": 3.0})
 
 
 @pytest.fixture(scope="module")
@@ -284,18 +273,10 @@ def test_tensor_parallel_keeps_transformers_tokens(checkpoint):
     dense layer sharded, every expert on both devices, no sum across them for the sparse
     layer's output. Greedy tokens = transformers'."""
     import json
-    import os
-    import subprocess
-    import sys
 
     model, directory = checkpoint("qwen3_moe")
     prompts = [[5, 9, 31, 77, 120, 4, 8], [int(t) for t in range(40, 80)]]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT, directory, json.dumps(prompts)],
-                          capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = tp_greedy(_TP_SCRIPT, directory, json.dumps(prompts))
     assert got == [_greedy_reference(model, p, 6) for p in prompts]
 
 
