@@ -290,7 +290,7 @@ def load_hf_dir(directory: str, entry: RegisteredModel, dtype=np.float32):
     {"lm_head": f[V, H], "model": the module's parameter State, or the function's tensors}."""
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import LoadedModel
-    from jaxserve.weights.hf_loader import read_safetensors, safetensors_files
+    from jaxserve.weights.hf_loader import read_safetensors, safetensors_files, with_stop_tokens
 
     with open(os.path.join(directory, "config.json")) as f:
         c = json.load(f)
@@ -300,18 +300,8 @@ def load_hf_dir(directory: str, entry: RegisteredModel, dtype=np.float32):
     if len({cfg.layer_window(i) for i in range(cfg.num_layers)}) > 1:
         raise ValueError(f"{entry.architecture}: mixed sliding-window and full layers are not "
                          "supported for a registered model")
-    tokenizer = Tokenizer.from_hf_dir(directory)
-    eos = list(cfg.eos_token_ids)
-    gen_path = os.path.join(directory, "generation_config.json")
-    if os.path.exists(gen_path):
-        with open(gen_path) as f:
-            g = json.load(f).get("eos_token_id")
-        eos += [int(e) for e in (g if isinstance(g, list) else [g]) if e is not None]
-    eos = tuple(dict.fromkeys(eos + list(tokenizer.eos_token_ids)))
-    bos = cfg.bos_token_id if cfg.bos_token_id is not None else tokenizer.bos_token_id
-    cfg = dataclasses.replace(cfg, eos_token_ids=eos, bos_token_id=bos,
-                              architecture=entry.architecture)
-    tokenizer = tokenizer.with_eos_token_ids(eos)
+    cfg, tokenizer = with_stop_tokens(cfg, directory, Tokenizer.from_hf_dir(directory))
+    cfg = dataclasses.replace(cfg, architecture=entry.architecture)
     h = hashlib.sha256(json.dumps(cfg.fingerprint_fields(), sort_keys=True,
                                   default=str).encode())
     tensors: dict[str, np.ndarray] = {}

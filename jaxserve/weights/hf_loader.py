@@ -387,6 +387,21 @@ def is_hf_dir(directory: str) -> bool:
             and bool(safetensors_files(directory)))
 
 
+def with_stop_tokens(config: ModelConfig, directory: str, tokenizer):
+    """(config, tokenizer) with the stop tokens of config.json, generation_config.json and the
+    tokenizer's eos merged in that order, and the tokenizer's BOS where the config has none."""
+    eos = list(config.eos_token_ids)
+    gen_path = os.path.join(directory, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            g = json.load(f).get("eos_token_id")
+        eos += [int(e) for e in (g if isinstance(g, list) else [g]) if e is not None]
+    eos = tuple(dict.fromkeys(eos + list(tokenizer.eos_token_ids)))
+    bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
+    return (dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos),
+            tokenizer.with_eos_token_ids(eos))
+
+
 def load_hf_dir(directory: str, dtype=np.float32, lazy: bool = False):
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import LoadedModel
@@ -394,20 +409,8 @@ def load_hf_dir(directory: str, dtype=np.float32, lazy: bool = False):
     directory = os.path.abspath(directory)
     with open(os.path.join(directory, "config.json")) as f:
         cfg_json: dict[str, Any] = json.load(f)
-    tokenizer = Tokenizer.from_hf_dir(directory)
-    config = config_from_hf(cfg_json)
-    # Stop tokens: config.json, generation_config.json and the tokenizer's eos, merged in order.
-    eos = list(config.eos_token_ids)
-    gen_path = os.path.join(directory, "generation_config.json")
-    if os.path.exists(gen_path):
-        with open(gen_path) as f:
-            g = json.load(f).get("eos_token_id")
-        eos += [int(e) for e in (g if isinstance(g, list) else [g]) if e is not None]
-    eos += list(tokenizer.eos_token_ids)
-    eos = tuple(dict.fromkeys(eos))
-    bos = config.bos_token_id if config.bos_token_id is not None else tokenizer.bos_token_id
-    config = dataclasses.replace(config, eos_token_ids=eos, bos_token_id=bos)
-    tokenizer = tokenizer.with_eos_token_ids(eos)
+    config, tokenizer = with_stop_tokens(config_from_hf(cfg_json), directory,
+                                         Tokenizer.from_hf_dir(directory))
     h = hashlib.sha256()
     h.update(json.dumps(config.fingerprint_fields(), sort_keys=True, default=str).encode())
     tensors: dict[str, np.ndarray] = {}
