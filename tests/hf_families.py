@@ -164,3 +164,27 @@ class StepLogits:
         runner.pool = pool
         logits = llama.logits(runner.params, hidden[batch.logits_indices], runner.cfg)
         return np.asarray(logits)[:rows]
+
+
+def crossing_chunk_logits_match(model, cfg, params, backend: str, tables, num_pages: int = 64):
+    """A 24-token seeded prompt run in pages of 8 as 8 tokens, then a chunk of 16 (crossing a
+    small window), then one decode step: the chunk's last and the decode's logits are
+    transformers', within 1e-4. tables: the sequence's page tables, group 0's first (one a
+    layer group)."""
+    import torch
+
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.core.sequence import Request, Sequence
+    from jaxserve.core.step_plan import ScheduledChunk, StepPlan
+
+    prompt = [int(t) for t in np.random.default_rng(1).integers(3, cfg.vocab_size, 24)]
+    seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt), 24)
+    seq.page_ids, seq.group_page_ids = list(tables[0]), [list(t) for t in tables[1:]]
+    runner = StepLogits(cfg, params, 8, backend, num_pages=num_pages)
+    runner.step(StepPlan([ScheduledChunk(seq, 0, 8, [])]))
+    ours = [runner.step(StepPlan([ScheduledChunk(seq, 8, 16, [seq])]))[0]]
+    seq.token_ids.append(5)
+    ours.append(runner.step(StepPlan([ScheduledChunk(seq, 24, 1, [seq])]))[0])
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + [5]])).logits[0, -2:].numpy()
+    np.testing.assert_allclose(np.stack(ours), ref, atol=1e-4, rtol=1e-4)

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_families import StepLogits, seeded_model, tp_greedy  # noqa: E402
+from hf_families import StepLogits, crossing_chunk_logits_match, seeded_model, tp_greedy  # noqa: E402,E501
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.kv_groups import groups_of  # noqa: E402
@@ -118,19 +118,9 @@ def test_pallas_kernels_in_the_model_match_transformers(checkpoint, backend):
     tokens crosses the sliding layers' window, then a decode step."""
     model, directory = checkpoint
     loaded = load_model(directory, lazy=True)
-    prompt = [int(t) for t in np.random.default_rng(1).integers(3, VOCAB, 24)]
-    seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt), 24)
-    tables = [[5, 2, 7, 1], [9, 3, 11, 4], [6, 12, 8, 10]]
-    seq.page_ids = tables[0]
-    seq.group_page_ids = tables[1:groups_of(loaded.config).num_groups]  # one table a group
-    runner = StepLogits(loaded.config, loaded.params, PAGE, backend, num_pages=16)
-    runner.step(StepPlan([ScheduledChunk(seq, 0, 8, [])]))
-    ours = [runner.step(StepPlan([ScheduledChunk(seq, 8, 16, [seq])]))[0]]
-    seq.token_ids.append(5)
-    ours.append(runner.step(StepPlan([ScheduledChunk(seq, 24, 1, [seq])]))[0])
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt + [5]])).logits[0, -2:].numpy()
-    np.testing.assert_allclose(np.stack(ours), ref, atol=1e-4, rtol=1e-4)
+    tables = [[5, 2, 7, 1], [9, 3, 11, 4], [6, 12, 8, 10]]  # one a layer group
+    crossing_chunk_logits_match(model, loaded.config, loaded.params, backend,
+                                tables[:groups_of(loaded.config).num_groups], num_pages=16)
 
 
 def _greedy_reference(model, prompt, max_tokens):

@@ -15,7 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_families import FAMILIES, WINDOW, StepLogits, family_loaded, family_model, greedy_reference  # noqa: E402,E501
+from hf_families import (FAMILIES, WINDOW, StepLogits, crossing_chunk_logits_match,  # noqa: E402
+                         family_loaded, family_model, greedy_reference)
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.kv_groups import groups_of  # noqa: E402
@@ -82,17 +83,8 @@ def test_pallas_kernels_in_the_model_match_transformers(family, backend):
     """The Pallas kernels (interpreted) in Gemma 2's step: a sliding and a full layer,
     soft-capped scores; a chunk of 16 after 8 tokens crosses the window, then a decode step."""
     model, cfg, params = family_model(family)
-    prompt = [int(t) for t in np.random.default_rng(1).integers(3, cfg.vocab_size, 24)]
-    seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt), 24)
-    seq.page_ids, seq.group_page_ids = [5, 2, 7, 1], [[9, 3, 11, 4]]  # two layer groups
-    runner = StepLogits(cfg, params, PAGE, backend)
-    runner.step(StepPlan([ScheduledChunk(seq, 0, 8, [])]))
-    ours = [runner.step(StepPlan([ScheduledChunk(seq, 8, 16, [seq])]))[0]]
-    seq.token_ids.append(5)
-    ours.append(runner.step(StepPlan([ScheduledChunk(seq, 24, 1, [seq])]))[0])
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt + [5]])).logits[0, -2:].numpy()
-    np.testing.assert_allclose(np.stack(ours), ref, atol=1e-4, rtol=1e-4)
+    crossing_chunk_logits_match(model, cfg, params, backend,
+                                [[5, 2, 7, 1], [9, 3, 11, 4]])  # two layer groups
 
 
 def _engine(family, backend, **options):
