@@ -1,6 +1,6 @@
-"""The C++ CPU backend's matmuls (f32 panels, bf16 AMX tiles, 4-bit levels against int8) and greedy
-argmax against numpy, the weight layouts they read, and the packed model computing the same
-products (int8 too; the int8 matmul against the dequantized product is in test_quantize.py)."""
+"""The C++ CPU backend's matmuls (f32 panels, bf16 AMX tiles, 4-bit levels against int8, a mixture
+of experts' grouped matmul) and greedy argmax against numpy, the weight layouts they read, and the
+packed model computing the same products (int8 too; the int8 matmul against the dequantized product is in test_quantize.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -166,3 +166,31 @@ def test_cpu_layout_runs_the_kernels_with_the_same_products(kind):
                                    np.asarray(llama.matmul(x_ref, wx)), rtol=1e-4, atol=1e-4)
     ids = jnp.asarray([0, 47, 48, 99], jnp.int32)
     np.testing.assert_array_equal(np.asarray(llama.embed(packed, ids)), params["embed"][ids])
+
+
+@needs_kernels
+@pytest.mark.parametrize("sizes", [[1, 0, 0, 1, 1, 0, 1, 0], [0, 9, 0, 0, 30, 1, 0, 2],
+                                   [0] * 8, [3, 0, 0, 0, 0, 0, 0, 0]])
+@pytest.mark.parametrize("k,n", [(512, 512), (64, 49), (40, 7)])
+def test_expert_matmul_multiplies_each_group_by_its_expert(sizes, k, n):
+    """Rows in groups (one row each, as a decode step's pairs; uneven; none), and rows past the
+    last group: each group's rows times its own expert, the rest zero."""
+    rng = np.random.default_rng(len(sizes) + k)
+    m = sum(sizes) + 3
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((len(sizes), k, n)).astype(np.float32)
+    panels = np.stack([cpu_kernels.pack_panels(e.T) for e in w])
+    y = np.asarray(cpu_kernels.expert_matmul_f32(jnp.asarray(x), panels, np.array(sizes), n))
+    ends = np.cumsum(sizes)
+    want = np.zeros((m, n), np.float32)
+    for e, (end, size) in enumerate(zip(ends, sizes)):
+        want[end - size:end] = x[end - size:end] @ w[e]
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+def test_expert_matmul_refuses_group_sizes_past_the_rows():
+    panels = np.zeros((2, 1, 32, 48), np.float32)
+    with pytest.raises(Exception, match="sum past x's rows"):
+        jax.block_until_ready(cpu_kernels.expert_matmul_f32(jnp.zeros((3, 32)), panels,
+                                                        np.array([2, 2]), 48))

@@ -201,13 +201,17 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend, monk
     another's decode), 10 greedy tokens each, the model loaded eagerly: transformers' tokens.
     One family a backend (each engine compiles its own steps); the logits test above runs
     every family on both. The cpu backend's token buckets start at 1, so the short request's
-    lone decode steps take the gathered experts (2 pairs, 4 experts)."""
+    lone decode steps run 2 (token, expert) pairs through its packed experts' grouped matmul
+    (backends/cpu/packing.py); the xla backend's take the gathered experts."""
+    from jaxserve.backends.cpu.packing import PanelExperts
     from jaxserve.model import moe
 
     _need(backend)
-    gathered, real = [], moe.gathered_experts
+    rows, gathered, real = [], moe.gathered_experts, PanelExperts.grouped_matmul
+    monkeypatch.setattr(PanelExperts, "grouped_matmul",
+                        lambda self, x, *a: rows.append(len(x)) or real(self, x, *a))
     monkeypatch.setattr(moe, "gathered_experts",
-                        lambda x, *a: gathered.append(len(x)) or real(x, *a))
+                        lambda x, *a: rows.append(-len(x)) or gathered(x, *a))
     model, directory = checkpoint(name)
     config = EngineConfig.from_options(page_size=PAGE, max_num_batched_tokens=CHUNK,
                                        max_num_seqs=4, num_pages=40, attention_backend=backend)
@@ -219,7 +223,8 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend, monk
     for prompt, out in zip(prompts, outs):
         assert list(out.outputs[0].token_ids) == _greedy_reference(model, prompt, 10)
     llm.engine.scheduler.check_invariants()
-    assert gathered or backend != "cpu"
+    # A decode step's pairs: through the packed kernel (cpu) or the gathered experts (xla).
+    assert (2 in rows) if backend == "cpu" else any(r < 0 for r in rows)
 
 
 def test_int8_expert_weights_are_refused(checkpoint):

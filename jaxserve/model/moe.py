@@ -20,7 +20,9 @@ over the row tiles each group touches, as megablox visits them: 15x faster than 
 (decode) gathers each pair's expert weights instead and reads only the chosen experts. Lowered
 for a TPU, every step runs JAX's megablox grouped matmul (a Pallas kernel that visits only the
 groups with tokens) in place of both (jax.lax.platform_dependent: the choice is made at
-lowering, so a compile-only TPU target gets it too).
+lowering, so a compile-only TPU target gets it too). The cpu backend packs float experts for its
+own grouped matmul (backends/cpu/packing.py, PanelExperts): every step, decode included, runs
+grouped_experts through it, and it reads each chosen expert in place, once.
 
 Expert parallelism (runtime/sharding.py): the experts are sharded on their first axis over the
 tensor-parallel devices and a sparse layer holds `expert_ids` i32[E / tp], its device's experts'
@@ -89,10 +91,11 @@ def run_experts(x, weights, experts, w_gate_up, w_down, activation, biases=None)
     """x f[T, H], each token's k (weight, expert) -> f[T, H]: sum over its k experts of
     weight * down(activation(gate x) * up x). An expert id past the last (local_pairs') is in
     no group and weighs 0. Where there are no more pairs than experts (a decode step) each
-    pair reads its expert's weights (gathered_experts), except lowered for a TPU."""
+    pair reads its expert's weights (gathered_experts), except lowered for a TPU or where a
+    backend packed the experts (their grouped_matmul reads the chosen ones in place)."""
     t, k = experts.shape
     args = (x, weights, experts, w_gate_up, w_down, activation, biases)
-    if t * k > w_gate_up.shape[0]:  # static: T is the step's bucket
+    if t * k > w_gate_up.shape[0] or hasattr(w_gate_up, "grouped_matmul"):  # T: static bucket
         return grouped_experts(*args)
     return jax.lax.platform_dependent(
         *args[:5], tpu=lambda *a: grouped_experts(*a, activation, biases),
@@ -122,7 +125,10 @@ def grouped_experts(x, weights, experts, w_gate_up, w_down, activation, biases=N
 def grouped_matmul(lhs, rhs, group_sizes):
     """lhs f[M, K] rows in groups (group g: the next group_sizes[g] rows, rows past the last
     group give 0) times rhs f[G, K, N] -> f[M, N] in lhs's dtype: jax.lax.ragged_dot, or
-    lowered for a TPU JAX's megablox kernel, for a CPU tiled_grouped_matmul."""
+    lowered for a TPU JAX's megablox kernel, for a CPU tiled_grouped_matmul; experts a backend
+    packed (the CPU backend's PanelExperts) multiply themselves."""
+    if hasattr(rhs, "grouped_matmul"):
+        return rhs.grouped_matmul(lhs, group_sizes).astype(lhs.dtype)
     return jax.lax.platform_dependent(lhs, rhs, group_sizes, tpu=_megablox,
                                       cpu=tiled_grouped_matmul, default=jax.lax.ragged_dot)
 

@@ -19,6 +19,9 @@
                       tiles, f32 accumulation, against weights packed in 16-column tiles
                       (`pack_bf16_tiles`); `amx_bf16_available()` says whether this CPU and
                       kernel allow it.
+  expert_matmul_f32   (expert_matmul.cc) a mixture of experts' grouped matmul against each
+                      expert's panels, the experts stacked: each group of rows times its
+                      expert's weight, read in place, only the experts with rows read.
   argmax              (argmax.cc) greedy sampling's max and index per row in one vectorised
                       read of the logits, rows in parallel, where XLA's top_k(x, 1) takes many
                       times as long.
@@ -53,6 +56,7 @@ _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_matmul_int8": "JaxserveMatmulInt8",
             "jaxserve_matmul_int4": "JaxserveMatmulInt4",
             "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
+            "jaxserve_expert_matmul_f32": "JaxserveExpertMatmulF32",
             "jaxserve_argmax": "JaxserveArgmax"}
 PANEL = 48  # output columns per weight panel (matmul.cc's kPanel)
 BF16_TILE, BF16_DEPTH = 16, 32  # output columns per bf16 weight tile, k per tile product
@@ -240,6 +244,14 @@ def pack_nibbles(panels: np.ndarray) -> np.ndarray:
 def matmul_int4(x, nibbles, scale, offset, n: int):
     """matmul_int8 for levels 0..15 packed by `pack_nibbles` (half the bytes; equal results)."""
     return _call("jaxserve_matmul_int4", _f32(x.shape[0], n), x, nibbles, scale, offset)
+
+
+def expert_matmul_f32(x, panels, group_sizes, n: int):
+    """x f32[M, K] rows in groups (group e: the next group_sizes[e] rows; rows past the last
+    group give 0) times expert e's W [K, n], the experts' weights packed by `pack_panels` and
+    stacked f32[E, P, K, 48] -> f32[M, n]."""
+    return _call("jaxserve_expert_matmul_f32", _f32(x.shape[0], n), x, panels,
+                 jnp.asarray(group_sizes, jnp.int32))
 
 
 def argmax(x):

@@ -1,6 +1,7 @@
 """Weights packed for the CPU backend's matmul, applied at load as a transformation of the
 model's execution-layout params (as quantization is): every projection and the head become
-PanelWeights, which the model multiplies through their own `matmul`."""
+PanelWeights, which the model multiplies through their own `matmul`, and a mixture of experts'
+float experts PanelExperts, which model/moe.py multiplies through their `grouped_matmul`."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from jaxserve.backends.cpu import kernels
 from jaxserve.model.quantize import Int8Weight
 
 PROJECTIONS = ("w_qkv", "wo", "w_gate_up", "w_down")
+EXPERTS = ("experts_gate_up", "experts_down")  # [E, in, out] (model/moe.py)
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -48,6 +50,32 @@ class PanelWeight:
         return self.panels[token_ids // kernels.PANEL, :, token_ids % kernels.PANEL]
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"],
+                   meta_fields=["shape"])
+@dataclasses.dataclass(frozen=True)
+class PanelExperts:
+    """A mixture of experts' stacked weights [E, in, out] (shape), each expert packed as a
+    PanelWeight's panels: f32[E, ceil(out / 48), in, 48]."""
+    panels: jax.Array
+    shape: tuple
+
+    def grouped_matmul(self, x, group_sizes):
+        """x f[M, in], rows in groups (group e: the next group_sizes[e] rows, rows past the
+        last group give 0) -> each group's rows @ expert e's weight, f32[M, out]. Reads only
+        the experts that have rows, in place (kernels.expert_matmul_f32)."""
+        return kernels.expert_matmul_f32(x.astype(jnp.float32), self.panels, group_sizes,
+                                         self.shape[2])
+
+
+def pack_experts(w) -> PanelExperts | np.ndarray:
+    """Float stacked experts [E, in, out] -> PanelExperts; bfloat16 ones stay as they are (the
+    experts' matmul has no AMX tiles: model/moe.py runs them)."""
+    if w.dtype == jnp.bfloat16:
+        return w
+    w = np.asarray(w, np.float32)
+    return PanelExperts(np.stack([kernels.pack_panels(e.T) for e in w]), w.shape)
+
+
 def pack(w) -> PanelWeight:
     """An [out, in] weight (float, bfloat16 or Int8Weight) -> a PanelWeight (host numpy
     arrays). An Int8Weight whose levels are all 0..15 (every group a Q4_1 block) is packed two
@@ -64,11 +92,11 @@ def pack(w) -> PanelWeight:
 
 
 def pack_params(params: dict) -> dict:
-    """Every layer projection and the head packed; a tied float embedding becomes the head's
+    """Every layer projection, a mixture's experts and the head packed; a tied float embedding becomes the head's
     panels (looked up by PanelWeight.embed). Parts of a tree pack alike (the runner packs the
     layers one at a time): a tree without a head or embedding packs its layers only."""
-    layers = [{k: pack(v) if k in PROJECTIONS else v for k, v in lp.items()}
-              for lp in params["layers"]]
+    layers = [{k: pack(v) if k in PROJECTIONS else pack_experts(v) if k in EXPERTS else v
+               for k, v in lp.items()} for lp in params["layers"]]
     out = {**params, "layers": layers}
     if "lm_head" in params:
         out["lm_head"] = pack(params["lm_head"])
