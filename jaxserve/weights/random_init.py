@@ -8,10 +8,13 @@ Text is meaningless: the tokenizer maps id i to the word "t<i>".
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from jaxserve.config import ModelConfig
 from jaxserve.weights import LoadedModel, numpy_dtype
+from jaxserve.weights.layer_stack import LayerStack
 
 # The default model's architecture (SmolLM2-135M): 30 layers, 9 query heads over 3 KV heads.
 SMOLLM2_135M = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -47,11 +50,14 @@ def random_model(config: ModelConfig = SMOLLM2_135M, seed: int = 0,
     def w(*shape, scale=weight_scale):
         return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(out_dtype)
 
-    shapes = {"wq": (h, qd), "wk": (h, kvd), "wv": (h, kvd), "wo": (qd, h),
-              "w_gate": (h, inter), "w_up": (h, inter), "w_down": (inter, h)}
+    shapes = {"wq": (h, qd), "wk": (h, kvd), "wv": (h, kvd), "wo": (qd, h)}
     layers = {k: np.stack([w(*shape) for _ in range(n)]) for k, shape in shapes.items()}
+    layers.update(_mlps(config, w, out_dtype))
     layers["attn_norm"] = np.ones((n, h), out_dtype)
     layers["mlp_norm"] = np.ones((n, h), out_dtype)
+    if config.qk_norm:
+        layers.update(q_norm=np.ones((n, config.head_dim), out_dtype),
+                      k_norm=np.ones((n, config.head_dim), out_dtype))
     params = {"embed": w(config.vocab_size, h, scale=0.1), "layers": layers,
               "final_norm": np.ones(h, out_dtype)}
     if not config.tie_word_embeddings:
@@ -59,3 +65,24 @@ def random_model(config: ModelConfig = SMOLLM2_135M, seed: int = 0,
     tokenizer = numbered_tokenizer(config.vocab_size, config.eos_token_ids[0])
     return LoadedModel(config=config, params=params, tokenizer=tokenizer,
                        fingerprint=f"random-{seed}", source="jaxserve.weights.random_init")
+
+
+def _mlps(config: ModelConfig, w, dtype) -> dict:
+    """Each layer's MLP in the loaders' layout: a dense one, or in a mixture of experts' sparse
+    layers (config.layer_is_sparse) the router [H, E] and experts [E, in, out]. A weight that
+    only some layers have is a LayerStack reading None at the others, as the loaders give it."""
+    n, h, inter = config.num_layers, config.hidden_size, config.intermediate_size
+    e, moe = config.num_experts, config.moe_intermediate_size
+    kinds = {False: {"w_gate": (h, inter), "w_up": (h, inter), "w_down": (inter, h)},
+             True: {"router": (h, e), "experts_gate": (e, h, moe), "experts_up": (e, h, moe),
+                    "experts_down": (e, moe, h)}}
+    sparse = [config.layer_is_sparse(i) for i in range(n)]
+    out = {}
+    for kind, shapes in kinds.items():
+        mine = [s == kind for s in sparse]
+        for key, shape in shapes.items() if any(mine) else ():
+            made = [w(*shape) if m else None for m in mine]
+            out[key] = np.stack(made) if all(mine) else LayerStack(
+                [None if x is None else functools.partial(np.asarray, x) for x in made],
+                (n, *shape), dtype)
+    return out
