@@ -216,7 +216,7 @@ class ModelRunner:
         if hasattr(params, "restore"):
             # float weights are packed on the host only by the cpu backend (its panels)
             if quantization == "none" and backend.pack_params is None and not int8_kv:
-                return sharding.restore_params(params, self.cfg, self.mesh, self.dtype)
+                return sharding.restore_params(params, self.cfg, self.mesh, self.dtype, expert_parallel)
             params = params.numpy()
         return sharding.place_params(*prepare_params(
             params, quantization, backend, self.cfg if int8_kv else None), self.cfg, self.mesh,

@@ -258,48 +258,36 @@ def tensor_parallel_forward(forward, mesh: Mesh):
     return run
 
 
-def _loader_shapes(cfg: ModelConfig) -> dict:
-    """Global shapes of the loaders' layout (weights/__init__.py), by key path."""
-    L, H, D, I = cfg.num_layers, cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
-    shapes = {("embed",): (cfg.vocab_size, H), ("final_norm",): (H,)}
-    if not cfg.tie_word_embeddings:
-        shapes[("lm_head",)] = (H, cfg.vocab_size)
-    layers = {"attn_norm": (L, H), "mlp_norm": (L, H), "wq": (L, H, q), "wk": (L, H, kv),
-              "wv": (L, H, kv), "wo": (L, q, H), "w_gate": (L, H, I), "w_up": (L, H, I),
-              "w_down": (L, I, H)}
-    if cfg.attention_bias:
-        layers |= {"bq": (L, q), "bk": (L, kv), "bv": (L, kv)}
-    if cfg.qk_norm:
-        layers |= {"q_norm": (L, D), "k_norm": (L, D)}
-    if cfg.sandwich_norms:
-        layers |= {"post_attn_norm": (L, H), "post_mlp_norm": (L, H)}
-    return shapes | {("layers", k): v for k, v in layers.items()}
-
-
-# Execution-layout leaves of a layer, each from the loaders' stacked weights it is made of.
+# Execution-layout leaves of a layer made of several of the loaders' stacked weights (fused on
+# their last axis: model/llama.py fuse_layer, model/moe.py fuse_experts); every other layer
+# weight is its one loader weight.
 _GROUPS = {"w_qkv": ("wq", "wk", "wv"), "b_qkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up"),
-           "wo": ("wo",), "w_down": ("w_down",), "attn_norm": ("attn_norm",),
-           "mlp_norm": ("mlp_norm",), "q_norm": ("q_norm",), "k_norm": ("k_norm",),
-           "post_attn_norm": ("post_attn_norm",), "post_mlp_norm": ("post_mlp_norm",)}
+           "experts_gate_up": ("experts_gate", "experts_up"),
+           "experts_gate_up_bias": ("experts_gate_bias", "experts_up_bias")}
+_TRANSPOSED = ("w_qkv", "w_gate_up", "wo", "w_down", "router")  # loaders' [in, out] -> [out, in]
 
 
-def restore_params(source, cfg: ModelConfig, mesh: Mesh, dtype) -> dict:
+def restore_params(source, cfg: ModelConfig, mesh: Mesh, dtype,
+                   expert_parallel: bool = False) -> dict:
     """An unread checkpoint (weights.orbax_io.OrbaxParams) -> the execution-layout params on
     `mesh`, as place_params makes them, without a host copy: each stacked weight is restored
-    straight into the sharding that gives every device the columns (or rows) its shard is made
-    of (a KV weight whole where its heads are repeated), then each layer's shard is fused on
-    its own device. Device memory peaks at the shards plus one leaf's stacked weights."""
-    tp, shapes = tp_size(mesh), _loader_shapes(cfg)
+    straight into the sharding that gives every device the columns (or rows, or experts) its
+    shard is made of (a KV weight whole where its heads are repeated), then each layer's shard
+    is fused on its own device. Device memory peaks at the shards plus one leaf's stacked
+    weights. A weight only some layers have is stacked over those (source.layer_subsets)."""
+    tp, shapes = tp_size(mesh), source.shapes
     d, hkv = cfg.head_dim, cfg.num_kv_heads
     repeated = hkv < tp
+    experts = experts_sharded(cfg, tp, expert_parallel)
 
     def loader_spec(name: str, ndim: int) -> P:
-        if name in ("wq", "w_gate", "w_up", "bq") or (name in ("wk", "wv", "bk", "bv")
-                                                       and not repeated):
-            return P(*[None] * (ndim - 1), "tp")  # output columns
+        if name in ("wq", "w_gate", "w_up", "bq", "sinks") or (
+                name in ("wk", "wv", "bk", "bv") and not repeated):
+            return P(*[None] * (ndim - 1), "tp")  # output columns (sinks: query heads)
         if name in ("wo", "w_down"):
             return P(None, "tp", None)  # input rows
+        if experts and name.startswith("experts_"):
+            return P(None, "tp")  # the experts' axis, after the layers'
         return P()
 
     def restore(keys):
@@ -308,30 +296,33 @@ def restore_params(source, cfg: ModelConfig, mesh: Mesh, dtype) -> dict:
 
     def per_device(name, ws, i):
         ws = [w[i] for w in ws]
-        if name in ("w_qkv", "b_qkv"):
-            if repeated:  # this device's one KV head, out of the whole k and v
-                head = jax.lax.axis_index("tp") * hkv // tp
-                ws[1:] = [jax.lax.dynamic_slice_in_dim(w, head * d, d, axis=-1) for w in ws[1:]]
-            fused = jax.numpy.concatenate(ws, axis=-1)
-            return fused.T if name == "w_qkv" else fused
-        if name == "w_gate_up":
-            return jax.numpy.concatenate(ws, axis=-1).T
-        return ws[0].T if name in ("wo", "w_down") else ws[0]
+        if name in ("w_qkv", "b_qkv") and repeated:  # this device's one KV head, of all k, v
+            head = jax.lax.axis_index("tp") * hkv // tp
+            ws[1:] = [jax.lax.dynamic_slice_in_dim(w, head * d, d, axis=-1) for w in ws[1:]]
+        fused = jax.numpy.concatenate(ws, axis=-1) if len(ws) > 1 else ws[0]
+        return fused.T if name in _TRANSPOSED else fused
 
     top = {k[0]: restore(k)[0] for k in shapes if k[0] != "layers"}
     if "lm_head" in top:
         top["lm_head"] = jax.jit(lambda w: w.T)(top["lm_head"])
+    stored = {k[1] for k in shapes if k[0] == "layers"}
+    parts_of = {name: (name,) for name in stored - {p for ps in _GROUPS.values() for p in ps}}
+    parts_of |= {name: parts for name, parts in _GROUPS.items() if parts[0] in stored}
     layers = [{} for _ in range(cfg.num_layers)]
-    for name, parts in _GROUPS.items():
-        if ("layers", parts[0]) not in shapes:
-            continue
+    for name, parts in parts_of.items():
         ws, specs = zip(*(restore(("layers", p)) for p in parts))
         fuse = jax.jit(jax.shard_map(functools.partial(per_device, name), mesh=mesh,
                                      in_specs=(list(specs), P()),
-                                     out_specs=_spec([jax.tree_util.DictKey(name)], None),
+                                     out_specs=_spec([jax.tree_util.DictKey(name)], None,
+                                                     experts),
                                      check_vma=False))
-        for i, layer in enumerate(layers):
-            layer[name] = fuse(list(ws), np.int32(i))
+        held = source.layer_subsets.get(parts[0], range(cfg.num_layers))
+        for j, i in enumerate(held):
+            layers[i][name] = fuse(list(ws), np.int32(j))
         for w in ws:
             w.delete()
+    if experts:  # each device's slice names the experts it holds (with_expert_ids)
+        ids = np.arange(cfg.num_experts, dtype=np.int32)
+        layers = [{**layer, "expert_ids": jax.device_put(ids, NamedSharding(mesh, P("tp")))}
+                  if "router" in layer else layer for layer in layers]
     return {**top, "layers": layers}
