@@ -335,6 +335,28 @@ def test_bad_registrations_are_clear_errors(name, model, error, match):
         jaxserve.register_model(name, model)
 
 
+def test_default_config_is_read_as_the_builtin_loader_reads_it():
+    """read_config (register_model without config=) reads config.json's Llama-shaped keys as
+    config_from_hf does (rope base of per-layer-type rope_parameters: the full layers'; EOS
+    list), defaults intermediate_size to hidden_size and names a missing size."""
+    import dataclasses
+
+    from jaxserve.weights.custom import read_config
+    from jaxserve.weights.hf_loader import config_from_hf
+
+    c = {**TINY, "architectures": ["LlamaForCausalLM"], "eos_token_id": [94, 95],
+         "bos_token_id": 1, "rope_theta": None,
+         "rope_parameters": {"full_attention": {"rope_theta": 1e6},
+                             "sliding_attention": {"rope_theta": 1e4}}}
+    cfg = read_config(c, "Mine")
+    assert cfg == dataclasses.replace(config_from_hf(c), architecture="Mine")
+    assert cfg.rope_theta == 1e6 and cfg.eos_token_ids == (94, 95)
+    narrow = {k: v for k, v in c.items() if k != "intermediate_size"}
+    assert read_config(narrow, "Mine").intermediate_size == TINY["hidden_size"]
+    with pytest.raises(ValueError, match="config.json of 'Mine' has no 'vocab_size'"):
+        read_config({k: v for k, v in c.items() if k != "vocab_size"}, "Mine")
+
+
 def test_unknown_architectures_and_unmapped_parameters_are_clear_errors(checkpoints, tmp_path):
     def renamed(name: str) -> str:
         directory = shutil.copytree(checkpoints[NNX_NAME], str(tmp_path / name))

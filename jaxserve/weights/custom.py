@@ -229,25 +229,14 @@ _PLUGINS_LOADED: set[str] = set()
 
 def read_config(c: dict, architecture: str) -> ModelConfig:
     """A Llama-shaped config.json's sizes -> ModelConfig (what paging and the head need; the
-    registered model reads what else it needs from it, rope_theta and rms_norm_eps included)."""
+    registered model reads what else it needs from it, rope_theta and rms_norm_eps included),
+    read as the built-in loader reads them (hf_loader.decoder_fields); intermediate_size
+    defaults to hidden_size."""
+    from jaxserve.weights.hf_loader import decoder_fields
+
     try:
-        hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
-        eos = c.get("eos_token_id")
-        return ModelConfig(
-            vocab_size=int(c["vocab_size"]), hidden_size=hidden,
-            intermediate_size=int(c.get("intermediate_size") or hidden),
-            num_layers=int(c["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(c.get("head_dim") or hidden // heads),
-            rope_theta=float(c.get("rope_theta") or (c.get("rope_parameters") or {}).get(
-                "rope_theta", 10000.0)),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            bos_token_id=None if c.get("bos_token_id") is None else int(c["bos_token_id"]),
-            eos_token_ids=tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])
-                                if e is not None),
-            architecture=architecture)
+        c = {**c, "intermediate_size": c.get("intermediate_size") or c["hidden_size"]}
+        return ModelConfig(**decoder_fields(c, architecture))
     except KeyError as e:
         raise ValueError(f"config.json of {architecture!r} has no {e.args[0]!r}; give "
                          "register_model a config= that reads it") from None

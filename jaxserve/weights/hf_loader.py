@@ -85,22 +85,46 @@ def _layer_types(c: dict, arch: str, num_layers: int) -> tuple[int | None, tuple
     return int(window), None if types is None else tuple(types)
 
 
+def _rope_parameters(c: dict) -> tuple[dict, dict | None]:
+    """(the full-attention layers' rope parameters, the sliding layers' where config.json gives
+    them per layer type, as transformers 5 writes Gemma 3's)."""
+    rope_params = c.get("rope_parameters") or {}
+    if "full_attention" in rope_params:
+        return rope_params["full_attention"] or {}, rope_params.get("sliding_attention") or {}
+    return rope_params, None
+
+
+def decoder_fields(c: dict, architecture: str) -> dict:
+    """config.json's fields every Llama-shaped decoder has -> ModelConfig's: sizes, rope base,
+    norm epsilon, context length, tied head, BOS and EOS ids (a KeyError names a missing one).
+    The one reading of them, for the built-in architectures (config_from_hf) and
+    register_model's (custom.read_config)."""
+    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    eos, bos = c.get("eos_token_id"), c.get("bos_token_id")
+    return dict(
+        vocab_size=int(c["vocab_size"]), hidden_size=hidden,
+        intermediate_size=int(c["intermediate_size"]),
+        num_layers=int(c["num_hidden_layers"]), num_heads=heads,
+        num_kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or hidden // heads),
+        rope_theta=float(c.get("rope_theta") or _rope_parameters(c)[0].get("rope_theta",
+                                                                           10000.0)),
+        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        bos_token_id=None if bos is None else int(bos),
+        eos_token_ids=tuple(int(e) for e in (eos if isinstance(eos, list) else [eos])
+                            if e is not None),
+        architecture=architecture)
+
+
 def config_from_hf(config_json: dict) -> ModelConfig:
     """A Hugging Face config.json (as a dict) of a supported architecture -> ModelConfig."""
     c = config_json
     arch = _architecture(c)
-    hidden = int(c["hidden_size"])
-    n_head = int(c["num_attention_heads"])
-    n_kv = int(c.get("num_key_value_heads") or n_head)
-    head_dim = int(c.get("head_dim") or hidden // n_head)
-    num_layers = int(c["num_hidden_layers"])
-    max_pos = int(c.get("max_position_embeddings", 2048))
-    rope_params = c.get("rope_parameters") or {}
-    local_rope = None
-    if "full_attention" in rope_params:  # per layer type (transformers 5: Gemma 3)
-        local_rope = rope_params.get("sliding_attention") or {}
-        rope_params = rope_params["full_attention"] or {}
-    rope_theta = c.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+    fields = decoder_fields({"tie_word_embeddings": arch in _GEMMAS, **c}, arch)  # Gemma: tied
+    num_layers, max_pos = fields["num_layers"], fields["max_position_embeddings"]
+    rope_params, local_rope = _rope_parameters(c)
     rope_scaling = _rope_scaling(c.get("rope_scaling") or rope_params, max_pos)
     local_theta = None
     if arch == "gemma3":
@@ -121,9 +145,6 @@ def config_from_hf(config_json: dict) -> ModelConfig:
                          f"{sorted(_ACTIVATIONS)})")
     window, layer_types = _layer_types(c, arch, num_layers)
     bias = True if arch == "qwen2" else bool(c.get("attention_bias", False))
-    eos = c.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None)
-    bos = c.get("bos_token_id")
     gemma = arch in _GEMMAS
     later_gemma = arch in ("gemma2", "gemma3")
 
@@ -131,22 +152,9 @@ def config_from_hf(config_json: dict) -> ModelConfig:
         return None if c.get(name) is None else float(c[name])
 
     return ModelConfig(
-        vocab_size=int(c["vocab_size"]),
-        hidden_size=hidden,
-        intermediate_size=int(c["intermediate_size"]),
-        num_layers=num_layers,
-        num_heads=n_head,
-        num_kv_heads=n_kv,
-        head_dim=head_dim,
-        rope_theta=float(rope_theta),
-        rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=max_pos,
-        tie_word_embeddings=bool(c.get("tie_word_embeddings", gemma)),
+        **fields,
         attention_bias=bias,
         qk_norm=arch in ("qwen3", "qwen3_moe", "gemma3"),
-        bos_token_id=None if bos is None else int(bos),
-        eos_token_ids=eos_ids,
-        architecture=arch,
         rope_scaling=rope_scaling,
         sliding_window=window,
         layer_types=layer_types,
