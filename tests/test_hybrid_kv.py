@@ -77,7 +77,8 @@ def test_a_request_too_long_for_every_layer_fits_by_groups_and_returns_every_pag
             assert all(full)
             for table in sliding:
                 assert sum(map(bool, table)) <= -(-(WINDOW - 1 + CHUNK) // PAGE) + 1
-        peak.append(s.kv.referenced_pages_per_group())
+        peak.append(s.kv.referenced_pages_per_group(s.live_sequences()))
+        assert sum(peak[-1]) == s.pool.num_referenced  # each referenced page in one group
 
     _run(sched, [_request("a", range(3, 103), 50)], check=check)
     assert 3 * -(-150 // PAGE) > 40
@@ -105,6 +106,9 @@ def test_prefix_hits_need_the_full_groups_pages_and_the_sliding_groups_last_wind
     sched.update(plan, [7] * len(plan.sample_rows))
     a, b = seq.sequences
     assert [bool(p) for p in b.group_page_ids[0]] == [bool(p) for p in a.group_page_ids[0]]
+    per_group = sched.stats()["referenced_pages_per_group"]  # shared pages counted once
+    assert per_group[0] == len(set(a.page_ids) | set(b.page_ids))
+    assert sum(per_group) == sched.pool.num_referenced
     _run(sched, [])
     sched.check_invariants()
     assert sched.pool.num_referenced == 0

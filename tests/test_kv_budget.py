@@ -285,7 +285,7 @@ def test_sliding_window_pages_are_what_the_engine_holds():
 
     for b in (1, 4, 16):
         for w in (1, 5, 16, 17, 33):
-            kv = KVManager(PagePool(2), b, window=w)
+            kv = KVManager(PagePool(2), b, group_windows=(w,))
             for t in range(1, 120):
                 assert kvb.window_pages(t, b, w) == kv.pages_to_hold(t, 1), (b, w, t)
     arch = kvb.KVArchitecture(num_layers=2, num_kv_heads=1, head_dim=4, dtype_bytes=4)

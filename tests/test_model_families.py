@@ -174,7 +174,7 @@ def test_gemma_greedy_generation_matches_transformers(family):
         assert list(out.outputs[0].token_ids) == greedy_reference(family, prompt, 12)
     counters = llm.engine.scheduler.counters
     assert counters["prefix_cache_hits"] >= 4 * PAGE and counters["num_preempted_total"] > 0
-    assert llm.engine.scheduler.kv.window is None
+    assert None in llm.engine.scheduler.kv.windows  # a group of full layers keeps every page
 
 
 def test_unknown_architectures_and_options_are_refused_by_name():

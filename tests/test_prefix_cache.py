@@ -200,7 +200,7 @@ def test_sliding_window_releases_pages_before_the_window():
     with the same tokens; forks, frees and the invariants skip the released entries."""
     pool = PagePool(12)
     cache = PrefixCache(pool, B, "m1")
-    kv = KVManager(pool, B, cache, window=6)
+    kv = KVManager(pool, B, cache, group_windows=(6,))
     seq = seq_of(range(10))
     kv.admit(seq, None)
     compute(kv, seq, 10)

@@ -63,16 +63,16 @@ NO_HIT = PrefixHit([], [])
 
 class KVManager:
     def __init__(self, pool: PagePool, page_size: int, cache: PrefixCache | None = None,
-                 window: int | None = None, group_windows: tuple | None = None):
-        """window: one group's (ModelConfig.kv_window); group_windows: each layer group's
-        window (None: full attention; kv_groups.KVGroups.windows), which replaces it."""
+                 group_windows: tuple = (None,)):
+        """group_windows: each layer group's window (None: full attention;
+        kv_groups.KVGroups.windows); a model of one kind is one group: (None,) or (W,)."""
+        if not group_windows:
+            raise ValueError("group_windows: one window (or None) per layer group, at least one")
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
-        self.windows = tuple(group_windows) if group_windows else (window,)
-        self.window = self.windows[0] if len(self.windows) == 1 else None
+        self.windows = tuple(group_windows)
         self._keys: dict[int, list[bytes]] = {}  # seq_id -> keys of its leading full computed pages
-        self._group_of: dict[int, int] = {}  # page -> the group it was last given to (G > 1)
         self.peak_referenced_pages = 0
         self._salt: dict[int, str | None] = {}
 
@@ -83,12 +83,6 @@ class KVManager:
     def tables(self, seq: Sequence) -> list[list[int]]:
         """seq's page tables, one per group (group 0's is seq.page_ids)."""
         return [seq.page_ids, *seq.group_page_ids]
-
-    def _allocate(self, n: int, group: int) -> list[int]:
-        pages = self.pool.allocate(n)
-        if self.num_groups > 1:
-            self._group_of.update((p, group) for p in pages)
-        return pages
 
     # ---- sizing ---------------------------------------------------------------------------------
     def pages_for(self, num_tokens: int) -> int:
@@ -174,12 +168,10 @@ class KVManager:
         hit = PrefixHit(*hit)
         tables = [list(hit.pages), *map(list, hit.group_pages)]
         tables += [[] for _ in range(self.num_groups - len(tables))]
-        for g, table in enumerate(tables):
+        for table in tables:
             for page in table:
                 if page:
                     self.pool.incref(page)
-                    if self.num_groups > 1:
-                        self._group_of[page] = g
         seq.page_ids, seq.group_page_ids = tables[0], tables[1:]
         seq.num_computed_tokens = len(hit.keys) * self.page_size
         seq.num_cached_tokens = seq.num_computed_tokens
@@ -201,7 +193,7 @@ class KVManager:
             raise OutOfPages(f"need {sum(grow) + sum(map(len, shared))} pages, "
                              f"{self.pool.num_available} available")
         for g, table in enumerate(tables):
-            fresh = self._allocate(grow[g] + len(shared[g]), g)
+            fresh = self.pool.allocate(grow[g] + len(shared[g]))
             for i, dst in zip(shared[g], fresh):
                 src = table[i]
                 copies.append((src, dst))
@@ -218,13 +210,12 @@ class KVManager:
         if any(self._shared_pages_in(table, position, position + 1)
                for seq, position in slots for table in self.tables(seq)):
             return False
-        grow = [(g, table) for seq, position in slots
-                for g, table in enumerate(self.tables(seq))
+        grow = [table for seq, position in slots for table in self.tables(seq)
                 if self.pages_for(position + 1) > len(table)]
         if len(grow) > self.pool.num_available:
             return False
-        for g, table in grow:
-            table.extend(self._allocate(1, g))
+        for table in grow:
+            table.extend(self.pool.allocate(1))
         for seq, position in slots:
             self.release_outside_window(seq, position)
         return True
@@ -304,16 +295,19 @@ class KVManager:
         self.peak_referenced_pages = max(self.peak_referenced_pages, self.pool.num_referenced)
 
     # ---- introspection ----------------------------------------------------------------------------
-    def referenced_pages_per_group(self) -> list[int]:
-        """Pages referenced now, per group (one group: the pool's count)."""
+    def referenced_pages_per_group(self, live_seqs: list[Sequence]) -> list[int]:
+        """Pages referenced now, per group: those in the live sequences' tables of the group, a
+        shared page once (every reference is a table entry: check); one group: the pool's
+        count."""
         if self.num_groups == 1:
             return [self.pool.num_referenced]
-        counts = [0] * self.num_groups
-        for page, g in self._group_of.items():
-            counts[g] += self.pool.refcount(page) > 0
-        return counts
+        held: list[set[int]] = [set() for _ in self.windows]
+        for seq in live_seqs:
+            for pages, table in zip(held, self.tables(seq)):
+                pages.update(table)
+        return [len(pages - {0}) for pages in held]
 
-    def page_stats(self) -> dict:
+    def page_stats(self, live_seqs: list[Sequence]) -> dict:
         pool = self.pool
         return dict(
             total_pages=pool.num_usable,  # usable pages: the scratch page 0 is excluded
@@ -324,7 +318,7 @@ class KVManager:
             cached_pages=pool.num_evictable,
             cached_pages_findable=self.cache.num_cached if self.cache else 0,
             referenced_pages=pool.num_referenced,
-            referenced_pages_per_group=self.referenced_pages_per_group(),
+            referenced_pages_per_group=self.referenced_pages_per_group(live_seqs),
             evictions=pool.num_evictions,
             peak_referenced_pages=self.peak_referenced_pages)
 

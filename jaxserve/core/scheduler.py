@@ -79,7 +79,7 @@ class Scheduler:
         self.cache = (PrefixCache(self.pool, self.page_size, model_fingerprint)
                       if cache.enable_prefix_caching else None)
         # kv_window (ModelConfig.kv_window): pages before every layer's window are released.
-        self.kv = KVManager(self.pool, self.page_size, self.cache, kv_window, group_windows)
+        self.kv = KVManager(self.pool, self.page_size, self.cache, group_windows or (kv_window,))
         self.watermark_pages = int(cache.watermark * self.pool.num_usable)
         self.budget = StepBudget(config.max_num_batched_tokens, prefill_keys_per_token
                                  if config.enable_chunked_prefill else 0, kv_window)
@@ -440,7 +440,8 @@ class Scheduler:
     def stats(self) -> dict:
         queries = self.counters["prefix_cache_queries"]
         return dict(
-            **self.kv.page_stats(), running=len(self.running), waiting=len(self.waiting),
+            **self.kv.page_stats(self.live_sequences()), running=len(self.running),
+            waiting=len(self.waiting),
             preemptions=self.counters["num_preempted_total"],
             prefix_cache_hit_rate=self.counters["prefix_cache_hits"] / queries if queries else 0.0,
             **self.speculation.stats(), **self.counters)
