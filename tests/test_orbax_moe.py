@@ -94,6 +94,16 @@ def test_eager_load_is_the_hf_load(checkpoints, name):
                         "experts_down"} if name == "qwen3_moe" else set())
 
 
+def test_a_newer_format_is_refused_by_name(tmp_path):
+    from jaxserve.weights.orbax_io import FORMAT_VERSION, META_FILE
+
+    (tmp_path / META_FILE).write_text(json.dumps({"format": "jaxserve-orbax",
+                                                  "version": FORMAT_VERSION + 1}))
+    with pytest.raises(ValueError, match=f"format version {FORMAT_VERSION + 1}; this jaxserve "
+                                         f"reads up to {FORMAT_VERSION}"):
+        load_model(str(tmp_path))
+
+
 def placed_leaves(runner) -> dict:
     """path -> (host value, PartitionSpec) of every leaf a runner placed."""
     import jax

@@ -323,6 +323,7 @@ def restore_params(source, cfg: ModelConfig, mesh: Mesh, dtype,
             w.delete()
     if experts:  # each device's slice names the experts it holds (with_expert_ids)
         ids = np.arange(cfg.num_experts, dtype=np.int32)
-        layers = [{**layer, "expert_ids": jax.device_put(ids, NamedSharding(mesh, P("tp")))}
+        layers = [{**layer, "expert_ids": jax.make_array_from_callback(
+                      ids.shape, NamedSharding(mesh, P("tp")), ids.__getitem__)}
                   if "router" in layer else layer for layer in layers]
     return {**top, "layers": layers}
