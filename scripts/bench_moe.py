@@ -15,7 +15,7 @@ Printed, one line each:
     model.generate on the same checkpoint (one batch, equal lengths, no padding)
 and that both give the same greedy tokens for the first request.
 
-  python scripts/bench_moe.py [--attention_backend=cpu] [--hidden=512 --experts=32 ...]
+  python scripts/bench_moe.py [--attention_backend=cpu] [--quantization=int8] [--hidden=512 ...]
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("attention_backend", "auto", "jaxserve's backend: auto, cpu, xla.")
+flags.DEFINE_enum("quantization", "none", ["none", "int8"], "jaxserve's weights (both models; "
+                  "transformers stays float32).")
 flags.DEFINE_integer("layers", 4, "Decoder layers.")
 flags.DEFINE_integer("hidden", 512, "Hidden size.")
 flags.DEFINE_integer("experts", 32, "Experts per sparse layer.")
@@ -128,6 +130,7 @@ def main(argv):
     from jaxserve import LLM
 
     options = dict(attention_backend=FLAGS.attention_backend, enable_prefix_caching=False,
+                   quantization=FLAGS.quantization,
                    max_num_seqs=max(FLAGS.batch, 1), max_num_batched_tokens=512)
     with tempfile.TemporaryDirectory() as directory:
         moe_path, dense_path = _write(directory, True), _write(directory, False)
@@ -139,7 +142,8 @@ def main(argv):
         theirs, their_tokens = _offline_transformers(moe_path)
     print(f"shape: {FLAGS.layers} layers, hidden {FLAGS.hidden}, {FLAGS.experts} experts top "
           f"{FLAGS.top_k} of {FLAGS.moe_inter} columns vs dense MLP "
-          f"{FLAGS.top_k * FLAGS.moe_inter}; backend {FLAGS.attention_backend}; torch threads "
+          f"{FLAGS.top_k * FLAGS.moe_inter}; backend {FLAGS.attention_backend}, quantization "
+          f"{FLAGS.quantization}; torch threads "
           f"{torch.get_num_threads()}")
     print(f"single-stream decode tok/s: moe {moe_decode:.1f}, dense {dense_decode:.1f}, "
           f"ratio {moe_decode / dense_decode:.2f} (goal >= 0.7)")

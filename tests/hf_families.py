@@ -137,7 +137,8 @@ def _greedy_reference(name: str, prompt: tuple[int, ...], max_tokens: int) -> tu
 class StepLogits:
     """Runs steps through the runner and returns the full logits rows of sampled positions."""
 
-    def __init__(self, cfg, params, page_size, backend, num_pages: int = 64):
+    def __init__(self, cfg, params, page_size, backend, num_pages: int = 64,
+                 quantization: str = "none"):
         from jaxserve.runtime.batch import Buckets
         from jaxserve.runtime.runner import ModelRunner
 
@@ -145,7 +146,7 @@ class StepLogits:
 
         self.backend = backends.get(backend)
         self.runner = ModelRunner(cfg, params, num_pages=num_pages, page_size=page_size,
-                                  backend=self.backend)
+                                  backend=self.backend, quantization=quantization)
         self.page_size = page_size
         self.buckets = Buckets.for_engine(8, 128, 32)
 

@@ -194,3 +194,33 @@ def test_expert_matmul_refuses_group_sizes_past_the_rows():
     with pytest.raises(Exception, match="sum past x's rows"):
         jax.block_until_ready(cpu_kernels.expert_matmul_f32(jnp.zeros((3, 32)), panels,
                                                         np.array([2, 2]), 48))
+
+
+@needs_kernels
+@pytest.mark.parametrize("levels", ["int8", "4-bit"])
+@pytest.mark.parametrize("sizes", [[1, 0, 1, 0, 0, 1], [12, 0, 0, 30, 1, 0]])
+def test_int8_expert_matmul_equals_the_dequantized_product(levels, sizes):
+    """Int8 experts (4-bit ones when every group is a Q4_1 block: packed two a byte) against
+    each group's rows times its expert's dequantized weight."""
+    from jaxserve.backends.cpu.packing import pack_experts
+    from jaxserve.model.quantize import quantize_weight
+
+    rng = np.random.default_rng(7)
+    e, k, n, m = len(sizes), 96, 100, sum(sizes) + 2
+    if levels == "4-bit":  # each group of 32 k: levels 0..15 with both ends present
+        q = rng.integers(0, 16, (e, k, n))
+        q[:, ::32], q[:, 1::32] = 0, 15
+        w = (0.125 * q - 1.0).astype(np.float32)
+    else:
+        w = rng.standard_normal((e, k, n)).astype(np.float32)
+    quantized = quantize_weight(w)
+    packed = pack_experts(quantized)
+    assert packed.panels.dtype == (np.uint8 if levels == "4-bit" else np.int8)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(packed.grouped_matmul(jnp.asarray(x), np.array(sizes)))
+    dense = np.swapaxes(quantized.dequantize(), -1, -2)
+    want, row = np.zeros((m, n), np.float32), 0
+    for expert, size in enumerate(sizes):
+        want[row:row + size] = x[row:row + size] @ dense[expert]
+        row += size
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)

@@ -41,8 +41,12 @@ def _hf_model(name: str):
                                          num_local_experts=4)
         cls = transformers.MixtralForCausalLM
     else:  # layer 0 sparse, layer 1 dense (with its own, wider MLP)
-        cfg = transformers.Qwen3MoeConfig(**TINY, **moe, num_experts=4, moe_intermediate_size=40,
-                                          head_dim=16, mlp_only_layers=[1],
+        # -int8: every matmul's inputs a multiple of int8's groups of 32
+        int8 = name.endswith("-int8")
+        cfg = transformers.Qwen3MoeConfig(**{**TINY, "intermediate_size": 96 if int8 else 112},
+                                          **moe, num_experts=4,
+                                          moe_intermediate_size=64 if int8 else 40, head_dim=16,
+                                          mlp_only_layers=[1],
                                           norm_topk_prob=name.endswith("-norm"))
         cls = transformers.Qwen3MoeForCausalLM
     # routers: clear choices, far from uniform; experts' outputs (x27) weigh in the residual
@@ -227,31 +231,87 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend, monk
     assert (2 in rows) if backend == "cpu" else any(r < 0 for r in rows)
 
 
-def test_int8_expert_weights_are_refused(checkpoint):
-    config = EngineConfig.from_options(page_size=PAGE, max_num_batched_tokens=CHUNK,
-                                       max_num_seqs=2, num_pages=16, attention_backend="xla",
-                                       quantization="int8")
-    with pytest.raises(ValueError, match="expert weights is not supported"):
-        LLMEngine(config, load_model(checkpoint("mixtral")[1]))
+def _dequantized(params) -> dict:
+    """params with every weight quantization='int8' quantizes (the layers' projections and
+    experts, the head) replaced by its dequantized float values, stacked as the loaders stack
+    them (a LayerStack: some weights are in some layers only)."""
+    from jaxserve.model.llama import layer_of
+    from jaxserve.model.quantize import Int8Weight, quantize_head, quantize_layer
+    from jaxserve.weights.layer_stack import LayerStack
+
+    def floats(w):
+        return np.swapaxes(w.dequantize(), -1, -2) if isinstance(w, Int8Weight) else w
+
+    stacked = params["layers"]
+    layers = [{k: floats(v) for k, v in quantize_layer(layer_of(stacked, i), "int8").items()}
+              for i in range(len(stacked["attn_norm"]))]
+    shapes = {k: v.shape for layer in layers for k, v in layer.items()}
+    restacked = {k: LayerStack([functools.partial(np.asarray, layer[k]) if k in layer else None
+                                for layer in layers], (len(layers), *shape), np.float32)
+                 for k, shape in shapes.items()}
+    return {**params, "layers": restacked,
+            "lm_head": floats(quantize_head(params, "int8")["lm_head"])}
 
 
-def test_compile_targets_hold_the_experts(checkpoint):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int8_experts_give_their_dequantized_weights_logits(checkpoint, backend):
+    """quantization='int8' quantizes the experts too, the router staying float: through a
+    prefill chunk and decode steps the logits are those of the same model whose quantized
+    weights are replaced by their dequantized values, within 1e-4 (the cpu backend's packed
+    int8 expert kernel; XLA dequantizing the chosen experts, or the whole stack for a grouped
+    step), and not the float model's."""
+    from jaxserve.model.quantize import Int8Weight
+
+    _need(backend)
+    loaded = load_model(checkpoint("qwen3_moe-int8")[1])
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(3, TINY["vocab_size"], CHUNK + 5)]
+
+    def logits(params, quantization):
+        seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt),
+                       len(prompt))
+        seq.page_ids = list(range(1, 9))
+        runner = StepLogits(loaded.config, params, PAGE, backend, num_pages=16,
+                            quantization=quantization)
+        experts = runner.runner.params["layers"][0]["experts_gate_up"]
+        assert isinstance(experts, Int8Weight) or getattr(experts, "scale", None) is not None \
+            or quantization == "none"
+        runner.step(StepPlan([ScheduledChunk(seq, 0, CHUNK, [])]))  # samples nothing
+        out = [runner.step(StepPlan([ScheduledChunk(seq, CHUNK, 5, [seq])]))[0]]
+        for tok in (7, 11, 13):
+            seq.token_ids.append(tok)
+            out.append(runner.step(StepPlan([ScheduledChunk(seq, seq.num_tokens - 1, 1,
+                                                            [seq])]))[0])
+        return np.stack(out)
+
+    int8 = logits(loaded.params, "int8")
+    np.testing.assert_allclose(int8, logits(_dequantized(loaded.params), "none"), atol=1e-4,
+                               rtol=1e-4)
+    assert np.abs(int8 - logits(loaded.params, "none")).max() > 1e-3
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_compile_targets_hold_the_experts(checkpoint, quantization):
     """`jaxserve compile`'s abstract params are the tree the runner places for a model with a
-    sparse and a dense layer: experts in layer 0, the dense MLP in layer 1."""
+    sparse and a dense layer: experts in layer 0 (int8 ones [E, out, in]), the dense MLP in
+    layer 1."""
     import jax
 
     from jaxserve import backends
     from jaxserve.runtime import abstract
     from jaxserve.runtime.runner import ModelRunner
 
-    loaded = load_model(checkpoint("qwen3_moe")[1], lazy=True)
+    int8 = quantization == "int8"
+    loaded = load_model(checkpoint("qwen3_moe-int8" if int8 else "qwen3_moe")[1], lazy=True)
     runner = ModelRunner(loaded.config, loaded.params, num_pages=4, page_size=PAGE,
-                         dtype="bfloat16", backend=backends.get("xla"))
-    placed = abstract.abstract_params(loaded.config, runner.mesh, "bfloat16")
+                         dtype="bfloat16", backend=backends.get("pallas-tpu"),  # a TPU target's
+                         quantization=quantization)
+    placed = abstract.abstract_params(loaded.config, runner.mesh, "bfloat16", quantization)
     shapes = lambda tree: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), tree)  # noqa: E731
     assert shapes(placed) == shapes(runner.params)
     layers = runner.params["layers"]
-    assert layers[0]["experts_gate_up"].shape == (4, 64, 80) and "w_gate_up" in layers[1]
+    assert layers[0]["experts_gate_up"].shape == ((4, 128, 64) if int8 else (4, 64, 80))
+    assert "w_gate_up" in layers[1]
     assert abstract.bytes_per_device(placed) == sum(
         x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
 
@@ -310,12 +370,14 @@ def test_experts_compile_for_tpu_with_megablox(generation):
     bf16) lowered for a TPU chip runs megablox's Pallas kernel (Mosaic compiles it) for a
     decode step of 8 tokens (64 pairs: on the CPU each pair's expert is gathered) and a step
     of 256, with every expert and with an expert-parallel device's 32; lowered for this CPU,
-    no Pallas call."""
+    no Pallas call. Int8 experts compile too: a decode step with none, the step of 256 with
+    megablox."""
     import jax
     import jax.numpy as jnp
 
     from jaxserve.config import ModelConfig
     from jaxserve.model import moe
+    from jaxserve.model.quantize import Int8Weight
     from tpu_topology import abstract, tpu_device
 
     device = tpu_device(generation)
@@ -336,6 +398,15 @@ def test_experts_compile_for_tpu_with_megablox(generation):
     cpu = jax.ShapeDtypeStruct((8, h), jnp.bfloat16)
     lp = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in lp.items()}
     assert "tpu_custom_call" not in run.lower(cpu, lp).compile().as_text()
+    # int8 experts: a decode step dequantizes its chosen ones (no kernel), a larger one runs
+    # megablox on the dequantized stack
+    int8 = lambda out, inp: Int8Weight(abstract((e, out, inp), jnp.int8, device), *(  # noqa: E731
+        abstract((e, out, inp // 32), jnp.float16, device) for _ in range(2)))
+    lp = {"router": abstract((e, h), jnp.bfloat16, device),
+          "experts_gate_up": int8(2 * inter, h), "experts_down": int8(h, inter)}
+    for tokens, kernel in ((8, False), (256, True)):
+        text = run.lower(abstract((tokens, h), jnp.bfloat16, device), lp).compile().as_text()
+        assert ("tpu_custom_call" in text) == kernel, tokens
 
 
 @pytest.mark.parametrize("m,sizes", [(150, [40, 0, 70, 20]), (64, [0] * 7 + [60]),

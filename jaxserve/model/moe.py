@@ -24,6 +24,12 @@ lowering, so a compile-only TPU target gets it too). The cpu backend packs float
 own grouped matmul (backends/cpu/packing.py, PanelExperts): every step, decode included, runs
 grouped_experts through it, and it reads each chosen expert in place, once.
 
+Int8 experts (quantization="int8": quantize.Int8Weight stacks, [E, out, in] with scales and
+offsets per 32 inputs; the router stays float) are multiplied packed by the cpu backend
+(dequantized in registers); elsewhere a decode step dequantizes only its chosen experts
+(gathered_experts, every platform, TPU included) and a larger step the layer's whole stack for
+the grouped matmul (a transient the memory plan measures: megablox has no quantized mode).
+
 Expert parallelism (runtime/sharding.py): the experts are sharded on their first axis over the
 tensor-parallel devices and a sparse layer holds `expert_ids` i32[E / tp], its device's experts'
 global ids. Tokens are replicated there (attention's output was summed across devices), so each
@@ -40,14 +46,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model.quantize import Int8Weight
+
 EXPERT_KEYS = ("router", "experts_gate", "experts_up", "experts_down")  # loaders' layout
 
 
 def fuse_experts(lp: dict) -> dict:
-    """A sparse layer's expert weights, loaders' layout -> execution layout (see above)."""
+    """A sparse layer's expert weights, loaders' layout -> execution layout (see above); int8
+    experts (quantize.Int8Weight, stored [E, out, in]) fused on their output axis alike."""
+    gate, up, down = lp["experts_gate"], lp["experts_up"], lp["experts_down"]
+    int8 = isinstance(gate, Int8Weight)
     out = {"router": np.ascontiguousarray(np.asarray(lp["router"]).T),
-           "experts_gate_up": np.concatenate([lp["experts_gate"], lp["experts_up"]], axis=-1),
-           "experts_down": np.asarray(lp["experts_down"])}
+           "experts_gate_up": (Int8Weight.concat([gate, up]) if int8
+                               else np.concatenate([gate, up], axis=-1)),
+           "experts_down": down if int8 else np.asarray(down)}
     if "router_bias" in lp:  # gpt-oss
         out.update(router_bias=np.asarray(lp["router_bias"]),
                    experts_gate_up_bias=np.concatenate([lp["experts_gate_bias"],
@@ -91,12 +103,15 @@ def run_experts(x, weights, experts, w_gate_up, w_down, activation, biases=None)
     """x f[T, H], each token's k (weight, expert) -> f[T, H]: sum over its k experts of
     weight * down(activation(gate x) * up x). An expert id past the last (local_pairs') is in
     no group and weighs 0. Where there are no more pairs than experts (a decode step) each
-    pair reads its expert's weights (gathered_experts), except lowered for a TPU or where a
-    backend packed the experts (their grouped_matmul reads the chosen ones in place)."""
+    pair reads its expert's weights (gathered_experts), except lowered for a TPU (unless the
+    experts are int8) or where a backend packed the experts (their grouped_matmul reads the
+    chosen ones in place)."""
     t, k = experts.shape
     args = (x, weights, experts, w_gate_up, w_down, activation, biases)
     if t * k > w_gate_up.shape[0] or hasattr(w_gate_up, "grouped_matmul"):  # T: static bucket
         return grouped_experts(*args)
+    if isinstance(w_gate_up, Int8Weight):  # every platform: dequantize the chosen ones only
+        return gathered_experts(*args)
     return jax.lax.platform_dependent(
         *args[:5], tpu=lambda *a: grouped_experts(*a, activation, biases),
         default=lambda *a: gathered_experts(*a, activation, biases))
@@ -129,6 +144,8 @@ def grouped_matmul(lhs, rhs, group_sizes):
     packed (the CPU backend's PanelExperts) multiply themselves."""
     if hasattr(rhs, "grouped_matmul"):
         return rhs.grouped_matmul(lhs, group_sizes).astype(lhs.dtype)
+    if isinstance(rhs, Int8Weight):  # every expert dequantized for the step (see the top)
+        rhs = rhs.dequantize_in(lhs.dtype)
     return jax.lax.platform_dependent(lhs, rhs, group_sizes, tpu=_megablox,
                                       cpu=tiled_grouped_matmul, default=jax.lax.ragged_dot)
 
@@ -192,16 +209,21 @@ def gathered_experts(x, weights, experts, w_gate_up, w_down, activation, biases=
     t, k = experts.shape
     flat = jnp.minimum(experts.reshape(-1), w_gate_up.shape[0] - 1)  # local_pairs' 0-weight id
     xs = jnp.repeat(x, k, axis=0)  # pair i is token i // k
-    gate_up = jnp.einsum("ph,phn->pn", xs, w_gate_up[flat])
+    gate_up = jnp.einsum("ph,phn->pn", xs, _take(w_gate_up, flat, x.dtype))
     if biases is not None:  # each pair's expert's (gpt-oss)
         gate_up = gate_up + biases[0][flat]
     gate, up = jnp.split(gate_up, 2, axis=-1)
     h = _hidden(activation, gate, up).astype(x.dtype)
-    y = jnp.einsum("pi,pih->ph", h, w_down[flat]).astype(jnp.float32)
+    y = jnp.einsum("pi,pih->ph", h, _take(w_down, flat, x.dtype)).astype(jnp.float32)
     if biases is not None:
         y = y + biases[1][flat]
     y = y * weights.reshape(-1)[:, None]
     return jnp.sum(y.reshape(t, k, -1), axis=1).astype(x.dtype)
+
+
+def _take(w, experts, dtype):
+    """The [in, out] weights of `experts` from a stack of them (int8: those dequantized only)."""
+    return w.take(experts).dequantize_in(dtype) if isinstance(w, Int8Weight) else w[experts]
 
 
 def local_pairs(weights, experts, expert_ids):

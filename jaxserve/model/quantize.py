@@ -22,7 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# The layer weights quantized: the projections, and a mixture of experts' experts ([E, in, out];
+# the router stays float: it is small, and its logits choose the experts).
+_QUANTIZED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "experts_gate", "experts_up",
+              "experts_down")
 GROUP = 32  # input channels per scale and offset: GGUF's block size
 
 
@@ -58,10 +61,23 @@ class Int8Weight:
         scale, offset = (np.asarray(a, np.float32)[..., None] for a in (self.scale, self.offset))
         return (g * scale + offset).reshape(q.shape)
 
+    def take(self, index):
+        """Entries `index` of the leading axis (experts) of a stacked weight, as an Int8Weight."""
+        return Int8Weight(self.q_t[index], self.scale[index], self.offset[index])
+
+    def dequantize_in(self, dtype):
+        """f[..., in, out] in dtype, in a traced function (the [in, out] layout, as float
+        experts are)."""
+        *lead, out, inp = self.q_t.shape
+        g = self.q_t.reshape(*lead, out, inp // GROUP, GROUP).astype(dtype)
+        g = g * self.scale[..., None].astype(dtype) + self.offset[..., None].astype(dtype)
+        return jnp.swapaxes(g.reshape(*lead, out, inp), -1, -2)
+
     @staticmethod
     def concat(ws: list[Int8Weight]) -> Int8Weight:
-        """Weights [out_i, in] concatenated along the output axis (fused projections)."""
-        return Int8Weight(*(np.concatenate([getattr(w, f) for w in ws], axis=0)
+        """Weights [..., out_i, in] concatenated along the output axis (fused projections, a
+        mixture's gate and up experts)."""
+        return Int8Weight(*(np.concatenate([getattr(w, f) for w in ws], axis=-2)
                             for f in ("q_t", "scale", "offset")))
 
 
@@ -150,14 +166,11 @@ def _weight_fn(method: str):
 
 
 def quantize_layer(layer: dict, method: str) -> dict:
-    """The projections of one layer's dict, or of the stacked layers' (any leading axes);
-    norms and biases stay float."""
+    """The projections and experts of one layer's dict, or of the stacked layers' (any leading
+    axes); norms, biases and routers stay float."""
     fn = _weight_fn(method)
     if fn is None:
         return layer
-    if "experts_gate" in layer:
-        raise ValueError(f"quantization={method!r} of a mixture of experts' expert weights is not "
-                         "supported yet: serve it with quantization='none'")
     return {k: fn(v) if k in _QUANTIZED else v for k, v in layer.items()}
 
 

@@ -11,7 +11,7 @@ where the model has them; a mixture of experts' sparse layer has router [E, H], 
 parallelism sharded on E with their expert_ids i32[E]: model/moe.py, sharding.with_expert_ids);
 outside the layers embed [V, H], final_norm [H] and lm_head [V, H]
 when untied or quantized. int8 weights are quantize.Int8Weight(q_t i8[out, in], scale and offset
-f16[out, in / 32]). A backend's pack_params (the CPU's packed panels) is not modelled: the
+f16[out, in / 32]; a mixture's experts [E, out, in] and [E, out, in / 32]). A backend's pack_params (the CPU's packed panels) is not modelled: the
 targets compiled this way are accelerators, where the Pallas and XLA backends pack nothing.
 tests/test_compile_command.py checks the tree against a real runner's.
 """
@@ -32,17 +32,19 @@ from jaxserve.model.quantize import GROUP, Int8Weight
 from jaxserve.runtime import sharding
 
 
-def _weight(out: int, inp: int, dtype, quantization: str):
-    """One [out, in] projection in the serving layout."""
+def _weight(out: int, inp: int, dtype, quantization: str, experts: int = 0):
+    """One [out, in] projection in the serving layout; with experts, a mixture's stack of them:
+    float [E, in, out], int8 [E, out, in] (model/moe.py)."""
     if quantization == "int8":
-        groups = (out, inp // GROUP)
-        return Int8Weight(jax.ShapeDtypeStruct((out, inp), jnp.int8),
+        lead = (experts,) if experts else ()
+        groups = (*lead, out, inp // GROUP)
+        return Int8Weight(jax.ShapeDtypeStruct((*lead, out, inp), jnp.int8),
                           jax.ShapeDtypeStruct(groups, jnp.float16),
                           jax.ShapeDtypeStruct(groups, jnp.float16))
     if quantization != "none":  # bf16 is the CPU backend's (AMX panels), not modelled here
         raise ValueError(f"quantization {quantization!r} is not modelled for compile targets "
                          "(none or int8)")
-    return jax.ShapeDtypeStruct((out, inp), dtype)
+    return jax.ShapeDtypeStruct((experts, inp, out) if experts else (out, inp), dtype)
 
 
 def _qkv_rows(cfg: ModelConfig, tp: int) -> int:
@@ -68,14 +70,11 @@ def _layer(cfg: ModelConfig, tp: int, dtype, quantization: str, i: int,
     if cfg.sandwich_norms:
         layer["post_attn_norm"] = layer["post_mlp_norm"] = vec
     if cfg.layer_is_sparse(i):
-        if quantization != "none":
-            raise ValueError(f"quantization={quantization!r} of a mixture of experts' expert "
-                             "weights is not supported yet")
         e, m = cfg.num_experts, cfg.moe_intermediate_size
         del layer["w_gate_up"], layer["w_down"]
         layer.update(router=jax.ShapeDtypeStruct((e, h), dtype),
-                     experts_gate_up=jax.ShapeDtypeStruct((e, h, 2 * m), dtype),
-                     experts_down=jax.ShapeDtypeStruct((e, m, h), dtype))
+                     experts_gate_up=_weight(2 * m, h, dtype, quantization, experts=e),
+                     experts_down=_weight(h, m, dtype, quantization, experts=e))
         if sharding.experts_sharded(cfg, tp, expert_parallel):
             layer["expert_ids"] = jax.ShapeDtypeStruct((e,), jnp.int32)
     return layer

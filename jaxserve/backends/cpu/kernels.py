@@ -19,9 +19,10 @@
                       tiles, f32 accumulation, against weights packed in 16-column tiles
                       (`pack_bf16_tiles`); `amx_bf16_available()` says whether this CPU and
                       kernel allow it.
-  expert_matmul_f32   (expert_matmul.cc) a mixture of experts' grouped matmul against each
+  expert_matmul_*     (expert_matmul.cc) a mixture of experts' grouped matmul against each
                       expert's panels, the experts stacked: each group of rows times its
-                      expert's weight, read in place, only the experts with rows read.
+                      expert's weight, read in place, only the experts with rows read;
+                      f32, int8 and 4-bit experts as the matmuls above.
   argmax              (argmax.cc) greedy sampling's max and index per row in one vectorised
                       read of the logits, rows in parallel, where XLA's top_k(x, 1) takes many
                       times as long.
@@ -57,6 +58,8 @@ _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_matmul_int4": "JaxserveMatmulInt4",
             "jaxserve_matmul_bf16": "JaxserveMatmulBf16",
             "jaxserve_expert_matmul_f32": "JaxserveExpertMatmulF32",
+            "jaxserve_expert_matmul_int8": "JaxserveExpertMatmulInt8",
+            "jaxserve_expert_matmul_int4": "JaxserveExpertMatmulInt4",
             "jaxserve_argmax": "JaxserveArgmax"}
 PANEL = 48  # output columns per weight panel (matmul.cc's kPanel)
 BF16_TILE, BF16_DEPTH = 16, 32  # output columns per bf16 weight tile, k per tile product
@@ -251,6 +254,16 @@ def expert_matmul_f32(x, panels, group_sizes, n: int):
     group give 0) times expert e's W [K, n], the experts' weights packed by `pack_panels` and
     stacked f32[E, P, K, 48] -> f32[M, n]."""
     return _call("jaxserve_expert_matmul_f32", _f32(x.shape[0], n), x, panels,
+                 jnp.asarray(group_sizes, jnp.int32))
+
+
+def expert_matmul_int8(x, panels, scale, offset, group_sizes, n: int):
+    """expert_matmul_f32 for int8 experts: levels i8[E, P, K, 48] (or, with 4-bit levels packed
+    by `pack_nibbles`, u8[E, P, K / 2, 48]), scales and offsets f16[E, P, K / 32, 48]: each
+    expert as matmul_int8's (matmul_int4's) weight, stacked."""
+    target = ("jaxserve_expert_matmul_int4" if panels.dtype == jnp.uint8
+              else "jaxserve_expert_matmul_int8")
+    return _call(target, _f32(x.shape[0], n), x, panels, scale, offset,
                  jnp.asarray(group_sizes, jnp.int32))
 
 

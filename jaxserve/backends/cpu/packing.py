@@ -50,39 +50,55 @@ class PanelWeight:
         return self.panels[token_ids // kernels.PANEL, :, token_ids % kernels.PANEL]
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"],
-                   meta_fields=["shape"])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["panels", "scale", "offset"], meta_fields=["shape"])
 @dataclasses.dataclass(frozen=True)
 class PanelExperts:
     """A mixture of experts' stacked weights [E, in, out] (shape), each expert packed as a
-    PanelWeight's panels: f32[E, ceil(out / 48), in, 48]."""
+    PanelWeight is: f32 panels [E, ceil(out / 48), in, 48], or int8 levels (4-bit ones two a
+    byte) with their scales and offsets, stacked."""
     panels: jax.Array
+    scale: jax.Array | None
+    offset: jax.Array | None
     shape: tuple
 
     def grouped_matmul(self, x, group_sizes):
         """x f[M, in], rows in groups (group e: the next group_sizes[e] rows, rows past the
         last group give 0) -> each group's rows @ expert e's weight, f32[M, out]. Reads only
-        the experts that have rows, in place (kernels.expert_matmul_f32)."""
-        return kernels.expert_matmul_f32(x.astype(jnp.float32), self.panels, group_sizes,
-                                         self.shape[2])
+        the experts that have rows, in place (kernels.expert_matmul_*)."""
+        x, n = x.astype(jnp.float32), self.shape[2]
+        if self.scale is None:
+            return kernels.expert_matmul_f32(x, self.panels, group_sizes, n)
+        return kernels.expert_matmul_int8(x, self.panels, self.scale, self.offset, group_sizes, n)
 
 
 def pack_experts(w) -> PanelExperts | np.ndarray:
-    """Float stacked experts [E, in, out] -> PanelExperts; bfloat16 ones stay as they are (the
-    experts' matmul has no AMX tiles: model/moe.py runs them)."""
-    if w.dtype == jnp.bfloat16:
+    """Stacked experts [E, in, out], float or Int8Weight -> PanelExperts, each expert packed as
+    `pack` packs a weight; bfloat16 ones stay as they are (the experts' matmul has no AMX
+    tiles: model/moe.py runs them)."""
+    if not isinstance(w, Int8Weight) and w.dtype == jnp.bfloat16:
         return w
-    w = np.asarray(w, np.float32)
-    return PanelExperts(np.stack([kernels.pack_panels(e.T) for e in w]), w.shape)
+    if isinstance(w, Int8Weight):
+        experts = [pack(w.take(e)) for e in range(w.shape[0])]
+        shape = (w.shape[0], w.shape[2], w.shape[1])
+    else:
+        experts = [pack(np.asarray(e, np.float32).T) for e in w]
+        shape = w.shape
+    if len({e.panels.dtype for e in experts}) > 1:  # some experts' levels 0..15, some not
+        experts = [pack(w.take(e), nibbles=False) for e in range(w.shape[0])]
+    stack = lambda field: (None if getattr(experts[0], field) is None  # noqa: E731
+                           else np.stack([getattr(e, field) for e in experts]))
+    return PanelExperts(stack("panels"), stack("scale"), stack("offset"), tuple(shape))
 
 
-def pack(w) -> PanelWeight:
+def pack(w, nibbles: bool = True) -> PanelWeight:
     """An [out, in] weight (float, bfloat16 or Int8Weight) -> a PanelWeight (host numpy
     arrays). An Int8Weight whose levels are all 0..15 (every group a Q4_1 block) is packed two
-    levels a byte: a decode step streams the weights, and there it is half int8's bytes."""
+    levels a byte (unless nibbles=False): a decode step streams the weights, and there it is
+    half int8's bytes."""
     if isinstance(w, Int8Weight):
         q, scale, offset = (kernels.pack_panels(np.asarray(a)) for a in (w.q_t, w.scale, w.offset))
-        if q.min(initial=0) >= 0 and q.max(initial=0) <= 15:
+        if nibbles and q.min(initial=0) >= 0 and q.max(initial=0) <= 15:
             q = kernels.pack_nibbles(q)
         return PanelWeight(q, scale, offset, len(w.q_t))
     if w.dtype == jnp.bfloat16:
