@@ -43,6 +43,8 @@ are formed, soft-caps them.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +76,33 @@ def prepare_page_tables(page_tables, seq_lens, *, num_pages: int, page_size: int
     table = jnp.where(used, jnp.clip(page_tables, 0, num_pages - 1), 0)
     table = jnp.pad(table, ((0, 0), (0, padded - pages_per_seq)))
     return table.reshape(num_seqs * padded)
+
+
+class PoolLayout(NamedTuple):
+    """What both paths read off the pool and page table before their pallas_call."""
+    num_kv_heads: int
+    group: int  # G = Hq // Hkv query heads per KV head
+    page_size: int  # B
+    pages_per_block: int  # clamped to the page-table width P
+    table: jax.Array  # i32[S * P'] (`prepare_page_tables`)
+    table_width: int  # P'
+
+
+def pool_layout(q, k_pages, v_pages, page_tables, seq_lens, *,
+                pages_per_block: int) -> PoolLayout:
+    """The layout of a head-major pool K, V [Hkv, N, B, D] or a page-major one
+    kv f[N, B, 2 * Hkv * D] (v_pages None) for queries q [T, Hq, D]."""
+    num_q_heads, head_dim = q.shape[1:]
+    if v_pages is None:
+        num_pages, page_size, lanes = k_pages.shape
+        num_kv_heads = lanes // (2 * head_dim)
+    else:
+        num_kv_heads, num_pages, page_size, _ = k_pages.shape
+    pages_per_block = min(pages_per_block, page_tables.shape[1])
+    table = prepare_page_tables(page_tables, seq_lens, num_pages=num_pages, page_size=page_size,
+                                pages_per_block=pages_per_block)
+    return PoolLayout(num_kv_heads, num_q_heads // num_kv_heads, page_size, pages_per_block,
+                      table, table.shape[0] // page_tables.shape[0])
 
 
 def pool_operands(k_pages, v_pages, k_scale, v_scale) -> tuple:

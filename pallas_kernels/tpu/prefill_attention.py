@@ -38,7 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu.common import (LANES, finish, init_carry, kv_scratch, masked_scores,
                                        in_window, online_softmax_step, pipelined_kv_loop,
-                                       pool_operands, prepare_page_tables, resolve_interpret,
+                                       pool_layout, pool_operands, resolve_interpret,
                                        sink_operand, split_refs, window_start)
 
 
@@ -115,16 +115,8 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
                       soft_cap: float | None = None, sinks=None) -> jax.Array:
     """Inputs and output as `ragged_paged_attention` (validated there); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
-    if v_pages is None:  # page-major kv f[N, B, 2 * Hkv * D]
-        num_pages, page_size, lanes = k_pages.shape
-        num_kv_heads = lanes // (2 * head_dim)
-    else:
-        num_kv_heads, num_pages, page_size, _ = k_pages.shape
-    num_seqs = page_tables.shape[0]
-    group = num_q_heads // num_kv_heads
-    pages_per_block = min(pages_per_block, page_tables.shape[1])
-    table = prepare_page_tables(page_tables, seq_lens, num_pages=num_pages, page_size=page_size,
-                                pages_per_block=pages_per_block)
+    num_kv_heads, group, page_size, pages_per_block, table, table_width = pool_layout(
+        q, k_pages, v_pages, page_tables, seq_lens, pages_per_block=pages_per_block)
     padded_tokens = pl.cdiv(num_tokens, block_q) * block_q
     q4 = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))
     q4 = q4.reshape(padded_tokens, num_kv_heads, group, head_dim)
@@ -132,7 +124,7 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
     q_spec = pl.BlockSpec((block_q, None, group, head_dim), lambda i, h, *_: (i, h, 0, 0))
     pool = pool_operands(k_pages, v_pages, k_scale, v_scale)
     kernel = functools.partial(_prefill_kernel, sm_scale=float(sm_scale),
-                               table_width=table.shape[0] // num_seqs, num_pool=len(pool),
+                               table_width=table_width, num_pool=len(pool),
                                window=window, soft_cap=soft_cap, has_sinks=sinks is not None)
     sink_args, sink_specs = (), []
     if sinks is not None:
