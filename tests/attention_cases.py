@@ -1,7 +1,8 @@
 """Shared attention test cases: a head-major paged pool f[Hkv, N, B, D] with shuffled page ids,
 NaN in page 0, in every unused page and in the tail of each last page; rows in any order (decode
-rows, prefill chunks after a prefix, whole prompts, empty padding rows); the float64 oracle; and
-the shape matrix every platform's `ragged_paged_attention` is tested on.
+rows, prefill chunks after a prefix, whole prompts, empty padding rows); the float64 oracle; the
+shape matrix every platform's `ragged_paged_attention` is tested on; and the engine's metadata for
+a case (`engine_metadata`).
 
 Tolerances (kernel vs reference, both accumulate in float32 at HIGHEST precision):
   float32 inputs:  atol = rtol = 2e-5   (observed ~1e-6: evaluation order only)
@@ -14,6 +15,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import quantize_kv
 from pallas_kernels.reference import ref_ragged_paged_attention_f64
 
@@ -175,3 +177,19 @@ def call(fn, case, **kw):
     k_scale and v_scale for int8 pages)."""
     return fn(case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
               case["query_start"], **kw, **scales(case))
+
+
+def engine_metadata(case) -> AttentionMetadata:
+    """The engine's metadata for a ragged case, every token a row block of its own (the layout
+    the CPU kernel and the XLA path with query_block 1 both take)."""
+    query_start, seq_lens = np.asarray(case["query_start"]), np.asarray(case["seq_lens"])
+    t, rows = case["q"].shape[0], len(seq_lens)
+    positions, token_row = np.zeros(t, np.int32), np.full(t, rows, np.int32)
+    for r in range(rows):
+        a, b = query_start[r], query_start[r + 1]
+        positions[a:b] = np.arange(seq_lens[r] - (b - a), seq_lens[r])
+        token_row[a:b] = r
+    return AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.zeros(t, jnp.int32),
+                             page_tables=case["page_tables"], seq_lens=case["seq_lens"],
+                             query_start=case["query_start"], token_row=jnp.asarray(token_row),
+                             num_decode=0)

@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import (F64_TOL, TOL, assert_close, call, mixed_rows, page_major,
-                             quantize_case, ragged_case, scales)
+from attention_cases import (F64_TOL, TOL, assert_close, call, engine_metadata, mixed_rows,
+                             page_major, quantize_case, ragged_case)
 from jaxserve import backends
 from jaxserve.backends.cpu import kernels as cpu_kernels
-from jaxserve.model.attention import AttentionMetadata, attend
+from jaxserve.model.attention import attend
 from jaxserve.model.kv_cache import KVCache
 from pallas_kernels.reference import ref_ragged_paged_attention, ref_ragged_paged_attention_f64
 
@@ -37,25 +37,8 @@ def _case(page_size=8, *, group=3, long=60, seed=5):
 
 def _oracle(case, *, window=None, soft_cap=None, sinks="case"):
     sinks = case["sinks"] if sinks == "case" else sinks
-    return ref_ragged_paged_attention_f64(
-        case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
-        case["query_start"], sm_scale=SCALE, window=window, soft_cap=soft_cap, sinks=sinks,
-        **scales(case))
-
-
-def _metadata(case) -> AttentionMetadata:
-    """The engine's metadata for a ragged case, every token its row's own block."""
-    query_start, seq_lens = np.asarray(case["query_start"]), np.asarray(case["seq_lens"])
-    t, rows = case["q"].shape[0], len(seq_lens)
-    positions, token_row = np.zeros(t, np.int32), np.full(t, rows, np.int32)
-    for r in range(rows):
-        a, b = query_start[r], query_start[r + 1]
-        positions[a:b] = np.arange(seq_lens[r] - (b - a), seq_lens[r])
-        token_row[a:b] = r
-    return AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.zeros(t, jnp.int32),
-                             page_tables=case["page_tables"], seq_lens=case["seq_lens"],
-                             query_start=case["query_start"], token_row=jnp.asarray(token_row),
-                             num_decode=0)
+    return call(ref_ragged_paged_attention_f64, case, sm_scale=SCALE, window=window,
+                soft_cap=soft_cap, sinks=sinks)
 
 
 def _real(case) -> int:
@@ -100,7 +83,7 @@ def test_engine_backends_match_float64(backend, window):
     # select (test_attention_windows.py covers the released pages).
     case.update({name: jnp.nan_to_num(case[name]) for name in ("k_pages", "v_pages")})
     out = attend(backends.get(backend), case["q"], KVCache(k=case["k_pages"], v=case["v_pages"]),
-                 _metadata(case), SCALE, window=window, sinks=case["sinks"])
+                 engine_metadata(case), SCALE, window=window, sinks=case["sinks"])
     assert_close(out[:_real(case)], _oracle(case, window=window)[:_real(case)], F64_TOL)
 
 
@@ -112,14 +95,14 @@ def test_cpu_kernel_int8_pages_and_split_decode():
     case = quantize_case(_case())
     cache = KVCache(k=case["k_pages"], v=case["v_pages"], k_scale=case["k_scale"],
                     v_scale=case["v_scale"])
-    out = attend(backends.get("cpu"), case["q"], cache, _metadata(case), SCALE, window=WINDOW,
-                 sinks=case["sinks"])
+    out = attend(backends.get("cpu"), case["q"], cache, engine_metadata(case), SCALE,
+                 window=WINDOW, sinks=case["sinks"])
     assert_close(out[:_real(case)], _oracle(case, window=WINDOW)[:_real(case)], F64_TOL)
     long = ragged_case(7, [(3000, 1)], page_size=16, num_kv_heads=1, group=4, head_dim=64)
     long["sinks"] = _sinks(4)
     long.update({name: jnp.nan_to_num(long[name]) for name in ("k_pages", "v_pages")})
     out = attend(backends.get("cpu"), long["q"], KVCache(k=long["k_pages"], v=long["v_pages"]),
-                 _metadata(long), SCALE, sinks=long["sinks"])
+                 engine_metadata(long), SCALE, sinks=long["sinks"])
     assert_close(out[:1], _oracle(long)[:1], F64_TOL)
 
 
@@ -166,12 +149,12 @@ def test_pallas_backend_passes_sinks():
     case = _case()
     case.update({name: jnp.nan_to_num(case[name]) for name in ("k_pages", "v_pages")})
     out = attend(backends.get("pallas-tpu-interpret"), case["q"],
-                 KVCache(k=case["k_pages"], v=case["v_pages"]), _metadata(case), SCALE,
+                 KVCache(k=case["k_pages"], v=case["v_pages"]), engine_metadata(case), SCALE,
                  sinks=case["sinks"])
     assert_close(out[:_real(case)], _oracle(case)[:_real(case)], TOL[jnp.float32])
     with pytest.raises(ValueError, match="sinks"):
         attend(backends.get("pallas-tpu-interpret"), case["q"],
-               KVCache(k=case["k_pages"], v=case["v_pages"]), _metadata(case), SCALE,
+               KVCache(k=case["k_pages"], v=case["v_pages"]), engine_metadata(case), SCALE,
                sinks=case["sinks"][:3])
 
 

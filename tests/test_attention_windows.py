@@ -14,11 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from attention_cases import (F64_TOL, TOL, assert_close, call, mixed_rows, quantize_case,
-                             ragged_case, scales)
+from attention_cases import (F64_TOL, TOL, assert_close, call, engine_metadata, mixed_rows,
+                             quantize_case, ragged_case)
 from jaxserve import backends
 from jaxserve.backends.cpu import kernels as cpu_kernels
-from jaxserve.model.attention import AttentionMetadata, attend
+from jaxserve.model.attention import attend
 from jaxserve.model.kv_cache import KVCache
 from pallas_kernels.reference import ref_ragged_paged_attention, ref_ragged_paged_attention_f64
 
@@ -40,26 +40,8 @@ def _released_case(page_size, rows, *, group=2, head_dim=64, seed=5):
 
 
 def _oracle(case, sm_scale, window, soft_cap):
-    return ref_ragged_paged_attention_f64(
-        case["q"], case["k_pages"], case["v_pages"], case["page_tables"], case["seq_lens"],
-        case["query_start"], sm_scale=sm_scale, window=window, soft_cap=soft_cap,
-        **scales(case))
-
-
-def _metadata(case) -> AttentionMetadata:
-    """The engine's metadata for a ragged case, every token a row block of its own (the layout
-    the CPU kernel and the XLA path with query_block 1 both take)."""
-    query_start, seq_lens = np.asarray(case["query_start"]), np.asarray(case["seq_lens"])
-    t, rows = case["q"].shape[0], len(seq_lens)
-    positions, token_row = np.zeros(t, np.int32), np.full(t, rows, np.int32)
-    for r in range(rows):
-        a, b = query_start[r], query_start[r + 1]
-        positions[a:b] = np.arange(seq_lens[r] - (b - a), seq_lens[r])
-        token_row[a:b] = r
-    return AttentionMetadata(positions=jnp.asarray(positions), slot_mapping=jnp.zeros(t, jnp.int32),
-                             page_tables=case["page_tables"], seq_lens=case["seq_lens"],
-                             query_start=case["query_start"], token_row=jnp.asarray(token_row),
-                             num_decode=0)
+    return call(ref_ragged_paged_attention_f64, case, sm_scale=sm_scale, window=window,
+                soft_cap=soft_cap)
 
 
 FEATURES = [(WINDOW, None), (None, SOFT_CAP), (WINDOW, SOFT_CAP)]
@@ -89,7 +71,7 @@ def test_engine_backends_match_float64(backend, window, soft_cap):
         case.update({name: jnp.nan_to_num(case[name]) for name in ("k_pages", "v_pages")})
     scale = 1 / 8
     out = attend(backends.get(backend), case["q"],
-                 KVCache(k=case["k_pages"], v=case["v_pages"]), _metadata(case), scale,
+                 KVCache(k=case["k_pages"], v=case["v_pages"]), engine_metadata(case), scale,
                  window=window, soft_cap=soft_cap)
     real = int(case["query_start"][-1])  # padding tokens' outputs are discarded
     assert_close(out[:real], _oracle(case, scale, window, soft_cap)[:real], F64_TOL)
@@ -104,8 +86,8 @@ def test_engine_backends_read_int8_pages_in_windows(backend):
     case = quantize_case(_released_case(8, mixed_rows(8, long=60), group=3))
     cache = KVCache(k=case["k_pages"], v=case["v_pages"], k_scale=case["k_scale"],
                     v_scale=case["v_scale"])
-    out = attend(backends.get(backend), case["q"], cache, _metadata(case), 1 / 8, window=WINDOW,
-                 soft_cap=SOFT_CAP)
+    out = attend(backends.get(backend), case["q"], cache, engine_metadata(case), 1 / 8,
+                 window=WINDOW, soft_cap=SOFT_CAP)
     real = int(case["query_start"][-1])
     assert_close(out[:real], _oracle(case, 1 / 8, WINDOW, SOFT_CAP)[:real], F64_TOL)
 
