@@ -1,6 +1,7 @@
 """The C++ CPU backend's matmuls (f32 panels, bf16 AMX tiles, 4-bit levels against int8, a mixture
 of experts' grouped matmul) and greedy argmax against numpy, the weight layouts they read, and the
-packed model computing the same products (int8 too; the int8 matmul against the dequantized product is in test_quantize.py)."""
+packed model computing the same products (int8 too; the int8 matmul against the dequantized
+product is in test_quantize.py)."""
 
 import jax
 import jax.numpy as jnp

@@ -152,26 +152,33 @@ def test_expert_parallel_collectives(cases):
         assert hlo["all_reduce_bytes"] == reduces * hlo["tokens"] * hidden * 4, (name, hlo)
 
 
+@pytest.mark.parametrize("int8", [False, True], ids=["float", "int8"])
 @pytest.mark.parametrize("tokens", [1, 13])
-def test_expert_shards_sum_to_one_device(tokens):
+def test_expert_shards_sum_to_one_device(tokens, int8):
     """sparse_mlp on each device's slice of the experts (its expert_ids, the others' pairs
     weighing 0), summed over 2 and over 4 shards, equals all experts on one device: 1 token
     (2 pairs, no more than a shard's experts: each pair's expert gathered) and 13 tokens
-    (grouped matmuls)."""
+    (grouped matmuls); float experts, and int8 ones sliced alike (quantization='int8')."""
     import jax
 
     from jaxserve.config import ModelConfig
     from jaxserve.model import moe
+    from jaxserve.model.quantize import quantize_weight
 
     rng = np.random.default_rng(5)
-    h = 16
+    h, inter = 32, 32
     cfg = ModelConfig(vocab_size=8, hidden_size=h, intermediate_size=8, num_layers=1,
                       num_heads=2, num_kv_heads=1, head_dim=8, num_experts=E,
-                      num_experts_per_tok=K, moe_intermediate_size=24)
+                      num_experts_per_tok=K, moe_intermediate_size=inter)
     x = rng.standard_normal((tokens, h)).astype(np.float32)
     lp = {"router": rng.standard_normal((E, h)).astype(np.float32),
-          "experts_gate_up": rng.standard_normal((E, h, 48)).astype(np.float32) * 0.3,
-          "experts_down": rng.standard_normal((E, 24, h)).astype(np.float32) * 0.3}
+          "experts_gate_up": rng.standard_normal((E, h, 2 * inter)).astype(np.float32) * 0.3,
+          "experts_down": rng.standard_normal((E, inter, h)).astype(np.float32) * 0.3}
+    if int8:
+        lp.update({k: quantize_weight(lp[k]) for k in ("experts_gate_up", "experts_down")})
+    def shard(w, s: int, n: int):  # device s's n experts
+        return w.take(slice(s * n, (s + 1) * n)) if int8 else w[s * n:(s + 1) * n]
+
     run = jax.jit(lambda x, lp: moe.sparse_mlp(cfg, x, lp, jax.nn.silu, lambda y: y))
     whole = np.asarray(run(x, lp))
     _, chosen = moe.route(x @ lp["router"].T, K, cfg.norm_topk_prob)
@@ -179,8 +186,8 @@ def test_expert_shards_sum_to_one_device(tokens):
         n = E // shards
         parts = [np.asarray(run(x, {**lp, "expert_ids": np.arange(s * n, (s + 1) * n,
                                                                   dtype=np.int32),
-                                    "experts_gate_up": lp["experts_gate_up"][s * n:(s + 1) * n],
-                                    "experts_down": lp["experts_down"][s * n:(s + 1) * n]}))
+                                    "experts_gate_up": shard(lp["experts_gate_up"], s, n),
+                                    "experts_down": shard(lp["experts_down"], s, n)}))
                  for s in range(shards)]
         np.testing.assert_allclose(np.sum(parts, axis=0), whole, atol=2e-5, rtol=2e-5)
         # A token none of whose experts a shard holds gets exactly 0 from it (weight 0).

@@ -9,10 +9,11 @@ wo [H, Hq*D], w_gate_up [2I, H], w_down [H, I] and the norms (biases, q/k norms,
 where the model has them; a mixture of experts' sparse layer has router [E, H], experts_gate_up
 [E, H, 2I'] and experts_down [E, I', H] instead of the MLP's, on every device, or under expert
 parallelism sharded on E with their expert_ids i32[E]: model/moe.py, sharding.with_expert_ids);
-outside the layers embed [V, H], final_norm [H] and lm_head [V, H]
-when untied or quantized. int8 weights are quantize.Int8Weight(q_t i8[out, in], scale and offset
-f16[out, in / 32]; a mixture's experts [E, out, in] and [E, out, in / 32]). A backend's pack_params (the CPU's packed panels) is not modelled: the
-targets compiled this way are accelerators, where the Pallas and XLA backends pack nothing.
+outside the layers embed [V, H], final_norm [H] and lm_head [V, H] when untied or quantized.
+int8 weights are quantize.Int8Weight(q_t i8[out, in], scale and offset f16[out, in / 32]; a
+mixture's experts [E, out, in] and [E, out, in / 32]). A backend's pack_params (the CPU's
+packed panels) is not modelled: the targets compiled this way are accelerators, where the
+Pallas and XLA backends pack nothing.
 tests/test_compile_command.py checks the tree against a real runner's.
 """
 

@@ -108,9 +108,10 @@ def pack(w, nibbles: bool = True) -> PanelWeight:
 
 
 def pack_params(params: dict) -> dict:
-    """Every layer projection, a mixture's experts and the head packed; a tied float embedding becomes the head's
-    panels (looked up by PanelWeight.embed). Parts of a tree pack alike (the runner packs the
-    layers one at a time): a tree without a head or embedding packs its layers only."""
+    """Every layer projection, a mixture's experts and the head packed; a tied float embedding
+    becomes the head's panels (looked up by PanelWeight.embed). Parts of a tree pack alike (the
+    runner packs the layers one at a time): a tree without a head or embedding packs its layers
+    only."""
     layers = [{k: pack(v) if k in PROJECTIONS else pack_experts(v) if k in EXPERTS else v
                for k, v in lp.items()} for lp in params["layers"]]
     out = {**params, "layers": layers}
