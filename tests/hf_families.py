@@ -8,7 +8,8 @@ key projections scaled up so that attention is far from uniform.
 
 `family_model(name)` -> (transformers model, ModelConfig, params) and a LoadedModel of it with a
 word-level tokenizer ("t<i>" per id) for engine tests; StepLogits runs hand-made step plans
-through the runner's forward and returns full logits rows."""
+through the runner's forward and returns full logits rows; transformers_greedy is the greedy
+reference engine tests compare tokens with (tensor_parallel_tokens_match for a 2-device engine)."""
 
 from __future__ import annotations
 
@@ -116,22 +117,55 @@ def family_loaded(name: str):
                        fingerprint=f"tiny-{name}", source="tests/hf_families.py")
 
 
-def greedy_reference(name: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """transformers' greedy continuation of `prompt` (no cache: the plain forward each step)."""
-    return list(_greedy_reference(name, tuple(prompt), max_tokens))
-
-
-@functools.cache
-def _greedy_reference(name: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+def transformers_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """The transformers model's greedy continuation of `prompt` (no cache: the plain forward
+    each step)."""
     import torch
 
-    model = family_model(name)[0]
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(max_tokens):
             logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
             ids.append(int(np.argmax(logits.numpy())))
-    return tuple(ids[len(prompt):])
+    return ids[len(prompt):]
+
+
+def greedy_reference(name: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """transformers_greedy of family_model(name), cached."""
+    return list(_greedy_reference(name, tuple(prompt), max_tokens))
+
+
+@functools.cache
+def _greedy_reference(name: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    return tuple(transformers_greedy(family_model(name)[0], prompt, max_tokens))
+
+
+_TP_ENGINE_SCRIPT = """
+import json, sys
+from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.llm import LLM
+from jaxserve.weights import load_model
+config = EngineConfig.from_options(page_size=8, max_num_batched_tokens=32, max_num_seqs=4,
+                                   num_pages=int(sys.argv[3]), attention_backend="xla",
+                                   tensor_parallel_size=2)
+llm = LLM.from_engine(LLMEngine(config, load_model(sys.argv[1])))
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def tensor_parallel_tokens_match(model, directory: str, *, num_pages: int):
+    """An engine with tensor_parallel_size=2 (xla backend, pages of 8, chunks of 32, its own
+    process on two virtual CPU devices) loading the checkpoint in `directory`: its 6 greedy
+    tokens for a 7- and a 40-token prompt are transformers' (`model`)."""
+    import json
+
+    prompts = [[5, 9, 31, 77, 120, 4, 8], [int(t) for t in range(40, 80)]]
+    got = tp_greedy(_TP_ENGINE_SCRIPT, directory, json.dumps(prompts), str(num_pages))
+    assert got == [transformers_greedy(model, p, 6) for p in prompts]
 
 
 class StepLogits:

@@ -18,7 +18,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_families import StepLogits, crossing_chunk_logits_match, seeded_model, tp_greedy  # noqa: E402,E501
+from hf_families import (StepLogits, crossing_chunk_logits_match, seeded_model,  # noqa: E402
+                         tensor_parallel_tokens_match, transformers_greedy)
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.kv_groups import groups_of  # noqa: E402
@@ -123,14 +124,6 @@ def test_pallas_kernels_in_the_model_match_transformers(checkpoint, backend):
                                 tables[:groups_of(loaded.config).num_groups], num_pages=16)
 
 
-def _greedy_reference(model, prompt, max_tokens):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            ids.append(int(torch.argmax(model(torch.tensor([ids]), use_cache=False).logits[0, -1])))
-    return ids[len(prompt):]
-
-
 @functools.cache
 def _prompts():
     rng = np.random.default_rng(2)
@@ -158,7 +151,7 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, backend):
     llm.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == _greedy_reference(model, prompt, 10)
+        assert list(out.outputs[0].token_ids) == transformers_greedy(model, prompt, 10)
     counters = llm.engine.scheduler.counters
     assert counters["prefix_cache_hits"] >= 3 * PAGE and counters["num_preempted_total"] > 0
     llm.engine.scheduler.check_invariants()
@@ -273,32 +266,11 @@ def test_biased_clamped_experts_equal_a_per_token_loop(t):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
 
 
-_TP_SCRIPT = """
-import json, sys
-from jaxserve.config import EngineConfig
-from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.llm import LLM
-from jaxserve.weights import load_model
-config = EngineConfig.from_options(page_size=8, max_num_batched_tokens=32, max_num_seqs=4,
-                                   num_pages=64, attention_backend="xla", tensor_parallel_size=2)
-llm = LLM.from_engine(LLMEngine(config, load_model(sys.argv[1])))
-outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
-                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-"""
-
-
 def test_tensor_parallel_keeps_transformers_tokens(checkpoint):
     """tensor_parallel_size=2 on two virtual CPU devices (its own process): each device holds
     its query heads' sinks (sharded as the q rows) and adds the output bias once after the sum.
     Greedy tokens = transformers'."""
-    import json
-
-    model, directory = checkpoint
-    prompts = [[5, 9, 31, 77, 120, 4, 8], [int(t) for t in range(40, 80)]]
-    got = tp_greedy(_TP_SCRIPT, directory, json.dumps(prompts))
-    assert got == [_greedy_reference(model, p, 6) for p in prompts]
+    tensor_parallel_tokens_match(*checkpoint, num_pages=64)
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])

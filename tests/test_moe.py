@@ -19,7 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_families import TINY, StepLogits, seeded_model, tp_greedy  # noqa: E402
+from hf_families import (TINY, StepLogits, seeded_model, tensor_parallel_tokens_match,  # noqa: E402
+                         transformers_greedy)
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
@@ -191,14 +192,6 @@ def test_renormalising_the_chosen_experts_changes_the_logits(checkpoint):
     assert np.abs(off - on).max() > 1e-2
 
 
-def _greedy_reference(model, prompt, max_tokens):
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(max_tokens):
-            ids.append(int(torch.argmax(model(torch.tensor([ids]), use_cache=False).logits[0, -1])))
-    return ids[len(prompt):]
-
-
 @pytest.mark.parametrize("name,backend", [("mixtral", "cpu"), ("qwen3_moe", "xla")])
 def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend, monkeypatch):
     """Three requests at once, two of them longer than a prefill chunk (chunked prefill beside
@@ -225,7 +218,7 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend, monk
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == _greedy_reference(model, prompt, 10)
+        assert list(out.outputs[0].token_ids) == transformers_greedy(model, prompt, 10)
     llm.engine.scheduler.check_invariants()
     # A decode step's pairs: through the packed kernel (cpu) or the gathered experts (xla).
     assert (2 in rows) if backend == "cpu" else any(r < 0 for r in rows)
@@ -316,33 +309,11 @@ def test_compile_targets_hold_the_experts(checkpoint, quantization):
         x.nbytes for x in jax.tree_util.tree_leaves(runner.params))
 
 
-_TP_SCRIPT = """
-import json, sys
-from jaxserve.config import EngineConfig
-from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.engine.llm_engine import LLMEngine
-from jaxserve.llm import LLM
-from jaxserve.weights import load_model
-config = EngineConfig.from_options(page_size=8, max_num_batched_tokens=32, max_num_seqs=4,
-                                   num_pages=40, attention_backend="xla", tensor_parallel_size=2)
-llm = LLM.from_engine(LLMEngine(config, load_model(sys.argv[1])))
-prompts = json.loads(sys.argv[2])
-outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
-"""
-
-
 def test_tensor_parallel_keeps_transformers_tokens(checkpoint):
     """tensor_parallel_size=2 on two virtual CPU devices (its own process): attention and the
     dense layer sharded, every expert on both devices, no sum across them for the sparse
     layer's output. Greedy tokens = transformers'."""
-    import json
-
-    model, directory = checkpoint("qwen3_moe")
-    prompts = [[5, 9, 31, 77, 120, 4, 8], [int(t) for t in range(40, 80)]]
-    got = tp_greedy(_TP_SCRIPT, directory, json.dumps(prompts))
-    assert got == [_greedy_reference(model, p, 6) for p in prompts]
+    tensor_parallel_tokens_match(*checkpoint("qwen3_moe"), num_pages=40)
 
 
 def test_megablox_grouped_matmul_equals_ragged_dot():
