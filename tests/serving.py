@@ -1,4 +1,5 @@
-"""Serve an ASGI app on a free loopback port in a thread, for tests."""
+"""Serve an ASGI app on a free loopback port in a thread, for tests, and read what the OpenAI
+client streams back from it."""
 
 from __future__ import annotations
 
@@ -29,3 +30,20 @@ def serve_app(app):
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def read_chat_stream(stream) -> tuple[str, list[tuple[str, str]], str | None]:
+    """An OpenAI client's chat stream put together: (content, [(tool name, arguments)],
+    finish_reason). A call's first delta (the one with its id) must come at the next index,
+    typed "function"; later deltas add to its arguments."""
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for call in choice.delta.tool_calls or []:
+            if call.id is not None:
+                assert call.index == len(calls) and call.type == "function"
+                calls.append([call.function.name, ""])
+            calls[call.index][1] += call.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return content, [tuple(c) for c in calls], finish

@@ -25,7 +25,7 @@ from jaxserve.weights import load_model
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("transformers")
-from serving import serve_app  # noqa: E402
+from serving import read_chat_stream, serve_app  # noqa: E402
 from tiny_qwen3 import write_tiny_qwen3  # noqa: E402
 
 MODEL = "tiny-qwen3"
@@ -84,19 +84,6 @@ def _call(client, special, messages, tools, seed, stream=False, bias=100,
         logit_bias={str(special[opener]): bias}, **kwargs)
 
 
-def _streamed(stream):
-    content, calls, finish = "", [], None
-    for chunk in stream:
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for call in choice.delta.tool_calls or []:
-            if call.id is not None:
-                calls.append([call.id, call.function.name, ""])
-            calls[call.index][2] += call.function.arguments or ""
-        finish = choice.finish_reason or finish
-    return content, calls, finish
-
-
 def _check(call, tools):
     schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
     assert call.function.name in schemas
@@ -115,11 +102,10 @@ def test_agent_loop(served):
     call = choice.message.tool_calls[0]
     _check(call, tools)
     # the same seed streamed: the same call, in deltas
-    content, calls, finish = _streamed(_call(client, special, messages, tools, seed=1,
-                                             stream=True, parallel_tool_calls=False))
+    content, calls, finish = read_chat_stream(_call(client, special, messages, tools, seed=1,
+                                                    stream=True, parallel_tool_calls=False))
     assert (content, finish) == ("", "tool_calls")
-    assert [(name, args) for _, name, args in calls] == [
-        (call.function.name, call.function.arguments)]
+    assert calls == [(call.function.name, call.function.arguments)]
 
     # the call's result goes back as a `tool` message, which the template renders
     messages += [{"role": "assistant", "content": None, "tool_calls": [
@@ -151,10 +137,9 @@ def test_parallel_calls_streamed_as_whole(served):
     assert content == "" or content.startswith("<tool_call>") and "</tool_call>" not in content
     for call in calls[:-1] if choice.finish_reason == "length" else calls:
         _check(call, [WEATHER, TIME])
-    content, streamed, _ = _streamed(_call(client, special, messages, [WEATHER, TIME], seed=5,
-                                           max_tokens=200, stream=True))
-    assert [(n, a) for _, n, a in streamed] == [(c.function.name, c.function.arguments)
-                                                for c in calls]
+    content, streamed, _ = read_chat_stream(_call(client, special, messages, [WEATHER, TIME],
+                                                  seed=5, max_tokens=200, stream=True))
+    assert streamed == [(c.function.name, c.function.arguments) for c in calls]
     assert content == (choice.message.content or "")  # a call cut before its name: content
 
 

@@ -19,7 +19,7 @@ from jaxserve.tokenizer import Tokenizer
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
-from serving import serve_app  # noqa: E402
+from serving import read_chat_stream, serve_app  # noqa: E402
 from tiny_model import tiny_loaded, tiny_tokenizer  # noqa: E402
 
 MODEL = "tiny"
@@ -60,20 +60,6 @@ def chat(client, forced: str | None = None, **kwargs):
         extra_body=extra)
 
 
-def streamed(stream) -> tuple[str, list[tuple[str, str]], str]:
-    content, calls, finish = "", [], None
-    for chunk in stream:
-        choice = chunk.choices[0]
-        content += choice.delta.content or ""
-        for call in choice.delta.tool_calls or []:
-            if call.id is not None:
-                assert call.index == len(calls) and call.type == "function"
-                calls.append([call.function.name, ""])
-            calls[call.index][1] += call.function.arguments or ""
-        finish = choice.finish_reason or finish
-    return content, [tuple(c) for c in calls], finish
-
-
 def test_tools_without_tool_choice_are_served(client):
     out = chat(client, max_tokens=8, temperature=1.0, seed=3)  # the model's own free text
     assert out.choices[0].finish_reason in ("stop", "length")
@@ -86,7 +72,7 @@ def test_a_text_answer_stays_text(client):
     message = out.choices[0].message
     assert (message.content, message.tool_calls, out.choices[0].finish_reason) == (
         "It is sunny in Paris.", None, "stop")
-    assert streamed(chat(client, "It is sunny in Paris.", stream=True)) == (
+    assert read_chat_stream(chat(client, "It is sunny in Paris.", stream=True)) == (
         "It is sunny in Paris.", [], "stop")
 
 
@@ -100,14 +86,14 @@ def test_a_call_in_the_parsers_format_is_a_tool_call_streamed_alike(client):
     for name, arguments in calls:
         jsonschema.validate(json.loads(arguments), schemas[name])
     assert len({c.id for c in choice.message.tool_calls}) == 2
-    assert streamed(chat(client, "Let me check.\n" + TWO_CALLS, stream=True)) == (
+    assert read_chat_stream(chat(client, "Let me check.\n" + TWO_CALLS, stream=True)) == (
         "Let me check.", calls, "tool_calls")
 
 
 def test_parallel_tool_calls_false_returns_one_call(client):
     out = chat(client, TWO_CALLS, parallel_tool_calls=False)
     assert [c.function.name for c in out.choices[0].message.tool_calls] == ["get_weather"]
-    _, calls, finish = streamed(chat(client, TWO_CALLS, parallel_tool_calls=False, stream=True))
+    _, calls, finish = read_chat_stream(chat(client, TWO_CALLS, parallel_tool_calls=False, stream=True))
     assert [name for name, _ in calls] == ["get_weather"] and finish == "tool_calls"
 
 
@@ -135,7 +121,7 @@ def test_a_call_cut_before_its_name_is_content_streamed_alike(client):
     choice = out.choices[0]
     assert (choice.message.content, choice.message.tool_calls, choice.finish_reason) == (
         text, None, "length")
-    assert streamed(chat(client, CALL, max_tokens=cut, stream=True)) == (text, [], "length")
+    assert read_chat_stream(chat(client, CALL, max_tokens=cut, stream=True)) == (text, [], "length")
 
 
 def test_batch_file_rows_with_tools_read_calls_and_reasoning(tmp_path):
