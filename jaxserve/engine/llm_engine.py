@@ -37,7 +37,8 @@ from jaxserve.engine.startup import StartupTimeline
 from jaxserve.engine.step_pipeline import StepPipeline
 from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.runner import DTYPES, ModelRunner
+from jaxserve.runtime.params import DTYPES
+from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
 

@@ -1,6 +1,6 @@
 """The runner's device arrays as abstract values (jax.ShapeDtypeStruct with their shardings), for
 compiling the engine's calls for a target that holds no weights (`jaxserve compile`): the params
-in the execution layout the runner places (runner.prepare_params, sharding.place_params), the KV
+in the execution layout the runner places (params.prepare_params, sharding.place_params), the KV
 pool as the runner makes it, and any host tree (a step batch) replicated over the mesh.
 
 The params follow prepare_params's layout without reading or making a weight: per layer w_qkv
@@ -31,6 +31,7 @@ from jaxserve.model import layer_scan
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import GROUP, Int8Weight
 from jaxserve.runtime import sharding
+from jaxserve.runtime.params import DTYPES
 
 
 def _weight(out: int, inp: int, dtype, quantization: str, experts: int = 0):
@@ -94,7 +95,6 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str, quantization: str 
     """The params the runner would place on `mesh` for `cfg` in `dtype` ("bfloat16", "float32",
     "float16") under `quantization`, as sharded ShapeDtypeStructs; with scan_layers stacked as
     model/layer_scan.py groups them; expert_parallel: the experts spread over the tp devices."""
-    from jaxserve.runtime.runner import DTYPES
 
     dt, tp = DTYPES[dtype], sharding.tp_size(mesh)
     h, v = cfg.hidden_size, cfg.vocab_size
@@ -115,7 +115,6 @@ def abstract_pool(cfg: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, 
     """The runner's KV pool (reset_pool) of num_pages pages in the backend's layout, each
     array with its sharding over the mesh's tp devices (scan_layers: one cache of every
     layer's pages)."""
-    from jaxserve.runtime.runner import DTYPES
 
     tp = sharding.tp_size(mesh)
     heads, layout = sharding.pool_layout_of(cfg, backend, tp, DTYPES[kv_dtype], DTYPES[dtype])

@@ -30,20 +30,15 @@ from jaxserve.backends.cpu.huge_pages import collapse_into_huge_pages
 from jaxserve.config import ModelConfig
 from jaxserve.model import layer_scan, llama
 from jaxserve.model.kv_cache import KVPool, groups_of
-from jaxserve.model.kv_smoothing import layer_smoother
-from jaxserve.model.quantize import quantize_head, quantize_layer
 from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_batches, warmup_plan
 from jaxserve.runtime import custom_model, distributed, sharding
+from jaxserve.runtime.params import DTYPES, device_params
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
 from jaxserve.runtime.precompile import Precompiler
 from jaxserve.runtime.sampling import (FILTERED, GREEDY, RANDOM, XLA, SamplingMetadata,
                                        sample)
-
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-          "int8": jnp.int8}  # int8: KV pages only
-
 
 @dataclasses.dataclass
 class StepOutput:
@@ -151,23 +146,6 @@ def _signature(batch) -> tuple:
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
 
 
-def prepare_params(params: dict, quantization: str, backend: Backend,
-                   smooth_keys_for: ModelConfig | None = None):
-    """The loaders' params -> what the step runs, as host numpy: (the leaves outside the
-    layers, an iterator of the layers), keys smoothed for int8 pages when smooth_keys_for
-    gives the model's config (kv_smoothing.py), quantized, in the execution layout and packed
-    for the backend's matmul. The layers are made one at a time as they are placed, so the
-    host holds one beyond the loaders' copy (a lazy load's: none)."""
-    pack = backend.pack_params or (lambda tree: tree)
-    stacked = params["layers"]
-    smooth = layer_smoother(params, smooth_keys_for)
-    layers = (pack({"layers": [llama.fuse_layer(quantize_layer(
-                  smooth(i, llama.layer_of(stacked, i)), quantization))]})["layers"][0]
-              for i in range(len(stacked["attn_norm"])))
-    top = pack({**llama.head_params(quantize_head(params, quantization)), "layers": []})
-    return {k: v for k, v in top.items() if k != "layers"}, layers
-
-
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_pages: int, page_size: int,
                  dtype: str = "float32", kv_cache_dtype: str | None = None,
@@ -183,7 +161,9 @@ class ModelRunner:
         self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = DTYPES[dtype]
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
-        self.params = self._place(params, quantization, backend, expert_parallel)
+        self.params = device_params(params, cfg, self.mesh, backend, dtype=self.dtype,
+                                    kv_dtype=self.kv_dtype, quantization=quantization,
+                                    expert_parallel=expert_parallel)
         if scan_layers and "layers" in self.params:  # (a registered model's: its own)
             self.params["layers"] = layer_scan.group_layers(self.params["layers"], cfg,
                                                             layer_scan.stack_on_device)
@@ -206,22 +186,6 @@ class ModelRunner:
         self.huge_page_bytes = collapse_into_huge_pages(
             jax.tree_util.tree_leaves(self.params)) if huge_pages else 0
 
-    def _place(self, params, quantization: str, backend: Backend, expert_parallel: bool) -> dict:
-        """The loaders' host params on this runner's devices; an unread orbax checkpoint
-        (weights.orbax_io.OrbaxParams) is restored straight into the shardings, unless its
-        weights must first be quantized, packed or smoothed for int8 KV on the host."""
-        int8_kv = self.kv_dtype == jnp.int8
-        if custom_model.is_registered(self.cfg):  # jaxserve.register_model's: its own layout
-            return custom_model.place(params, self.cfg, self.mesh, self._cast, quantization)
-        if hasattr(params, "restore"):
-            # float weights are packed on the host only by the cpu backend (its panels)
-            if quantization == "none" and backend.pack_params is None and not int8_kv:
-                return sharding.restore_params(params, self.cfg, self.mesh, self.dtype, expert_parallel)
-            params = params.numpy()
-        return sharding.place_params(*prepare_params(
-            params, quantization, backend, self.cfg if int8_kv else None), self.cfg, self.mesh,
-            self._cast, expert_parallel)
-
     def reset_pool(self, num_pages: int | None = None) -> None:
         """A zeroed KV pool (at start, after a failed step consumed the donated one, and of the
         planned size after a memory plan probed with a small one)."""
@@ -241,13 +205,6 @@ class ModelRunner:
         # Made in place on each device (never whole on one): sharded on the head axis.
         placed = sharding.pool_sharding(self.mesh, jax.eval_shape(zeros))
         self.pool = jax.jit(zeros, out_shardings=placed)()
-
-    def _cast(self, x) -> np.ndarray:
-        """A host weight in the serving dtype; the int8 weights' float16 group scales and
-        offsets (quantize.py) and integer arrays keep theirs."""
-        x = np.asarray(x)
-        keep = x.dtype == np.float16 or not jnp.issubdtype(x.dtype, jnp.floating)
-        return x if keep else x.astype(self.dtype, copy=False)
 
     @property
     def compilations(self) -> int:
