@@ -202,3 +202,35 @@ def test_every_attention_backend_serves_the_smoothed_int8_pages_alike(outlier_mo
         pytest.skip("the CPU kernel did not build")
     xla, _ = _greedy(outlier_model, 6, kv_cache_dtype="int8")
     assert _greedy(outlier_model, 6, kv_cache_dtype="int8", **backend)[0] == xla
+
+
+def test_the_calibration_is_kept_by_the_weights_fingerprint(outlier_model, tmp_path,
+                                                            monkeypatch):
+    """runtime/params.calibrated_turns: the first load of some weights calibrates and writes
+    the turns; a second load reads them back (no calibration pass); other weights (their
+    fingerprint) or another config calibrate anew; a broken file is calibrated over; without
+    a fingerprint nothing is kept."""
+    from jaxserve.runtime import params as runtime_params
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    passes, calibrate = [], runtime_params.key_transforms
+    monkeypatch.setattr(runtime_params, "key_transforms",
+                        lambda p, c: passes.append(c) or calibrate(p, c))
+    params, cfg = outlier_model.params, outlier_model.config
+    first = runtime_params.calibrated_turns(params, cfg, "weights-a")
+    for turn, kept in zip(first, runtime_params.calibrated_turns(params, cfg, "weights-a")):
+        np.testing.assert_array_equal(turn[0], kept[0])
+        np.testing.assert_array_equal(turn[1], kept[1])
+    assert len(passes) == 1 and len(first) == cfg.num_layers
+    runtime_params.calibrated_turns(params, cfg, "weights-b")
+    runtime_params.calibrated_turns(params, dataclasses.replace(cfg, rms_norm_eps=1e-3),
+                                    "weights-a")
+    files = sorted((tmp_path / "jaxserve" / "kv_smoothing").iterdir())
+    assert len(passes) == 3 and len(files) == 3
+    for f in files:
+        f.write_bytes(b"not an npz file")
+    again = runtime_params.calibrated_turns(params, cfg, "weights-a")
+    assert len(passes) == 4
+    np.testing.assert_array_equal(again[0][1], first[0][1])
+    runtime_params.calibrated_turns(params, cfg, None)
+    assert len(passes) == 5 and len(list(files[0].parent.iterdir())) == 3

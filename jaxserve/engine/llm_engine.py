@@ -110,7 +110,8 @@ class LLMEngine:
                                       max_sample_rows=self.buckets.max_sample_rows,
                                       huge_pages=load.huge_pages, mesh=mesh,
                                       scan_layers=resolved.scan_layers,
-                                      expert_parallel=parallel.enable_expert_parallel)
+                                      expert_parallel=parallel.enable_expert_parallel,
+                                      fingerprint=loaded.fingerprint)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # Speculation's one owner (Speculator.speculation), which the scheduler asks for drafts.
         self.speculator = Speculator(config, resolved, self.buckets, draft,

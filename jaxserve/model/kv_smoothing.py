@@ -207,12 +207,13 @@ def key_transforms(params: dict, cfg: ModelConfig) -> list[tuple[np.ndarray, np.
     return [key_transform(k, cfg) for k in calibration_keys(params, cfg)]
 
 
-def layer_smoother(params: dict, cfg: ModelConfig | None):
-    """(i, layer i of the loaders' params) -> that layer smoothed, after one calibration pass
-    over `params`; cfg None (float pages): the layer as it is."""
+def layer_smoother(params: dict, cfg: ModelConfig | None, turns: list | None = None):
+    """(i, layer i of the loaders' params) -> that layer smoothed by turns[i] (key_transforms:
+    one calibration pass over `params` where not given); cfg None (float pages): the layer as
+    it is."""
     if cfg is None:
         return lambda i, layer: layer
-    turns = key_transforms(params, cfg)
+    turns = key_transforms(params, cfg) if turns is None else turns
     return lambda i, layer: smooth_layer(layer, cfg, turns[i])
 
 

@@ -6,6 +6,11 @@ model's (register_model) in its own layout (custom_model.place)."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import tempfile
+
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
@@ -13,24 +18,28 @@ from jax.sharding import Mesh
 from jaxserve.backends import Backend
 from jaxserve.config import ModelConfig
 from jaxserve.model import llama
-from jaxserve.model.kv_smoothing import layer_smoother
+from jaxserve.model.kv_smoothing import ALPHA, CALIBRATION_TOKENS, key_transforms, layer_smoother
 from jaxserve.model.quantize import quantize_head, quantize_layer
 from jaxserve.runtime import custom_model, sharding
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "int8": jnp.int8}  # int8: KV pages only
+_CALIBRATION_FORMAT = 1  # calibrated_turns' files: a change of kv_smoothing's math bumps it
 
 
 def prepare_params(params: dict, quantization: str, backend: Backend,
-                   smooth_keys_for: ModelConfig | None = None):
+                   smooth_keys_for: ModelConfig | None = None, fingerprint: str | None = None):
     """The loaders' params -> what the step runs, as host numpy: (the leaves outside the
     layers, an iterator of the layers), keys smoothed for int8 pages when smooth_keys_for
-    gives the model's config (kv_smoothing.py), quantized, in the execution layout and packed
-    for the backend's matmul. The layers are made one at a time as they are placed, so the
-    host holds one beyond the loaders' copy (a lazy load's: none)."""
+    gives the model's config (kv_smoothing.py; the calibration kept on disk by the weights'
+    fingerprint: calibrated_turns), quantized, in the execution layout and packed for the
+    backend's matmul. The layers are made one at a time as they are placed, so the host holds
+    one beyond the loaders' copy (a lazy load's: none)."""
     pack = backend.pack_params or (lambda tree: tree)
     stacked = params["layers"]
-    smooth = layer_smoother(params, smooth_keys_for)
+    turns = (calibrated_turns(params, smooth_keys_for, fingerprint)
+             if smooth_keys_for is not None else None)
+    smooth = layer_smoother(params, smooth_keys_for, turns)
     layers = (pack({"layers": [llama.fuse_layer(quantize_layer(
                   smooth(i, llama.layer_of(stacked, i)), quantization))]})["layers"][0]
               for i in range(len(stacked["attn_norm"])))
@@ -38,11 +47,43 @@ def prepare_params(params: dict, quantization: str, backend: Backend,
     return {k: v for k, v in top.items() if k != "layers"}, layers
 
 
+def calibrated_turns(params: dict, cfg: ModelConfig, fingerprint: str | None) -> list:
+    """kv_smoothing.key_transforms of the model, read from $XDG_CACHE_HOME/jaxserve/kv_smoothing
+    where an earlier load of the same weights (fingerprint), config and dtype calibrated them,
+    else calibrated (a pass of the float model over CALIBRATION_TOKENS: seconds) and written
+    there. No fingerprint: calibrated, not kept. A cache that cannot be read or written is
+    passed by."""
+    if fingerprint is None:
+        return key_transforms(params, cfg)
+    key = hashlib.sha256(repr((_CALIBRATION_FORMAT, fingerprint, cfg, str(params["embed"].dtype),
+                               ALPHA, CALIBRATION_TOKENS)).encode()).hexdigest()[:24]
+    path = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                        "jaxserve", "kv_smoothing", f"{key}.npz")
+    try:
+        with np.load(path) as kept:
+            return [(kept[f"phi{i}"], kept[f"s{i}"]) for i in range(len(kept.files) // 2)]
+    except (OSError, ValueError, KeyError):
+        pass
+    turns = key_transforms(params, cfg)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), suffix=".npz",
+                                         delete=False) as f:
+            np.savez(f, **{f"{name}{i}": a for i, turn in enumerate(turns)
+                           for name, a in zip(("phi", "s"), turn)})
+        os.replace(f.name, path)  # whole or not at all, for a concurrent reader
+    except OSError as e:
+        logging.debug("int8 KV calibration not kept in %s: %s", path, e)
+    return turns
+
+
 def device_params(params, cfg: ModelConfig, mesh: Mesh, backend: Backend, *, dtype, kv_dtype,
-                  quantization: str = "none", expert_parallel: bool = False) -> dict:
+                  quantization: str = "none", expert_parallel: bool = False,
+                  fingerprint: str | None = None) -> dict:
     """The loaders' host params (or an unread orbax checkpoint, weights.orbax_io.OrbaxParams)
-    on `mesh`, weights in `dtype`; kv_dtype: the pool's (int8 smooths the keys first);
-    expert_parallel: the experts spread over the tp devices (sharding.place_params)."""
+    on `mesh`, weights in `dtype`; kv_dtype: the pool's (int8 smooths the keys first, its
+    calibration kept by `fingerprint`, the weights'); expert_parallel: the experts spread over
+    the tp devices (sharding.place_params)."""
     def cast(x) -> np.ndarray:
         """A host weight in dtype; the int8 weights' float16 group scales and offsets
         (quantize.py) and integer arrays keep theirs."""
@@ -59,5 +100,5 @@ def device_params(params, cfg: ModelConfig, mesh: Mesh, backend: Backend, *, dty
             return sharding.restore_params(params, cfg, mesh, dtype, expert_parallel)
         params = params.numpy()
     return sharding.place_params(*prepare_params(
-        params, quantization, backend, cfg if int8_kv else None), cfg, mesh, cast,
+        params, quantization, backend, cfg if int8_kv else None, fingerprint), cfg, mesh, cast,
         expert_parallel)

@@ -151,11 +151,13 @@ class ModelRunner:
                  dtype: str = "float32", kv_cache_dtype: str | None = None,
                  backend: Backend = XLA, quantization: str = "none",
                  max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None,
-                 scan_layers: bool = False, expert_parallel: bool = False):
+                 scan_layers: bool = False, expert_parallel: bool = False,
+                 fingerprint: str | None = None):
         """mesh: this runner's ("dp", "tp") devices, one row (sharding.replica_mesh); default
         the first device. scan_layers: the layers' weights stacked and run by lax.scan, the pool
         one cache of every layer's pages (model/layer_scan.py). expert_parallel: a mixture of
-        experts' experts spread over the tp devices (sharding.place_params)."""
+        experts' experts spread over the tp devices (sharding.place_params). fingerprint: the
+        weights' (LoadedModel.fingerprint), which keeps int8 KV's calibration on disk."""
         _use_compilation_cache()
         self.cfg, self.scan_layers = cfg, scan_layers
         self.mesh = mesh or sharding.make_mesh(1)
@@ -163,7 +165,7 @@ class ModelRunner:
         self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
         self.params = device_params(params, cfg, self.mesh, backend, dtype=self.dtype,
                                     kv_dtype=self.kv_dtype, quantization=quantization,
-                                    expert_parallel=expert_parallel)
+                                    expert_parallel=expert_parallel, fingerprint=fingerprint)
         if scan_layers and "layers" in self.params:  # (a registered model's: its own)
             self.params["layers"] = layer_scan.group_layers(self.params["layers"], cfg,
                                                             layer_scan.stack_on_device)
