@@ -208,7 +208,8 @@ def test_the_calibration_is_kept_by_the_weights_fingerprint(outlier_model, tmp_p
                                                             monkeypatch):
     """runtime/params.calibrated_turns: the first load of some weights calibrates and writes
     the turns; a second load reads them back (no calibration pass); other weights (their
-    fingerprint) or another config calibrate anew; a broken file is calibrated over; without
+    fingerprint, or key projections edited under the same one) or another config calibrate
+    anew; a broken file is calibrated over; without
     a fingerprint nothing is kept."""
     from jaxserve.runtime import params as runtime_params
 
@@ -225,12 +226,14 @@ def test_the_calibration_is_kept_by_the_weights_fingerprint(outlier_model, tmp_p
     runtime_params.calibrated_turns(params, cfg, "weights-b")
     runtime_params.calibrated_turns(params, dataclasses.replace(cfg, rms_norm_eps=1e-3),
                                     "weights-a")
+    edited = {**params, "layers": {**params["layers"], "wk": params["layers"]["wk"] * 2}}
+    runtime_params.calibrated_turns(edited, cfg, "weights-a")
     files = sorted((tmp_path / "jaxserve" / "kv_smoothing").iterdir())
-    assert len(passes) == 3 and len(files) == 3
+    assert len(passes) == 4 and len(files) == 4
     for f in files:
         f.write_bytes(b"not an npz file")
     again = runtime_params.calibrated_turns(params, cfg, "weights-a")
-    assert len(passes) == 4
+    assert len(passes) == 5
     np.testing.assert_array_equal(again[0][1], first[0][1])
     runtime_params.calibrated_turns(params, cfg, None)
-    assert len(passes) == 5 and len(list(files[0].parent.iterdir())) == 3
+    assert len(passes) == 6 and len(list(files[0].parent.iterdir())) == 4

@@ -49,14 +49,20 @@ def prepare_params(params: dict, quantization: str, backend: Backend,
 
 def calibrated_turns(params: dict, cfg: ModelConfig, fingerprint: str | None) -> list:
     """kv_smoothing.key_transforms of the model, read from $XDG_CACHE_HOME/jaxserve/kv_smoothing
-    where an earlier load of the same weights (fingerprint), config and dtype calibrated them,
+    where an earlier load of the same weights (fingerprint, and the key projections' bytes,
+    which an edit of the params under the same fingerprint changes), config and dtype
+    calibrated them,
     else calibrated (a pass of the float model over CALIBRATION_TOKENS: seconds) and written
     there. No fingerprint: calibrated, not kept. A cache that cannot be read or written is
     passed by."""
     if fingerprint is None:
         return key_transforms(params, cfg)
-    key = hashlib.sha256(repr((_CALIBRATION_FORMAT, fingerprint, cfg, str(params["embed"].dtype),
-                               ALPHA, CALIBRATION_TOKENS)).encode()).hexdigest()[:24]
+    h = hashlib.sha256(repr((_CALIBRATION_FORMAT, fingerprint, cfg, str(params["embed"].dtype),
+                             ALPHA, CALIBRATION_TOKENS)).encode())
+    stacked = params["layers"]
+    for i in range(len(stacked["attn_norm"])):  # params edited under the same fingerprint
+        h.update(np.ascontiguousarray(stacked["wk"][i]).tobytes())
+    key = h.hexdigest()[:24]
     path = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
                         "jaxserve", "kv_smoothing", f"{key}.npz")
     try:
