@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
+from jaxserve.weights import gguf_gpt_oss
 
 GGUF_MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -39,16 +40,17 @@ _STRING, _ARRAY = 8, 9
 # llama.cpp's convert_hf_to_gguf.py). Qwen2 and Qwen3 are not permuted.
 _PERMUTED_ARCHS = ("llama", "mistral", "mixtral")
 _SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma", "gemma2",
-                    "gemma3")
+                    "gemma3", gguf_gpt_oss.ARCH)
 _GEMMAS = ("gemma", "gemma2", "gemma3")
 _QK_NORM_ARCHS = ("qwen3", "qwen3moe", "gemma3")
 # Mixtures of experts as llama.cpp writes them: Mixtral is arch llama with an expert count,
-# every layer sparse, the chosen experts' weights renormalised (as in both llama.cpp graphs).
-_MOE_ARCHS = {"llama": "mixtral", "qwen3moe": "qwen3_moe"}
+# every layer sparse, the chosen experts' weights renormalised (as in llama.cpp's graphs).
+_MOE_ARCHS = {"llama": "mixtral", "qwen3moe": "qwen3_moe", gguf_gpt_oss.ARCH: "gpt_oss"}
 # A sparse layer's router, and its experts' gate, up and down stacked on the slowest axis.
 _MOE_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
                 "ffn_down_exps.weight")
 _SANDWICH_ARCHS = ("gemma2", "gemma3")  # post-attention, pre- and post-FFN norms
+_SWA_PERIODS = {"gemma2": 2, "gemma3": 6, gguf_gpt_oss.ARCH: 2}  # llama.cpp's: n-th layer full
 
 
 @dataclasses.dataclass
@@ -171,6 +173,8 @@ def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
         out = raw.view(np.float16).astype(np.float32)
     elif qtype == gguf.GGMLQuantizationType.BF16:
         out = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    elif qtype == gguf_gpt_oss.MXFP4:
+        out = gguf_gpt_oss.dequantize(raw, info.shape)
     else:
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         out = dequantize(raw.reshape(rows, -1), qtype)
@@ -220,8 +224,6 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
     if rope_dim is not None and int(rope_dim) != head_dim:
         raise ValueError(f"partial rotary (rope.dimension_count={rope_dim} != head_dim "
                          f"{head_dim}) is not supported")
-    rope_scaling = _gguf_rope_scaling(get("rope.scaling.type"), get("rope.scaling.factor", 1.0),
-                                      get("rope.scaling.original_context_length"))
     tokens = meta.get("tokenizer.ggml.tokens")
     vocab = len(tokens) if tokens else get("vocab_size", n_vocab_tensor)
     if n_vocab_tensor is not None:
@@ -243,7 +245,7 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
         value = get(key)
         return None if value is None else _f32(value)
 
-    return ModelConfig(
+    config = ModelConfig(
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
@@ -261,7 +263,7 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
         eos_token_ids=tuple(eos_ids),
         architecture=_MOE_ARCHS[arch] if experts else arch,
         **moe,
-        rope_scaling=rope_scaling,
+        rope_scaling=_gguf_rope_scaling(get),
         sliding_window=window,
         layer_types=layer_types,
         # llama.cpp's Gemma 3 local layers: rope.freq_base_swa, else its fixed 10000.
@@ -274,27 +276,32 @@ def config_from_gguf(meta: dict[str, Any], n_vocab_tensor: int | None = None,
         attn_logit_softcapping=optional("attn_logit_softcapping"),
         final_logit_softcapping=optional("final_logit_softcapping"),
     )
+    return gguf_gpt_oss.with_config(config, get) if arch == gguf_gpt_oss.ARCH else config
 
 
-def _gguf_rope_scaling(kind, factor, original_context) -> RopeScaling | None:
+def _gguf_rope_scaling(get) -> RopeScaling | None:
     """llama.cpp's rope.scaling.* keys -> RopeScaling: linear and yarn (llama3's scaling comes
     as a rope_freqs tensor instead: refused where it is met)."""
+    kind, factor = get("rope.scaling.type"), get("rope.scaling.factor", 1.0)
+    original_context = get("rope.scaling.original_context_length")
     if kind in (None, "none") or float(factor) == 1.0:
         return None
     if kind == "linear":
         return RopeScaling("linear", factor=_f32(factor))
     if kind == "yarn" and original_context:
         return RopeScaling("yarn", factor=_f32(factor),
-                           original_max_position_embeddings=int(original_context))
+                           original_max_position_embeddings=int(original_context),
+                           beta_fast=_f32(get("rope.scaling.yarn_beta_fast", 32.0)),
+                           beta_slow=_f32(get("rope.scaling.yarn_beta_slow", 1.0)))
     raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: linear, and yarn "
                      "with rope.scaling.original_context_length)")
 
 
 def _gguf_windows(arch: str, window, pattern, num_layers: int):
     """(sliding window, layer types) as llama.cpp lays them out: a list of booleans in
-    `pattern` (true = sliding) names each layer; else Gemma 2 alternates (layer 0 sliding),
-    Gemma 3 has one full layer in `pattern` (6 unless the file says), and the others (a
-    Mistral-style llama, Qwen) window every layer. No window, or 0: none."""
+    `pattern` (true = sliding) names each layer; else Gemma 2 and gpt-oss alternate (layer 0
+    sliding), Gemma 3 has one full layer in `pattern` (6 unless the file says; gpt-oss's 2),
+    and the others (a Mistral-style llama, Qwen) window every layer. No window, or 0: none."""
     if not window:
         return None, None
     if isinstance(pattern, (list, tuple)):
@@ -302,8 +309,8 @@ def _gguf_windows(arch: str, window, pattern, num_layers: int):
             raise ValueError(f"GGUF attention.sliding_window_pattern names {len(pattern)} "
                              f"layers, the model has {num_layers}")
         sliding = [bool(x) for x in pattern]
-    elif arch in _SANDWICH_ARCHS:
-        period = 2 if arch == "gemma2" else int(pattern or 6)
+    elif arch in _SWA_PERIODS:
+        period = 2 if arch == "gemma2" else int(pattern or _SWA_PERIODS[arch])
         sliding = [(i + 1) % period != 0 for i in range(num_layers)]
     elif pattern is not None:
         raise ValueError(f"GGUF {arch} attention.sliding_window_pattern {pattern!r} is not "
@@ -326,18 +333,15 @@ _GGUF_TO_HF = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
-                "output_norm.weight": "model.norm.weight",
-                "output.weight": "lm_head.weight"}
-
-
-_GGUF_TO_HF_EXTRA = {  # q/k norms (Qwen3, Gemma 3); Gemma 2/3's four norms
+    # q/k norms (Qwen3, Gemma 3); Gemma 2/3's four norms (gpt-oss: post_attention_norm's, too)
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
+_GGUF_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight",
+                "output_norm.weight": "model.norm.weight",
+                "output.weight": "lm_head.weight"}
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
@@ -347,7 +351,7 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         _, idx, rest = gguf_name.split(".", 2)
         if rest == "ffn_norm.weight" and arch in _SANDWICH_ARCHS:  # the norm before the FFN
             return f"model.layers.{idx}.pre_feedforward_layernorm.weight"
-        name = _GGUF_TO_HF.get(rest) or _GGUF_TO_HF_EXTRA.get(rest)
+        name = _GGUF_TO_HF.get(rest) or gguf_gpt_oss.layer_name(rest, arch)
         if name:
             return f"model.layers.{idx}.{name}"
     return None

@@ -47,17 +47,20 @@ def layer_shapes(config) -> dict:
             "experts_gate_bias": (e, i), "experts_up_bias": (e, i), "experts_down_bias": (e, h)}
 
 
-def dequantize_mxfp4(blocks, scales, dtype=np.float32) -> np.ndarray:
+def dequantize_mxfp4(blocks, scales, dtype=np.float32, halves: bool = False) -> np.ndarray:
     """MXFP4 -> float: blocks u8[..., G, 16] hold 32 FP4 (e2m1) codes per block, two a byte, the
-    low nibble first; scales u8[..., G] are e8m0 exponents, 2^(s - 127) for the block.
+    low nibble first (values 2j, 2j + 1 in byte j; halves: ggml's order, values j and j + 16);
+    scales u8[..., G] are e8m0 exponents, 2^(s - 127) for the block.
     Returns f[..., G * 32] in dtype (exact: every value is a small float times a power of 2)."""
     blocks, scales = np.asarray(blocks, np.uint8), np.asarray(scales, np.uint8)
     if blocks.shape[-1] * 2 != MXFP4_BLOCK or blocks.shape[:-1] != scales.shape:
         raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape}: want blocks "
                          f"[..., G, {MXFP4_BLOCK // 2}] and scales [..., G]")
     values = np.empty(blocks.shape[:-1] + (MXFP4_BLOCK,), np.float32)
-    values[..., 0::2] = FP4_E2M1[blocks & 0x0F]
-    values[..., 1::2] = FP4_E2M1[blocks >> 4]
+    low, high = (values[..., :16], values[..., 16:]) if halves else (values[..., 0::2],
+                                                                      values[..., 1::2])
+    low[...] = FP4_E2M1[blocks & 0x0F]
+    high[...] = FP4_E2M1[blocks >> 4]
     values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
     return values.reshape(*blocks.shape[:-2], -1).astype(dtype)
 
