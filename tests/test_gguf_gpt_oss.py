@@ -148,3 +148,19 @@ def test_fused_gate_up_experts_are_refused_by_name(tmp_path):
     cfg = config_from_gguf(g.metadata, n_vocab_tensor=8)
     with pytest.raises(ValueError, match="fuse-gate-up-exps"):
         gguf_hf_state_dict(g, cfg)
+
+
+def test_gguf_gpt_oss_optional_keys():
+    """A sliding_window_pattern period (every 3rd layer full), swiglu_clamp_exp (per layer) and
+    rope.freq_base_swa are read; without an expert count gpt-oss is refused."""
+    meta = {"general.architecture": "gpt-oss", "gpt-oss.embedding_length": 64,
+            "gpt-oss.block_count": 4, "gpt-oss.feed_forward_length": 32,
+            "gpt-oss.attention.head_count": 4, "gpt-oss.attention.sliding_window": 8,
+            "gpt-oss.attention.sliding_window_pattern": 3, "gpt-oss.rope.freq_base_swa": 1e4,
+            "gpt-oss.swiglu_clamp_exp": [5.0] * 4}
+    with pytest.raises(ValueError, match="without expert_count"):
+        config_from_gguf(meta, n_vocab_tensor=8)
+    meta.update({"gpt-oss.expert_count": 4, "gpt-oss.expert_used_count": 2})
+    cfg = config_from_gguf(meta, n_vocab_tensor=8)
+    assert [cfg.layer_window(i) for i in range(4)] == [8, 8, None, 8]
+    assert (cfg.swiglu_limit, cfg.swiglu_alpha, cfg.rope_local_theta) == (5.0, 1.702, 1e4)

@@ -299,9 +299,9 @@ def _gguf_rope_scaling(get) -> RopeScaling | None:
 
 def _gguf_windows(arch: str, window, pattern, num_layers: int):
     """(sliding window, layer types) as llama.cpp lays them out: a list of booleans in
-    `pattern` (true = sliding) names each layer; else Gemma 2 and gpt-oss alternate (layer 0
-    sliding), Gemma 3 has one full layer in `pattern` (6 unless the file says; gpt-oss's 2),
-    and the others (a Mistral-style llama, Qwen) window every layer. No window, or 0: none."""
+    `pattern` (true = sliding) names each layer; else Gemma 2 alternates (layer 0 sliding),
+    Gemma 3 and gpt-oss have one full layer in `pattern` (6 and 2 unless the file says), and
+    the others (a Mistral-style llama, Qwen) window every layer. No window, or 0: none."""
     if not window:
         return None, None
     if isinstance(pattern, (list, tuple)):
