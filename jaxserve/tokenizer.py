@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import numbers
 import os
 from typing import Any, Iterable, Sequence
@@ -22,11 +23,28 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# o200k's (gpt-oss, Llama 4): a word is an upper-case run then lower-case letters, or the other
+# way round (camel case splits), contractions kept with it; numbers in threes. Tekken's
+# (Mistral) is the same without the contractions and with single digits.
+_WORD = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+
+
+def _cased_words(contraction: str, digits: str) -> str:
+    upper, lower = _WORD
+    return (rf"[^\r\n\p{{L}}\p{{N}}]?{upper}*{lower}+{contraction}"
+            rf"|[^\r\n\p{{L}}\p{{N}}]?{upper}+{lower}*{contraction}|{digits}{_REST}")
+
+
 _SPLITS = {
     **{k: _LLAMA3_SPLIT for k in ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe",
                                   "dbrx", "pixtral")},
     **{k: _QWEN2_SPLIT for k in ("qwen2", "deepseek-r1-qwen", "megrez")},
+    **{k: _cased_words(_CONTRACTION, r"\p{N}{1,3}") for k in ("gpt-4o", "llama4")},
+    "tekken": _cased_words("", r"\p{N}"),
 }
+_GPT2_NAMES = ("gpt2", "default", "smollm")
 _IGNORE_MERGES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx"}
 
 # llama.cpp token types
@@ -56,6 +74,10 @@ def _pre_tokenizer(pre: str | None):
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     split = _SPLITS.get(pre or "")
     if split is None:  # "gpt2", "default" and unknown names: GPT-2's regex
+        if pre not in (None, *_GPT2_NAMES):
+            logging.warning("GGUF pre-tokenizer %r is not known here: text is split as GPT-2 "
+                            "splits it, which can give other tokens than the model's own "
+                            "tokenizer", pre)
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(split), behavior="isolated"),

@@ -12,6 +12,7 @@ pytestmark = pytest.mark.slow  # every test uses the default model's tokenizer o
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
     "I'm sure they'll say it's fine; we've DONE it, haven't we?",
+    "camelCaseWords XMLHttpRequest iPhone's HTTPServer/path\r\n",
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
     "    leading spaces, trailing   \n\n\n\t\ttabs and  runs     of   spaces   ",
     "Numbers: 0 7 42 1234567 3.14159 -2e10 1,000,000 2024-06-01",
@@ -134,7 +135,7 @@ def test_tokenizer_json_round_trip(tok, tmp_path):
     assert (again.bos_token_id, again.eos_token_ids) == (tok.bos_token_id, tok.eos_token_ids)
 
 
-@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2"])
+@pytest.mark.parametrize("pre", ["llama-bpe", "qwen2", "gpt2", "gpt-4o", "tekken"])
 def test_other_pre_tokenizers_match_transformers(default_model_path, pre):
     """The same vocabulary with other `tokenizer.ggml.pre` values: split regexes as in
     transformers' GGUF conversion (ids may differ from a real llama3/qwen2 vocabulary's; the
