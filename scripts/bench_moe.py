@@ -28,7 +28,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("attention_backend", "auto", "jaxserve's backend: auto, cpu, xla.")
-flags.DEFINE_enum("quantization", "none", ["none", "int8"], "jaxserve's weights (both models; "
+flags.DEFINE_enum("quantization", "none", ["none", "int8", "bf16"], "jaxserve's weights (both models; "
                   "transformers stays float32).")
 flags.DEFINE_integer("layers", 4, "Decoder layers.")
 flags.DEFINE_integer("hidden", 512, "Hidden size.")

@@ -225,3 +225,27 @@ def test_int8_expert_matmul_equals_the_dequantized_product(levels, sizes):
         want[row:row + size] = x[row:row + size] @ dense[expert]
         row += size
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("sizes", [[1, 0, 2, 0, 1, 2], [0, 40, 0, 33, 17, 0]])
+def test_bf16_expert_matmul_equals_the_product_of_rounded_inputs(sizes):
+    """bfloat16 experts on AMX tiles: each group's rows (rounded to bfloat16) times its expert,
+    groups of one row (decode) and of several row blocks, rows past the last group zero."""
+    if not cpu_kernels.amx_bf16_available():
+        pytest.skip("AMX-BF16 unavailable")
+    from jaxserve.backends.cpu.packing import pack_experts
+
+    rng = np.random.default_rng(11)
+    e, k, n, m = len(sizes), 96, 100, sum(sizes) + 2
+    w = rng.standard_normal((e, k, n)).astype(jnp.bfloat16)
+    packed = pack_experts(w)
+    assert packed.panels.dtype == np.uint16
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    y = np.asarray(packed.grouped_matmul(jnp.asarray(x), np.array(sizes)))
+    rounded = x.astype(jnp.bfloat16).astype(np.float32)
+    want, row = np.zeros((m, n), np.float32), 0
+    for expert, size in enumerate(sizes):
+        want[row:row + size] = rounded[row:row + size] @ w[expert].astype(np.float32)
+        row += size
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-4)

@@ -22,7 +22,8 @@
   expert_matmul_*     (expert_matmul.cc) a mixture of experts' grouped matmul against each
                       expert's panels, the experts stacked: each group of rows times its
                       expert's weight, read in place, only the experts with rows read;
-                      f32, int8 and 4-bit experts as the matmuls above.
+                      f32, int8 and 4-bit experts as the matmuls above (bf16 ones on AMX
+                      tiles: matmul_bf16.cc).
   argmax              (argmax.cc) greedy sampling's max and index per row in one vectorised
                       read of the logits, rows in parallel, where XLA's top_k(x, 1) takes many
                       times as long.
@@ -60,6 +61,7 @@ _TARGETS = {"jaxserve_paged_attention": "JaxservePagedAttention",
             "jaxserve_expert_matmul_f32": "JaxserveExpertMatmulF32",
             "jaxserve_expert_matmul_int8": "JaxserveExpertMatmulInt8",
             "jaxserve_expert_matmul_int4": "JaxserveExpertMatmulInt4",
+            "jaxserve_expert_matmul_bf16": "JaxserveExpertMatmulBf16",
             "jaxserve_argmax": "JaxserveArgmax"}
 PANEL = 48  # output columns per weight panel (matmul.cc's kPanel)
 BF16_TILE, BF16_DEPTH = 16, 32  # output columns per bf16 weight tile, k per tile product
@@ -264,6 +266,14 @@ def expert_matmul_int8(x, panels, scale, offset, group_sizes, n: int):
     target = ("jaxserve_expert_matmul_int4" if panels.dtype == jnp.uint8
               else "jaxserve_expert_matmul_int8")
     return _call(target, _f32(x.shape[0], n), x, panels, scale, offset,
+                 jnp.asarray(group_sizes, jnp.int32))
+
+
+def expert_matmul_bf16(x, tiles, group_sizes, n: int):
+    """expert_matmul_f32 for bfloat16 experts, each packed by `pack_bf16_tiles` and stacked
+    u16[E, T, Kp / 2, 16, 2], x rounded to bfloat16 (matmul_bf16's products). Needs
+    amx_bf16_available()."""
+    return _call("jaxserve_expert_matmul_bf16", _f32(x.shape[0], n), x, tiles,
                  jnp.asarray(group_sizes, jnp.int32))
 
 

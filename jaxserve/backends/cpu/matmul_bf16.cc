@@ -1,6 +1,8 @@
 // The CPU backend's bfloat16 matmul on AMX tiles, as an XLA FFI custom call:
 //
-//   MatmulBf16   y f32[M, N] = bf16(x f32[M, K]) @ W      w bf16 bits u16[T, Kp / 2, 16, 2]
+//   MatmulBf16        y f32[M, N] = bf16(x f32[M, K]) @ W      w bf16 bits u16[T, Kp / 2, 16, 2]
+//   ExpertMatmulBf16  the same for a mixture's experts stacked u16[E, T, Kp / 2, 16, 2], the rows
+//                     of x in groups (expert_matmul.cc's ExpertMatmulF32, on AMX tiles)
 //
 // Tile t holds output columns [16 t, 16 t + 16) of the [K, N] weight, zero past N and past K up
 // to Kp (a multiple of 32), in the pair layout TDPBF16PS reads: row i of a 32-deep slice holds
@@ -182,6 +184,66 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* 
     _tile_release();  // no tile state to save at the next context switch
   });
 }
+
+// A mixture of experts' grouped matmul (expert_matmul.cc's, for bfloat16 experts): the rows of
+// x in groups, group e the next sizes[e] rows, times expert e's tiles (w + e * expert_elems);
+// rows past the last group zero. Each group's rows are rounded into row blocks of their own, so
+// a block never mixes two experts' rows, and only the experts with rows are read. The threads
+// split the (group, pair of column tiles) visits by cost: a visit's row blocks plus 2 for
+// streaming its tiles.
+void RunExperts(ffi::ThreadPool& pool, const float* x, const uint16_t* w, const int32_t* sizes,
+                int64_t experts, float* y, int64_t m, int64_t k, int64_t kp, int64_t n,
+                int64_t tiles) {
+  std::vector<int64_t> start(experts + 1, 0), padded(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    start[e + 1] = start[e] + sizes[e];
+    padded[e + 1] = padded[e] + (sizes[e] + kRows - 1) / kRows * kRows;
+  }
+  std::memset(y + start[experts] * n, 0, (m - start[experts]) * n * sizeof(float));
+  thread_local std::vector<uint16_t> rounded;
+  rounded.resize(padded[experts] * kp);
+  for (int64_t e = 0; e < experts; ++e) {
+    RoundRows(x + start[e] * k, sizes[e], k, rounded.data() + padded[e] * kp, kp, 0,
+              padded[e + 1] - padded[e]);
+  }
+  const int64_t pairs = (tiles + 1) / 2, expert_elems = tiles * kp * kCols;
+  int64_t cost = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (sizes[e] > 0) cost += pairs * ((padded[e + 1] - padded[e]) / kRows + 2);
+  }
+  if (cost == 0) return;
+  const int64_t work = start[experts] * k * n * 2;
+  const int64_t chunks = work < (256 << 10) ? 1 : std::max<int64_t>(1, pool.num_threads());
+  const uint16_t* all = rounded.data();  // this thread's: the name is each thread's own
+  jaxserve::RunChunks(pool, chunks, [&](int64_t chunk) {
+    const int64_t lo = chunk * cost / chunks, hi = (chunk + 1) * cost / chunks;
+    ConfigureTiles();
+    alignas(64) float tmp[4 * 256];
+    int64_t before = 0;  // the cost of the visits before group e's
+    for (int64_t e = 0; e < experts; ++e) {
+      if (sizes[e] <= 0) continue;
+      const int64_t mp = padded[e + 1] - padded[e], each = mp / kRows + 2;
+      // Group e's tile pairs p whose visits start, at cost before + p * each, in [lo, hi).
+      const int64_t p0 = std::clamp<int64_t>((lo - before + each - 1) / each, 0, pairs);
+      const int64_t p1 = std::clamp<int64_t>((hi - before + each - 1) / each, 0, pairs);
+      before += pairs * each;
+      const uint16_t* xb = all + padded[e] * kp;
+      const uint16_t* we = w + e * expert_elems;
+      float* ye = y + start[e] * n;
+      for (int64_t t = 2 * p0; t < std::min(tiles, 2 * p1); t += 2) {
+        const bool two_cols = t + 1 < tiles;
+        for (int64_t r = 0; r < mp; r += 2 * kRows) {
+          const bool two_rows = r + kRows < mp;
+          if (two_rows && two_cols) Block<true, true>(xb, kp, we, t, r, tmp, ye, sizes[e], n);
+          else if (two_rows) Block<true, false>(xb, kp, we, t, r, tmp, ye, sizes[e], n);
+          else if (two_cols) Block<false, true>(xb, kp, we, t, r, tmp, ye, sizes[e], n);
+          else Block<false, false>(xb, kp, we, t, r, tmp, ye, sizes[e], n);
+        }
+      }
+    }
+    _tile_release();
+  });
+}
 #endif  // JAXSERVE_AMX
 
 ffi::Error MatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U16> w,
@@ -204,6 +266,38 @@ ffi::Error MatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 #endif
 }
 
+ffi::Error ExpertMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::U16> w, ffi::Buffer<ffi::S32> sizes,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 5 || yd.size() != 2 || wd[3] != kCols || wd[4] != 2 ||
+      (2 * wd[2]) % kDepth != 0 || xd[1] > 2 * wd[2] || yd[0] != xd[0] ||
+      yd[1] > wd[1] * kCols || yd[1] <= (wd[1] - 1) * kCols ||
+      sizes.dimensions().size() != 1 || sizes.dimensions()[0] != wd[0]) {
+    return ffi::Error::InvalidArgument(
+        "expert_matmul_bf16: x [M, K], w [E, T, Kp / 2, 16, 2], sizes [E] -> y [M, N], "
+        "K <= Kp, 32 | Kp, 16 (T - 1) < N <= 16 T");
+  }
+  int64_t rows = 0;
+  for (int64_t e = 0; e < wd[0]; ++e) {
+    if (sizes.typed_data()[e] < 0) {
+      return ffi::Error::InvalidArgument("expert_matmul_bf16: a group size is negative");
+    }
+    rows += sizes.typed_data()[e];
+  }
+  if (rows > xd[0]) {
+    return ffi::Error::InvalidArgument("expert_matmul_bf16: the group sizes sum past x's rows");
+  }
+#if defined(JAXSERVE_AMX)
+  if (!AmxGranted()) return ffi::Error::Internal("expert_matmul_bf16: AMX tile state not granted");
+  RunExperts(pool, x.typed_data(), w.typed_data(), sizes.typed_data(), wd[0], y->typed_data(),
+             xd[0], xd[1], 2 * wd[2], yd[1], wd[1]);
+  return ffi::Error::Success();
+#else
+  return ffi::Error::Internal("expert_matmul_bf16: built without AMX-BF16");
+#endif
+}
+
 }  // namespace
 
 extern "C" int JaxserveAmxBf16Available() {
@@ -219,4 +313,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveMatmulBf16, MatmulBf16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxserveExpertMatmulBf16, ExpertMatmulBf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -56,7 +56,8 @@ class PanelWeight:
 class PanelExperts:
     """A mixture of experts' stacked weights [E, in, out] (shape), each expert packed as a
     PanelWeight is: f32 panels [E, ceil(out / 48), in, 48], or int8 levels (4-bit ones two a
-    byte) with their scales and offsets, stacked."""
+    byte) with their scales and offsets, or bfloat16 AMX tiles [E, ceil(out / 16), in / 2, 16,
+    2], stacked."""
     panels: jax.Array
     scale: jax.Array | None
     offset: jax.Array | None
@@ -67,22 +68,21 @@ class PanelExperts:
         last group give 0) -> each group's rows @ expert e's weight, f32[M, out]. Reads only
         the experts that have rows, in place (kernels.expert_matmul_*)."""
         x, n = x.astype(jnp.float32), self.shape[2]
+        if self.panels.dtype == jnp.uint16:
+            return kernels.expert_matmul_bf16(x, self.panels, group_sizes, n)
         if self.scale is None:
             return kernels.expert_matmul_f32(x, self.panels, group_sizes, n)
         return kernels.expert_matmul_int8(x, self.panels, self.scale, self.offset, group_sizes, n)
 
 
-def pack_experts(w) -> PanelExperts | np.ndarray:
-    """Stacked experts [E, in, out], float or Int8Weight -> PanelExperts, each expert packed as
-    `pack` packs a weight; bfloat16 ones stay as they are (the experts' matmul has no AMX
-    tiles: model/moe.py runs them)."""
-    if not isinstance(w, Int8Weight) and w.dtype == jnp.bfloat16:
-        return w
+def pack_experts(w) -> PanelExperts:
+    """Stacked experts [E, in, out], float, bfloat16 (quantization='bf16': AMX tiles) or
+    Int8Weight -> PanelExperts, each expert packed as `pack` packs a weight."""
     if isinstance(w, Int8Weight):
         experts = [pack(w.take(e)) for e in range(w.shape[0])]
         shape = (w.shape[0], w.shape[2], w.shape[1])
     else:
-        experts = [pack(np.asarray(e, np.float32).T) for e in w]
+        experts = [pack(np.swapaxes(e, 0, 1)) for e in w]  # [out, in] each, dtype kept
         shape = w.shape
     if len({e.panels.dtype for e in experts}) > 1:  # some experts' levels 0..15, some not
         experts = [pack(w.take(e), nibbles=False) for e in range(w.shape[0])]
