@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "expert_groups.h"
 #include "panel_gemm.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -26,6 +27,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using namespace jaxserve::panel_gemm;  // NOLINT: the tiles' vocabulary
+namespace expert_groups = jaxserve::expert_groups;
 
 // A (group, panel) visit costs its rows plus this many: streaming a panel from memory takes
 // about as long as this many rows' FMAs on it.
@@ -37,14 +39,11 @@ void RunExperts(ffi::ThreadPool& pool, const float* x, const W* w, const uint16_
                 int64_t m, int64_t k_dim, int64_t n_dim) {
   const int64_t panels = (n_dim + kPanel - 1) / kPanel;
   const int64_t expert_size = panels * PanelSize<W>(k_dim);  // one expert's weight elements
-  const int64_t expert_groups = panels * (k_dim / kGroup) * kPanel;  // its scales or offsets
-  std::vector<int64_t> start(experts + 1, 0);
-  for (int64_t e = 0; e < experts; ++e) start[e + 1] = start[e] + sizes[e];
+  const int64_t expert_factors = panels * (k_dim / kGroup) * kPanel;  // its scales, offsets
+  const std::vector<int64_t> start = expert_groups::Starts(sizes, experts);
   std::memset(y + start[experts] * n_dim, 0, (m - start[experts]) * n_dim * sizeof(float));
-  int64_t cost = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (sizes[e] > 0) cost += panels * (sizes[e] + kStreamRows);
-  }
+  const auto each = [&](int64_t e) { return sizes[e] + kStreamRows; };  // a panel's visit
+  const int64_t cost = expert_groups::TotalCost(sizes, experts, panels, each);
   if (cost == 0) return;
   // Int8: every row's group sums, for the groups of up to a row tile (the tiles' s sum x q).
   std::vector<float> xsum(sizeof(W) == 1 ? start[experts] * k_dim / kGroup : 0);
@@ -53,54 +52,33 @@ void RunExperts(ffi::ThreadPool& pool, const float* x, const W* w, const uint16_
   const int64_t bytes = start[experts] * k_dim * n_dim * static_cast<int64_t>(sizeof(W)) /
                         kPerByte<W>;
   const int64_t chunks = bytes < (256 << 10) ? 1 : threads;  // as matmul.cc's RunMatmul
-  // Chunk c takes the visits that start, counting cost in (group, panel) order, in
-  // [c, c + 1) * cost / chunks: of each group a run of panels, or none.
   jaxserve::RunChunks(pool, chunks, [&](int64_t chunk) {
-    const int64_t lo = chunk * cost / chunks, hi = (chunk + 1) * cost / chunks;
-    int64_t before = 0;  // the cost of the visits before group e's
-    for (int64_t e = 0; e < experts; ++e) {
-      const int64_t rows = sizes[e];
-      if (rows <= 0) continue;
-      // Group e's panels p whose visits start, at cost before + p * each, in [lo, hi).
-      const int64_t each = rows + kStreamRows;
-      const int64_t p0 = std::clamp<int64_t>((lo - before + each - 1) / each, 0, panels);
-      const int64_t p1 = std::clamp<int64_t>((hi - before + each - 1) / each, 0, panels);
-      before += panels * each;
-      const int64_t r = start[e];
+    expert_groups::ChunkVisits(chunk, chunks, cost, sizes, experts, panels, each,
+                               [&](int64_t e, int64_t p0, int64_t p1) {
+      const int64_t rows = sizes[e], r = start[e];
       const bool sums = rows <= kRowTile && !xsum.empty();
       PanelRange<W>(x + r * k_dim, rows, k_dim, w + e * expert_size,
-                    scale != nullptr ? scale + e * expert_groups : nullptr,
-                    offset != nullptr ? offset + e * expert_groups : nullptr,
+                    scale != nullptr ? scale + e * expert_factors : nullptr,
+                    offset != nullptr ? offset + e * expert_factors : nullptr,
                     sums ? xsum.data() + r * k_dim / kGroup : nullptr, p0, p1, y + r * n_dim,
                     n_dim);
-    }
+    });
   });
 }
 
-// Checks x [M, K], w [E, P, K / per_byte, 48], sizes [E] (each >= 0, their sum <= M) and
-// y [M, N] with 48 (P - 1) < N <= 48 P.
+// Checks x [M, K], w [E, P, K / per_byte, 48], sizes (expert_groups::Check) and y [M, N] with
+// 48 (P - 1) < N <= 48 P.
 ffi::Error CheckShapes(ffi::Span<const int64_t> xd, ffi::Span<const int64_t> wd,
                        const ffi::Buffer<ffi::S32>& sizes, ffi::Span<const int64_t> yd,
                        int64_t per_byte = 1) {
   if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || wd[3] != kPanel ||
       xd[1] != wd[2] * per_byte || yd[0] != xd[0] || yd[1] > wd[1] * kPanel ||
-      yd[1] <= (wd[1] - 1) * kPanel || sizes.dimensions().size() != 1 ||
-      sizes.dimensions()[0] != wd[0]) {
+      yd[1] <= (wd[1] - 1) * kPanel) {
     return ffi::Error::InvalidArgument(
         "expert_matmul: x [M, K], w [E, P, K, 48] (4-bit: K / 2), sizes [E] -> y [M, N], "
         "48 (P - 1) < N <= 48 P");
   }
-  int64_t rows = 0;
-  for (int64_t e = 0; e < wd[0]; ++e) {
-    if (sizes.typed_data()[e] < 0) {
-      return ffi::Error::InvalidArgument("expert_matmul: a group size is negative");
-    }
-    rows += sizes.typed_data()[e];
-  }
-  if (rows > xd[0]) {
-    return ffi::Error::InvalidArgument("expert_matmul: the group sizes sum past x's rows");
-  }
-  return ffi::Error::Success();
+  return expert_groups::Check(sizes, wd[0], xd[0], "expert_matmul");
 }
 
 ffi::Error ExpertMatmulF32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,

@@ -28,6 +28,7 @@
 #include <unistd.h>
 #endif
 
+#include "expert_groups.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,6 +39,7 @@ namespace {
 constexpr int64_t kCols = 16;   // output columns per weight tile
 constexpr int64_t kDepth = 32;  // k per tile product
 constexpr int64_t kRows = 16;   // rows of x per tile product
+namespace expert_groups = jaxserve::expert_groups;
 
 #if defined(JAXSERVE_AMX)
 bool AmxGranted() {
@@ -194,9 +196,9 @@ void RunMatmul(ffi::ThreadPool& pool, const float* x, const uint16_t* w, float* 
 void RunExperts(ffi::ThreadPool& pool, const float* x, const uint16_t* w, const int32_t* sizes,
                 int64_t experts, float* y, int64_t m, int64_t k, int64_t kp, int64_t n,
                 int64_t tiles) {
-  std::vector<int64_t> start(experts + 1, 0), padded(experts + 1, 0);
+  const std::vector<int64_t> start = expert_groups::Starts(sizes, experts);
+  std::vector<int64_t> padded(experts + 1, 0);  // group e's first row in the rounded copy
   for (int64_t e = 0; e < experts; ++e) {
-    start[e + 1] = start[e] + sizes[e];
     padded[e + 1] = padded[e] + (sizes[e] + kRows - 1) / kRows * kRows;
   }
   std::memset(y + start[experts] * n, 0, (m - start[experts]) * n * sizeof(float));
@@ -207,26 +209,19 @@ void RunExperts(ffi::ThreadPool& pool, const float* x, const uint16_t* w, const 
               padded[e + 1] - padded[e]);
   }
   const int64_t pairs = (tiles + 1) / 2, expert_elems = tiles * kp * kCols;
-  int64_t cost = 0;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (sizes[e] > 0) cost += pairs * ((padded[e + 1] - padded[e]) / kRows + 2);
-  }
+  // A tile pair's visit: its row blocks, plus 2 for streaming the pair.
+  const auto each = [&](int64_t e) { return (padded[e + 1] - padded[e]) / kRows + 2; };
+  const int64_t cost = expert_groups::TotalCost(sizes, experts, pairs, each);
   if (cost == 0) return;
   const int64_t work = start[experts] * k * n * 2;
   const int64_t chunks = work < (256 << 10) ? 1 : std::max<int64_t>(1, pool.num_threads());
   const uint16_t* all = rounded.data();  // this thread's: the name is each thread's own
   jaxserve::RunChunks(pool, chunks, [&](int64_t chunk) {
-    const int64_t lo = chunk * cost / chunks, hi = (chunk + 1) * cost / chunks;
     ConfigureTiles();
     alignas(64) float tmp[4 * 256];
-    int64_t before = 0;  // the cost of the visits before group e's
-    for (int64_t e = 0; e < experts; ++e) {
-      if (sizes[e] <= 0) continue;
-      const int64_t mp = padded[e + 1] - padded[e], each = mp / kRows + 2;
-      // Group e's tile pairs p whose visits start, at cost before + p * each, in [lo, hi).
-      const int64_t p0 = std::clamp<int64_t>((lo - before + each - 1) / each, 0, pairs);
-      const int64_t p1 = std::clamp<int64_t>((hi - before + each - 1) / each, 0, pairs);
-      before += pairs * each;
+    expert_groups::ChunkVisits(chunk, chunks, cost, sizes, experts, pairs, each,
+                               [&](int64_t e, int64_t p0, int64_t p1) {
+      const int64_t mp = padded[e + 1] - padded[e];
       const uint16_t* xb = all + padded[e] * kp;
       const uint16_t* we = w + e * expert_elems;
       float* ye = y + start[e] * n;
@@ -240,7 +235,7 @@ void RunExperts(ffi::ThreadPool& pool, const float* x, const uint16_t* w, const 
           else Block<false, false>(xb, kp, we, t, r, tmp, ye, sizes[e], n);
         }
       }
-    }
+    });
     _tile_release();
   });
 }
@@ -272,21 +267,14 @@ ffi::Error ExpertMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 5 || yd.size() != 2 || wd[3] != kCols || wd[4] != 2 ||
       (2 * wd[2]) % kDepth != 0 || xd[1] > 2 * wd[2] || yd[0] != xd[0] ||
-      yd[1] > wd[1] * kCols || yd[1] <= (wd[1] - 1) * kCols ||
-      sizes.dimensions().size() != 1 || sizes.dimensions()[0] != wd[0]) {
+      yd[1] > wd[1] * kCols || yd[1] <= (wd[1] - 1) * kCols) {
     return ffi::Error::InvalidArgument(
         "expert_matmul_bf16: x [M, K], w [E, T, Kp / 2, 16, 2], sizes [E] -> y [M, N], "
         "K <= Kp, 32 | Kp, 16 (T - 1) < N <= 16 T");
   }
-  int64_t rows = 0;
-  for (int64_t e = 0; e < wd[0]; ++e) {
-    if (sizes.typed_data()[e] < 0) {
-      return ffi::Error::InvalidArgument("expert_matmul_bf16: a group size is negative");
-    }
-    rows += sizes.typed_data()[e];
-  }
-  if (rows > xd[0]) {
-    return ffi::Error::InvalidArgument("expert_matmul_bf16: the group sizes sum past x's rows");
+  if (auto e = expert_groups::Check(sizes, wd[0], xd[0], "expert_matmul_bf16");
+      e.failure()) {
+    return e;
   }
 #if defined(JAXSERVE_AMX)
   if (!AmxGranted()) return ffi::Error::Internal("expert_matmul_bf16: AMX tile state not granted");
