@@ -49,10 +49,7 @@ class Int8Weight:
         """x f[T, in] @ W -> f[T, out], dequantized group by group in x's dtype: XLA's CPU
         backend fuses that into a decode step's matrix-vector product (the f32 weight is never
         written), and at many rows the dequantized copy is reused by every row."""
-        out, inp = self.q_t.shape
-        g = self.q_t.reshape(out, inp // GROUP, GROUP).astype(x.dtype)
-        g = g * self.scale[..., None].astype(x.dtype) + self.offset[..., None].astype(x.dtype)
-        return x @ g.reshape(out, inp).T
+        return x @ self.dequantize_in(x.dtype)
 
     def dequantize(self) -> np.ndarray:
         """f32[..., out, in] (the stored, transposed layout)."""

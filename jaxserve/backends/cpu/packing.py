@@ -1,7 +1,8 @@
 """Weights packed for the CPU backend's matmul, applied at load as a transformation of the
 model's execution-layout params (as quantization is): every projection and the head become
 PanelWeights, which the model multiplies through their own `matmul`, and a mixture of experts'
-float experts PanelExperts, which model/moe.py multiplies through their `grouped_matmul`."""
+experts (float, int8 or bf16) PanelExperts, which model/moe.py multiplies through their
+`grouped_matmul`."""
 
 from __future__ import annotations
 
