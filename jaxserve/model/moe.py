@@ -21,8 +21,9 @@ over the row tiles each group touches, as megablox visits them: 15x faster than 
 for a TPU, every step runs JAX's megablox grouped matmul (a Pallas kernel that visits only the
 groups with tokens) in place of both (jax.lax.platform_dependent: the choice is made at
 lowering, so a compile-only TPU target gets it too). The cpu backend packs float, int8 and
-bfloat16 (AMX) experts for its own grouped matmul (backends/cpu/packing.py, PanelExperts): every step, decode
-included, runs grouped_experts through it, and it reads each chosen expert in place, once.
+bfloat16 (AMX) experts for its own grouped matmul (backends/cpu/packing.py, PanelExperts):
+every step, decode included, runs grouped_experts through it, and it reads each chosen expert
+in place, once.
 
 Int8 experts (quantization="int8": quantize.Int8Weight stacks, [E, out, in] with scales and
 offsets per 32 inputs; the router stays float) are multiplied packed by the cpu backend

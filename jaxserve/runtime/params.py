@@ -51,9 +51,8 @@ def calibrated_turns(params: dict, cfg: ModelConfig, fingerprint: str | None) ->
     """kv_smoothing.key_transforms of the model, read from $XDG_CACHE_HOME/jaxserve/kv_smoothing
     where an earlier load of the same weights (fingerprint, and the key projections' bytes,
     which an edit of the params under the same fingerprint changes), config and dtype
-    calibrated them,
-    else calibrated (a pass of the float model over CALIBRATION_TOKENS: seconds) and written
-    there. No fingerprint: calibrated, not kept. A cache that cannot be read or written is
+    calibrated them, else calibrated (a pass of the float model over CALIBRATION_TOKENS:
+    seconds) and written there. No fingerprint: calibrated, not kept. A cache that cannot be read or written is
     passed by."""
     if fingerprint is None:
         return key_transforms(params, cfg)
