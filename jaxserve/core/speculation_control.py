@@ -41,7 +41,7 @@ FIRST_PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 1024
 # Speculation must promise this many times plain decoding's tokens per second: both rates are
 # estimates from noisy times, and near a tie plain decoding keeps async scheduling's overlap.
-MARGIN = 1.05
+REQUIRED_GAIN = 1.05
 
 
 class SpeculationControl:
@@ -107,7 +107,7 @@ class SpeculationControl:
             made += (self.accepted[k - 1] + PRIOR_DECODES / 2) / decodes
             computed += (self.drafted[k - 1] + PRIOR_DECODES) / decodes
             rate = num_decoding * made / self.cost(num_decoding * computed, True)
-            if rate > best_rate * (MARGIN if best_k == 0 else 1.0):
+            if rate > best_rate * (REQUIRED_GAIN if best_k == 0 else 1.0):
                 best_k, best_rate = k, rate
         if best_k:
             self._plain_streak, self._probe_interval = 0, FIRST_PROBE_INTERVAL

@@ -1,4 +1,4 @@
-"""The engine's record of a step on the device (LLMEngine._launch until _apply), and the error
+"""The engine's record of a step on the device (StepPipeline._launch until _apply), and the error
 of a step that could not run."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class StepFailed(RuntimeError):
 @dataclasses.dataclass
 class Launched:
     """A step on the device: its plan, output arrays, real sample rows and chunk offsets; and
-    while its sampling waits for its logit controls (`LLMEngine._launch`), its batch."""
+    while its sampling waits for its logit controls (`StepPipeline._launch`), its batch."""
 
     plan: StepPlan
     out: dict

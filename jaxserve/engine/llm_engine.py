@@ -37,7 +37,7 @@ from jaxserve.engine.startup import StartupTimeline
 from jaxserve.engine.step_pipeline import StepPipeline
 from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.params import DTYPES
+from jaxserve.runtime.params import JNP_DTYPES
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
@@ -277,8 +277,9 @@ class LLMEngine:
     def _pool_bytes_per_token(self, model: ModelConfig) -> int:
         """One token's KV bytes in this backend's pool layout (padded heads included)."""
         r, tp = self.resolved, self.config.parallel.tensor_parallel_size
-        return sharding.pool_bytes_per_token(model, self.backend, tp, DTYPES[r.kv_cache_dtype],
-                                             DTYPES[r.dtype], *kv_slot_bytes(r.kv_cache_dtype))
+        return sharding.pool_bytes_per_token(
+            model, self.backend, tp, JNP_DTYPES[r.kv_cache_dtype], JNP_DTYPES[r.dtype],
+            *kv_slot_bytes(r.kv_cache_dtype))
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())

@@ -31,7 +31,7 @@ from jaxserve.model import layer_scan
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.model.quantize import GROUP, Int8Weight
 from jaxserve.runtime import sharding
-from jaxserve.runtime.params import DTYPES
+from jaxserve.runtime.params import JNP_DTYPES
 
 
 def _weight(out: int, inp: int, dtype, quantization: str, experts: int = 0):
@@ -96,7 +96,7 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh, dtype: str, quantization: str 
     "float16") under `quantization`, as sharded ShapeDtypeStructs; with scan_layers stacked as
     model/layer_scan.py groups them; expert_parallel: the experts spread over the tp devices."""
 
-    dt, tp = DTYPES[dtype], sharding.tp_size(mesh)
+    dt, tp = JNP_DTYPES[dtype], sharding.tp_size(mesh)
     h, v = cfg.hidden_size, cfg.vocab_size
     top = {"embed": jax.ShapeDtypeStruct((v, h), dt), "final_norm": jax.ShapeDtypeStruct((h,), dt)}
     if not cfg.tie_word_embeddings or quantization != "none":  # quantize_head's own copy
@@ -117,11 +117,12 @@ def abstract_pool(cfg: ModelConfig, mesh: Mesh, num_pages: int, page_size: int, 
     layer's pages)."""
 
     tp = sharding.tp_size(mesh)
-    heads, layout = sharding.pool_layout_of(cfg, backend, tp, DTYPES[kv_dtype], DTYPES[dtype])
+    heads, layout = sharding.pool_layout_of(cfg, backend, tp, JNP_DTYPES[kv_dtype],
+                                            JNP_DTYPES[dtype])
     slots = kv_groups.groups_of(cfg).size  # layers of each group's pages
     layers, pages = (1, slots * num_pages) if scan_layers else (slots, num_pages)
     pool = jax.eval_shape(lambda: KVPool.zeros(layers, heads, pages, page_size,
-                                               cfg.head_dim, DTYPES[kv_dtype], layout, tp))
+                                               cfg.head_dim, JNP_DTYPES[kv_dtype], layout, tp))
     return jax.tree_util.tree_map(
         lambda x, placed: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=placed), pool,
         sharding.pool_sharding(mesh, pool))

@@ -50,15 +50,15 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
     sd = Buckets.fit(buckets.seqs, len(decode))
     sp = Buckets.fit(buckets.seqs, len(prefill))
     qb = buckets.query_block
-    tp = Buckets.fit(buckets.tokens, sum(-(-c.num_tokens // qb) * qb for c in prefill))
+    prefill_tokens = Buckets.fit(buckets.tokens, sum(-(-c.num_tokens // qb) * qb for c in prefill))
     if buckets.packed:  # rows follow the token bucket: one step shape per token bucket
-        sp = max(sp, buckets.packed_rows(tp))
+        sp = max(sp, buckets.packed_rows(prefill_tokens))
     num_rows = sd + sp
     # Layer groups (core/kv_groups.py): a table and slot mapping per group, group 0's also
     # as the plain ones; a model of one group gets no more.
     groups = max((1 + len(c.seq.group_page_ids) for c in plan.chunks), default=1)
     width = buckets.pages
-    t = sd + tp
+    t = sd + prefill_tokens
     token_ids = np.zeros(t, np.int32)
     feed_rows = np.full(t, -1, np.int32)
     positions = np.zeros(t, np.int32)
@@ -76,7 +76,7 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
         seq, n, start = chunk.seq, chunk.num_tokens, chunk.start
         end = start + n
         offsets.append(first)
-        if seq.is_finished:  # failed after planning (LLMEngine._launch): a padding row
+        if seq.is_finished:  # failed after planning (StepPipeline._launch): a padding row
             rows.extend((first + n - 1, None) for _ in chunk.sample_rows)
             return
         pos = np.arange(start, end, dtype=np.int32)
@@ -114,7 +114,7 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
     # Decode rows sample once each; sizing R from the step's shape adds no compile dimension.
     if verifying is None:
         verifying = any(c.draft_token_ids for c in prefill)
-    r = sd + buckets.prefill_sample_rows(sp, tp, len(rows) - len(decode), verifying)
+    r = sd + buckets.prefill_sample_rows(sp, prefill_tokens, len(rows) - len(decode), verifying)
     logits_indices = np.zeros(r, np.int32)
     temperature = np.zeros(r, np.float32)
     top_k = np.zeros(r, np.int32)
@@ -176,7 +176,7 @@ def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int,
     """A plan of the step shape (Sd, prefill tokens, prefill rows) from Buckets.step_shapes, of
     greedy dummy sequences that read and write only the scratch page 0 (scoring their prompts
     with prompt_logprobs, if given), with a page table per layer group."""
-    sd, tp, sp = shape
+    sd, prefill_tokens, sp = shape
     qb = buckets.query_block
     max_chunk = buckets.pages * page_size
     max_units = -(-max_chunk // qb)
@@ -190,7 +190,7 @@ def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int,
     for _ in range(sd):
         s = seq(2)
         plan.chunks.append(ScheduledChunk(s, 1, 1, [s]))
-    units = min(tp // qb, sp * max_units)  # past the previous bucket, within this one
+    units = min(prefill_tokens // qb, sp * max_units)  # past the previous bucket, within this one
     r = min(sp, units)  # rows (each at least one block) that pad to sp
     for i in range(r):
         n = min((units // r + (i < units % r)) * qb, max_chunk)  # pads to those blocks

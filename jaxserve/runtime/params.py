@@ -22,7 +22,7 @@ from jaxserve.model.kv_smoothing import ALPHA, CALIBRATION_TOKENS, key_transform
 from jaxserve.model.quantize import quantize_head, quantize_layer
 from jaxserve.runtime import custom_model, sharding
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
+JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
           "int8": jnp.int8}  # int8: KV pages only
 _CALIBRATION_FORMAT = 1  # calibrated_turns' files: a change of kv_smoothing's math bumps it
 

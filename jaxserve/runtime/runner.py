@@ -33,7 +33,7 @@ from jaxserve.model.kv_cache import KVPool, groups_of
 from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_batches, warmup_plan
 from jaxserve.runtime import custom_model, distributed, sharding
-from jaxserve.runtime.params import DTYPES, device_params
+from jaxserve.runtime.params import JNP_DTYPES, device_params
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
 from jaxserve.runtime.precompile import Precompiler
@@ -161,8 +161,8 @@ class ModelRunner:
         _use_compilation_cache()
         self.cfg, self.scan_layers = cfg, scan_layers
         self.mesh = mesh or sharding.make_mesh(1)
-        self.dtype = DTYPES[dtype]
-        self.kv_dtype = DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
+        self.dtype = JNP_DTYPES[dtype]
+        self.kv_dtype = JNP_DTYPES[kv_cache_dtype or dtype]  # int8 pages carry float32 scales
         self.params = device_params(params, cfg, self.mesh, backend, dtype=self.dtype,
                                     kv_dtype=self.kv_dtype, quantization=quantization,
                                     expert_parallel=expert_parallel, fingerprint=fingerprint)
