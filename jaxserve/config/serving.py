@@ -33,6 +33,9 @@ class ServingConfig:
     public_metrics: bool = option(
         False, "With keys, leave /metrics open (by default it needs a key too: it shows every "
         "tenant's traffic).")
+    operator_key: tuple[str, ...] = option(
+        (), "A key for /metrics and /debug (they show every tenant's traffic): with more than "
+        "one tenant, tenants' keys get 403 there; repeat for several.")
     shutdown_timeout: float = option(
         30.0, "On SIGINT/SIGTERM: stop accepting, let live requests finish for this many "
         "seconds, then fail the rest with errors and exit 0. A second signal exits at once.")

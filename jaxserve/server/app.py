@@ -6,7 +6,8 @@ Every error is OpenAI's shape {"error": {message, type, param, code}}. Bodies ar
 `parse_body` (size and nesting limits) and validated by the pydantic models of requests.py, which
 /openapi.json and /docs show as the request schemas. With an API key, /v1 and
 /debug, the docs and /metrics need `Authorization: Bearer <key>` (compared in constant time;
-`public_metrics` leaves /metrics open).
+`public_metrics` leaves /metrics open); with several tenants, /metrics and /debug need an
+operator key.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from jaxserve.server.responses import ResponseBuilder
 from jaxserve.server.tool_parsers import PARSERS
 
 log = logging.getLogger("jaxserve.server")
+# The tenant of an operator key: holds a space, which no tenant of a key file or flag can.
+OPERATOR = "operator key"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +56,9 @@ class ServerConfig:
     # With keys, /metrics needs one too (it shows every tenant's traffic; Prometheus scrapers
     # send bearer tokens); True leaves it open for a scraper that cannot.
     public_metrics: bool = ServingConfig.public_metrics
+    # Keys for /metrics and /debug: they count every tenant's tokens and prefix-cache hits, so
+    # with more than one tenant a tenant's key gets 403 there (one tenant sees only itself).
+    operator_keys: tuple[str, ...] = ()
     # How tool calls (tool_choice "auto") and reasoning are read from the text: names of
     # tool_parsers.PARSERS ("auto": from the chat template) and reasoning.REASONING_PARSERS.
     tool_call_parser: str = ProtocolConfig.tool_call_parser
@@ -66,6 +72,7 @@ class ServerConfig:
         context = protocol.context_options()
         return cls(api_keys=resolve_api_keys(list(serving.api_key), serving.api_key_file,
                                              env_key),
+                   operator_keys=tuple(serving.operator_key),
                    public_metrics=serving.public_metrics, max_body_bytes=serving.max_body_bytes,
                    max_tokens_limit=context["max_tokens_limit"],
                    served_model_names=context["model_names"],
@@ -84,7 +91,7 @@ class ServerConfig:
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
         seen: dict[str, str] = {}
-        for key, tenant in self.keys:
+        for key, tenant in self.keys + tuple((k, OPERATOR) for k in self.operator_keys):
             if not key or not tenant:
                 raise ValueError("API keys and tenant names must not be empty")
             if key != key.strip() or len(key.split()) != 1:
@@ -138,14 +145,19 @@ def resolve_api_keys(flag_keys: list[str] | None, key_file: str | None,
 
 class _AuthMiddleware:
     """Pure ASGI (streams and disconnects pass through untouched). Puts the key's tenant in
-    scope["state"]["tenant"]."""
+    scope["state"]["tenant"]. With more than one tenant, /metrics and /debug (every tenant's
+    traffic) answer 403 to all but an operator key."""
 
     PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json", "/metrics")
+    OPERATOR_ONLY = ("/debug", "/metrics")
 
     def __init__(self, app, keys: tuple[tuple[str, str], ...], public: tuple[str, ...] = ()):
         self.app = app
         self.keys = [(key.encode(), tenant) for key, tenant in keys]
         self.protected = tuple(p for p in self.PROTECTED if p not in public)
+        tenants = {tenant for _, tenant in keys if tenant != OPERATOR}
+        self.operator_only = tuple(p for p in self.OPERATOR_ONLY if p in self.protected
+                                   and len(tenants) > 1)
 
     def _tenant(self, token: bytes) -> str | None:
         tenant = None
@@ -166,6 +178,12 @@ class _AuthMiddleware:
                 response = StrictJSONResponse(err.body(), status_code=401,
                                         headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
+                return
+            if tenant != OPERATOR and scope["path"].startswith(self.operator_only):
+                err = APIError(f"{scope['path']} shows every tenant's traffic: it needs an "
+                               "operator key (--operator_key)", status=403,
+                               type="permission_error", code="operator_key_required")
+                await StrictJSONResponse(err.body(), status_code=403)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -239,8 +257,9 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     app.state.engine = aengine
     app.state.metrics = metrics
     app.state.ctx = ctx
-    if config.keys:
-        app.add_middleware(_AuthMiddleware, keys=config.keys,
+    if config.keys or config.operator_keys:
+        app.add_middleware(_AuthMiddleware,
+                           keys=config.keys + tuple((k, OPERATOR) for k in config.operator_keys),
                            public=("/metrics",) if config.public_metrics else ())
     base_salt = aengine.engine.config.cache.cache_salt or ""
 
