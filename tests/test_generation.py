@@ -197,6 +197,14 @@ def test_seeded_sampling_independent_of_batch(llm, prompts):
     assert mixed[1] == alone
 
 
+def test_seeds_past_32_bits_sample_apart(llm, prompts):
+    """Seed 2**32 was seed 0 on the device (its low 32 bits); a seed still repeats itself."""
+    def params(seed):
+        return SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
+    outs = _ids(llm.generate([prompts[2]] * 3, [params(0), params(2**32), params(0)]))
+    assert outs[0] == outs[2] and outs[0] != outs[1]
+
+
 def test_abort_storm_leaves_no_pages_and_survivors_unchanged(default_loaded):
     rng = random.Random(0)
     words = LONG_PROMPT.split()

@@ -14,6 +14,7 @@ MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 1e4  # beyond it every distribution is uniform to float32
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: +-100 bans or forces a token
 MAX_REPETITION_PENALTY = 10.0
+SEED_MIN, SEED_MAX = -2**63, 2**63 - 1  # a signed 64-bit seed (vLLM's range)
 
 
 class InvalidParam(ValueError):
@@ -33,6 +34,13 @@ def _token_key(key) -> int:
         return key
     raise InvalidParam("logit_bias", f"logit_bias keys must be token ids (decimal integers), "
                                      f"got {key!r}")
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A seed as the two 32-bit words of its device key (high, low): seed mod 2**64, one-to-one
+    on [SEED_MIN, SEED_MAX], and (0, seed) for 0 <= seed < 2**32 as jax.random.key(seed)."""
+    seed %= 2**64
+    return seed >> 32, seed & 0xFFFFFFFF
 
 
 @dataclasses.dataclass
@@ -106,7 +114,7 @@ class SamplingParams:
         integer("max_tokens", 1, optional=True)
         integer("logprobs", 0, MAX_LOGPROBS, optional=True)
         integer("prompt_logprobs", 0, MAX_LOGPROBS, optional=True)
-        integer("seed", -2**63, 2**64 - 1, optional=True)  # any 64-bit seed; hashed to 32 bits
+        integer("seed", SEED_MIN, SEED_MAX, optional=True)
         integer("priority", -INT32_MAX, INT32_MAX)
         real("presence_penalty", -2.0, 2.0)
         real("frequency_penalty", -2.0, 2.0)

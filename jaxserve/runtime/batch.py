@@ -17,7 +17,7 @@ import math
 import jax
 import numpy as np
 
-from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.sampling_params import SamplingParams, seed_words
 from jaxserve.core.sequence import Request, Sequence
 from jaxserve.core.step_plan import ScheduledChunk, StepPlan
 from jaxserve.model.attention import AttentionMetadata
@@ -120,7 +120,7 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
     top_k = np.zeros(r, np.int32)
     top_p = np.ones(r, np.float32)
     min_p = np.zeros(r, np.float32)
-    seeds = np.zeros(r, np.uint32)
+    seeds = np.zeros((r, 2), np.uint32)
     forks = np.zeros(r, np.int32)
     sample_pos = np.zeros(r, np.int32)
     max_logprobs = -1  # -1: no row wants logprobs
@@ -130,7 +130,7 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
             continue  # a padding row's sample: greedy, dropped
         sp_ = seq.sampling_params
         temperature[i], top_k[i], top_p[i], min_p[i] = sp_.temperature, sp_.top_k, sp_.top_p, sp_.min_p
-        seeds[i] = (sp_.seed or 0) & 0xFFFFFFFF
+        seeds[i] = seed_words(sp_.seed or 0)
         forks[i] = seq.fork_index
         sample_pos[i] = positions[index] + 1  # forks sampled at a prompt's end share it
         if sp_.logprobs is not None:

@@ -22,7 +22,7 @@ class SamplingMetadata:
     top_k: jax.Array  # i32[R]; 0 = off
     top_p: jax.Array  # f32[R]; 1 = off
     min_p: jax.Array  # f32[R]; 0 = off
-    seeds: jax.Array  # u32[R]
+    seeds: jax.Array  # u32[R, 2] the seed's key words (high, low): sampling_params.seed_words
     forks: jax.Array  # i32[R] fork index of the row's sequence
     positions: jax.Array  # i32[R] position of the token being sampled
     mode: str = static_field()  # GREEDY: all rows greedy; RANDOM: no filters; FILTERED
@@ -79,8 +79,10 @@ def sample(logits, md: SamplingMetadata, backend: Backend = XLA):
         if md.mode == FILTERED:
             scaled = _filter(scaled, md)
 
-        def row_key(seed, fork, pos):
-            key = jax.random.key(seed)
+        def row_key(words, fork, pos):
+            # the words are the key itself (what jax.random.key makes of a 64-bit seed), so
+            # no two seeds share a stream
+            key = jax.random.wrap_key_data(words, impl="threefry2x32")
             return jax.random.fold_in(jax.random.fold_in(key, fork), pos)
 
         keys = jax.vmap(row_key)(md.seeds, md.forks, md.positions)

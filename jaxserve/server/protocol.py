@@ -22,7 +22,8 @@ from jaxserve.server.requests import (REQUEST_MODELS, ChatCompletionRequest, Com
                                       first_error)
 from jaxserve.server.chat_output import ChatOutputParser
 from jaxserve.server.reasoning import ReasoningParser, reasoning_parser
-from jaxserve.server.structured_requests import OutputConstraint, output_constraint
+from jaxserve.server.structured_requests import (OutputConstraint, after_thinking,
+                                                 output_constraint)
 from jaxserve.server.tool_grammar import tool_grammar
 from jaxserve.server.tool_parsers import ToolParser, tool_parser
 from jaxserve.server.tool_prompt import TemplateTools, probe_template, with_tools
@@ -165,6 +166,7 @@ def _parsed(request: CompletionRequest | ChatCompletionRequest,
     chat = isinstance(request, ChatCompletionRequest)
     if chat:
         constraint = _auto_tool_constraint(request, ctx, constraint)
+        constraint = after_thinking(constraint, ctx.tokenizer, ctx.reasoning)
     prompts = ([_chat_prompt(request, ctx, constraint)] if chat
                else _completion_prompts(request, ctx))
     echo = not chat and request.echo
@@ -194,7 +196,7 @@ def _parsed(request: CompletionRequest | ChatCompletionRequest,
 
     params = SamplingParams(
         n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
-        min_p=request.min_p, seed=None if request.seed is None else request.seed % (2**31 - 1),
+        min_p=request.min_p, seed=request.seed,
         # Up to the context: None, which the engine bounds itself (a KV pool shorter than the
         # context ends it with "length"); an explicit max_tokens the pool cannot hold is refused.
         max_tokens=None if to_context else engine_max, stop=request.stop,

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WrapValidator, model_validator
 
 from jaxserve.core.sampling_params import (INT32_MAX, MAX_LOGIT_BIAS, MAX_LOGPROBS,
-                                           MAX_REPETITION_PENALTY)
+                                           MAX_REPETITION_PENALTY, SEED_MAX, SEED_MIN)
 
 # Fields other servers accept that would change the output; here they are a 400, never ignored.
 REFUSED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
@@ -189,7 +189,7 @@ class _Request(_Object):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1: disabled")
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: Stop = []
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
