@@ -184,7 +184,10 @@ class BatchWriter:
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=len(plan.todo), desc="batch", unit="req")
+            # lines, as the summary counts them: those resumed or refused before running are
+            # done already
+            self.bar = tqdm(total=plan.summary.total, initial=plan.summary.total - len(plan.todo),
+                            desc="batch", unit="line")
         os.makedirs(os.path.dirname(os.path.abspath(output_path)), exist_ok=True)
         torn = _ends_mid_line(output_path)
         self.sink = open(output_path, "a", encoding="utf-8")

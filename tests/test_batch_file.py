@@ -188,6 +188,24 @@ def test_batch_resume_after_kill_with_duplicate_id(llm, tmp_path):
     assert llm.stats()["referenced_pages"] == 0 and llm.stats()["running"] == 0
 
 
+def test_progress_bar_counts_the_summarys_lines(tmp_path):
+    """The bar said 3/3 where the summary said 5: lines refused before running (bad JSON, a
+    duplicate custom_id) and resumed lines are lines done."""
+    from jaxserve.batch_file import BatchWriter, plan_batch
+
+    body = {"model": MODEL, "prompt": "x"}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, ["{bad", *[_request(c, "/v1/completions", body) for c in "abca"]])
+    plan = plan_batch(str(inp), str(out))
+    writer = BatchWriter(str(out), plan, progress=True)
+    bar = writer.bar
+    assert (bar.n, bar.total, len(plan.todo)) == (2, 5, 3)
+    for i, *_ in plan.todo:
+        writer.emit(i, {"custom_id": "x", "response": None, "error": {"code": "c"}})
+    summary = writer.finish()
+    assert bar.n == bar.total == summary.total == 5
+
+
 def test_batch_cli(default_model_path, tmp_path):
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, [_request("only", "/v1/completions",
