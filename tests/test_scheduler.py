@@ -1,6 +1,7 @@
 """Scheduler: decisions checked by hand, and end-to-end KV bookkeeping through the fake model."""
 
 import random
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -268,8 +269,9 @@ def test_victim_is_most_recent_or_lowest_priority(policy, victim):
     step(sched, runner)  # decode writes slot 3, still in page 2
     plan = sched.schedule()  # slot 4 needs a third page each
     assert [s.request.request_id for s in plan.preempted] == [victim]
-    assert sched.waiting[0].request.request_id == victim
-    assert sched.waiting[0].num_computed_tokens == 0 and not sched.waiting[0].page_ids
+    head = sched.waiting.head()
+    assert head.request.request_id == victim
+    assert head.num_computed_tokens == 0 and not head.page_ids
     sched.update(plan, runner.run(plan))
     run_to_completion(sched, [], runner=runner)
     assert {r.request_id: [s.output_token_ids for s in r.sequences] for r in reqs} == expected(reqs)
@@ -399,3 +401,41 @@ def test_static_batch_forms_beyond_one_steps_budget_then_drains():
             batches[-1] |= ids
     assert batches == [{"r0", "r1", "r2"}, {"r3", "r4"}]
     assert res.outputs == expected(reqs)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_waiting_queue_order_front_and_removal(policy):
+    from jaxserve.core.live_requests import LiveRequests, WaitingQueue
+
+    live = LiveRequests(policy)
+    queue = WaitingQueue(live)
+    seqs = [live.add(make_request(f"r{i}", [1], priority=prio))
+            for i, prio in enumerate((2, 0, 1, 0))]
+    for seq in seqs:
+        queue.append(seq)
+    rid = lambda: queue.head().request.request_id  # noqa: E731
+    assert rid() == ("r0" if policy == "fcfs" else "r1")
+    queue.remove(seqs[1])
+    queue.remove(seqs[1])  # a second remove does nothing
+    assert rid() == ("r0" if policy == "fcfs" else "r3") and len(queue) == 3
+    queue.remove(seqs[0])
+    queue.push_front(seqs[1])  # preempted: back at the front (its key under "priority")
+    assert rid() == "r1" and seqs[1] in queue and seqs[0] not in queue
+    assert [s.request.request_id for s in queue] == ["r1", "r2", "r3"]
+
+
+def test_aborting_many_waiting_requests_in_any_order_is_linear():
+    """Issue 54 row 1: a group's abort comes in set order; each abort searched a list of the
+    waiting sequences, so 40 000 took 26 s (700 000: hours). The count printed, not timed."""
+    sched = make_sched(max_num_seqs=4)
+    n = 30_000
+    for i in range(n):
+        sched.add_request(make_request(f"r{i}", [1, 2, 3], max_tokens=1))
+    step(sched, FakeRunner(sched))  # four prefilled and finished (max_tokens=1)
+    assert len(sched.waiting) == n - 4
+    t0 = time.perf_counter()
+    aborted = sum(sched.abort(f"r{i}") for i in reversed(range(n)))
+    print(f"aborted {aborted} requests in {time.perf_counter() - t0:.2f} s")
+    assert aborted == n - 4 == sched.counters["num_aborted_total"]
+    assert len(sched.waiting) == 0 and not sched.running and not sched.has_unfinished()
+    sched.check_invariants()

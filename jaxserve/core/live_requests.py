@@ -3,9 +3,12 @@ the order the scheduling policy puts their sequences in: "fcfs" by arrival (add_
 then fork; "priority" by request.priority (lower first), then the same. It makes their sequences
 (sequence 0, and the forks of n > 1), counts the running seats a request takes, and keeps the
 requests finished outside update() (schedule() or admission found they can never fit) until the
-next update() reports them. Host-only, no JAX."""
+next update() reports them. WaitingQueue: the waiting sequences in that order. Host-only, no JAX."""
 
 from __future__ import annotations
+
+import collections
+import heapq
 
 from jaxserve.core.sequence import Request, Sequence, SequenceStatus
 
@@ -78,12 +81,6 @@ class LiveRequests:
         key = (self._arrival[seq.request.request_id], seq.fork_index)
         return (seq.request.priority,) + key if self.policy == "priority" else key
 
-    def head(self, waiting: list[Sequence]) -> Sequence:
-        """The waiting sequence admitted next."""
-        if self.policy == "priority":
-            return min(waiting, key=self.key)  # min is stable: front wins ties
-        return waiting[0]
-
     def unreported(self, request: Request) -> None:
         """Finished outside update(): the next update() reports it."""
         self._unreported.append(request)
@@ -91,3 +88,49 @@ class LiveRequests:
     def take_unreported(self) -> list[Request]:
         taken, self._unreported = self._unreported, []
         return taken
+
+
+class WaitingQueue:
+    """The waiting sequences: arrivals at the back, preempted ones back at the front; the head is
+    the front under "fcfs", the smallest LiveRequests.key under "priority". Adding, removing any
+    one and finding the head cost O(1) (O(log n) under "priority"), so aborting or admitting
+    many is linear in their count (a list's remove made a 700 000-prompt abort quadratic)."""
+
+    def __init__(self, live: LiveRequests):
+        self._live = live
+        self._seqs: collections.OrderedDict[Sequence, None] = collections.OrderedDict()
+        # "priority": (key, seq_id, seq); entries of sequences no longer waiting are skipped
+        self._heap: list[tuple] = []
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __iter__(self):
+        return iter(self._seqs)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self._seqs
+
+    def append(self, seq: Sequence) -> None:
+        self._seqs[seq] = None
+        self._push(seq)
+
+    def push_front(self, seq: Sequence) -> None:
+        self.append(seq)
+        self._seqs.move_to_end(seq, last=False)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out (nothing if it is not waiting)."""
+        self._seqs.pop(seq, None)
+
+    def head(self) -> Sequence:
+        """The waiting sequence admitted next (the queue must not be empty)."""
+        if self._live.policy != "priority":
+            return next(iter(self._seqs))
+        while self._heap[0][2] not in self._seqs:
+            heapq.heappop(self._heap)
+        return self._heap[0][2]
+
+    def _push(self, seq: Sequence) -> None:
+        if self._live.policy == "priority":  # keys are unique: seqs are never compared
+            heapq.heappush(self._heap, (self._live.key(seq), seq.seq_id, seq))

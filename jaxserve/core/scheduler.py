@@ -52,7 +52,7 @@ import time
 from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_manager import KVManager
 from jaxserve.core.limits import RequestRejected, check_request
-from jaxserve.core.live_requests import LiveRequests
+from jaxserve.core.live_requests import LiveRequests, WaitingQueue
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.plans_in_flight import PlansInFlight
 from jaxserve.core.prefix_cache import PrefixCache
@@ -83,9 +83,9 @@ class Scheduler:
         self.watermark_pages = int(cache.watermark * self.pool.num_usable)
         self.budget = StepBudget(config.max_num_batched_tokens, prefill_keys_per_token
                                  if config.enable_chunked_prefill else 0, kv_window)
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
         self.live = LiveRequests(config.scheduling_policy)  # and the policy's order
+        self.waiting = WaitingQueue(self.live)
+        self.running: list[Sequence] = []
         self.in_flight = PlansInFlight(self.kv)
         self.counters = dict(num_preempted_total=0, num_aborted_total=0, num_finished_total=0,
                              num_rejected_total=0, num_failed_total=0, prefix_cache_queries=0,
@@ -249,7 +249,7 @@ class Scheduler:
     def _admit_one(self, plan: StepPlan, budget_left: float, allow_empty: bool = False) -> bool:
         """Admit the head waiting sequence with its first chunk; False if it does not fit now.
         With allow_empty, a sequence for which no budget is left is admitted without a chunk."""
-        seq = self.live.head(self.waiting)
+        seq = self.waiting.head()
         # Seats, not sequences: a running request not yet forked still needs room for its n.
         seats = self.live.seats
         if sum(map(seats, self.running)) + seats(seq) > self.config.max_num_seqs:
@@ -371,7 +371,7 @@ class Scheduler:
             return
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq in self.waiting:
+        else:
             self.waiting.remove(seq)
         self.kv.free(seq)
         seq.status = status
@@ -386,7 +386,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.running.remove(seq)
-        self.waiting.insert(0, seq)
+        self.waiting.push_front(seq)
         plan.preempted.append(seq)
         self.counters["num_preempted_total"] += 1
         self.speculation.forget(seq)
