@@ -223,3 +223,50 @@ def crossing_chunk_logits_match(model, cfg, params, backend: str, tables, num_pa
     with torch.no_grad():
         ref = model(torch.tensor([prompt + [5]])).logits[0, -2:].numpy()
     np.testing.assert_allclose(np.stack(ours), ref, atol=1e-4, rtol=1e-4)
+
+
+def chunks_then_decode_logits_match(model, cfg, params, backend: str, *, num_pages: int,
+                                    pages_per_table: int, decode_steps: int,
+                                    release_window: bool = False):
+    """A 64-token seeded prompt run in pages of 8 as two prefill chunks of 32 (the first samples
+    nothing), then `decode_steps` decode steps, pages out of order with a table per layer group:
+    the second chunk's last and every decode step's logits are transformers', within 1e-4.
+    release_window: pages before a windowed model's window leave the table (the scratch page 0
+    instead), as the KV manager releases them."""
+    import torch
+
+    from jaxserve.core.kv_groups import groups_of
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.core.sequence import Request, Sequence
+    from jaxserve.core.step_plan import ScheduledChunk, StepPlan
+
+    page, chunk = 8, 32
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, 2 * chunk)]
+    seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt),
+                   len(prompt))
+    pages = [int(p) for p in rng.permutation(np.arange(1, num_pages))]  # non-contiguous
+    n = pages_per_table
+    seq.page_ids = pages[:n]
+    seq.group_page_ids = [pages[n * g:n * g + n] for g in range(1, groups_of(cfg).num_groups)]
+    runner = StepLogits(cfg, params, page, backend, num_pages=num_pages)
+
+    def release(position):
+        if release_window and cfg.kv_window is not None:
+            for i in range(max(0, position - cfg.kv_window + 1) // page):
+                seq.page_ids[i] = 0
+
+    release(0)
+    first = runner.step(StepPlan([ScheduledChunk(seq, 0, chunk, [])]))
+    assert first.shape[0] == 0  # a chunk that ends no prompt samples nothing
+    release(chunk)
+    ours = [runner.step(StepPlan([ScheduledChunk(seq, chunk, chunk, [seq])]))[0]]
+    decode = [int(t) for t in rng.integers(3, cfg.vocab_size, decode_steps)]
+    for tok in decode:
+        seq.token_ids.append(tok)
+        release(seq.num_tokens - 1)
+        ours.append(runner.step(StepPlan([ScheduledChunk(seq, seq.num_tokens - 1, 1, [seq])]))[0])
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + decode])).logits[0, len(prompt) - 1:].numpy()
+    np.testing.assert_allclose(np.stack(ours), ref, atol=1e-4, rtol=1e-4)
+    return seq

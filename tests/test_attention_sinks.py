@@ -13,8 +13,8 @@ import pytest
 
 from attention_cases import (F64_TOL, TOL, assert_close, call, engine_metadata, mixed_rows,
                              page_major, quantize_case, ragged_case)
+from skips import need_backend
 from jaxserve import backends
-from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.model.attention import attend
 from jaxserve.model.kv_cache import KVCache
 from pallas_kernels.reference import ref_ragged_paged_attention, ref_ragged_paged_attention_f64
@@ -76,8 +76,7 @@ def case_without_sinks(case):
 @pytest.mark.parametrize("backend", ["xla", "cpu"])
 @pytest.mark.parametrize("window", [None, WINDOW])
 def test_engine_backends_match_float64(backend, window):
-    if backend == "cpu" and not cpu_kernels.available():
-        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
+    need_backend(backend)
     case = _case()
     # Page 0 and garbage read as zeros: the XLA path's causal masking of garbage slots is not a
     # select (test_attention_windows.py covers the released pages).
@@ -90,8 +89,7 @@ def test_engine_backends_match_float64(backend, window):
 def test_cpu_kernel_int8_pages_and_split_decode():
     """int8 pages with per-token scales; and one long decode row, whose keys the kernel splits
     over its threads: only the first split may count the sink (merged once)."""
-    if not cpu_kernels.available():
-        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
+    need_backend("cpu")
     case = quantize_case(_case())
     cache = KVCache(k=case["k_pages"], v=case["v_pages"], k_scale=case["k_scale"],
                     v_scale=case["v_scale"])

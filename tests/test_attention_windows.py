@@ -16,8 +16,8 @@ import pytest
 
 from attention_cases import (F64_TOL, TOL, assert_close, call, engine_metadata, mixed_rows,
                              quantize_case, ragged_case)
+from skips import need_backend
 from jaxserve import backends
-from jaxserve.backends.cpu import kernels as cpu_kernels
 from jaxserve.model.attention import attend
 from jaxserve.model.kv_cache import KVCache
 from pallas_kernels.reference import ref_ragged_paged_attention, ref_ragged_paged_attention_f64
@@ -63,8 +63,7 @@ def test_reference_matches_float64(window, soft_cap):
 @pytest.mark.parametrize("backend", ["xla", "cpu"])
 @pytest.mark.parametrize("window,soft_cap", FEATURES)
 def test_engine_backends_match_float64(backend, window, soft_cap):
-    if backend == "cpu" and not cpu_kernels.available():
-        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
+    need_backend(backend)
     case = _released_case(8, mixed_rows(8, long=60), group=3)
     if window is None:  # every key is read: no garbage (the XLA path's causal masking of
         # garbage slots is not a select), page 0 read as zeros
@@ -81,8 +80,7 @@ def test_engine_backends_match_float64(backend, window, soft_cap):
 def test_engine_backends_read_int8_pages_in_windows(backend):
     """int8 pages with per-token scales: the window's first run of keys may start inside a page
     (its scales offset alike); page 0 and garbage slots hold int8 garbage and NaN scales."""
-    if backend == "cpu" and not cpu_kernels.available():
-        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
+    need_backend(backend)
     case = quantize_case(_released_case(8, mixed_rows(8, long=60), group=3))
     cache = KVCache(k=case["k_pages"], v=case["v_pages"], k_scale=case["k_scale"],
                     v_scale=case["v_scale"])

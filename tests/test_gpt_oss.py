@@ -18,14 +18,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_families import (StepLogits, crossing_chunk_logits_match, seeded_model,  # noqa: E402
-                         tensor_parallel_tokens_match, transformers_greedy)
-from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from hf_families import (chunks_then_decode_logits_match, crossing_chunk_logits_match,  # noqa: E402
+                         seeded_model, tensor_parallel_tokens_match, transformers_greedy)
+from skips import need_backend  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.kv_groups import groups_of  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
-from jaxserve.core.sequence import Request, Sequence  # noqa: E402
-from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.weights import load_model  # noqa: E402
@@ -70,11 +68,6 @@ def checkpoint(tmp_path_factory):
     return model, directory
 
 
-def _need(backend):
-    if backend == "cpu" and not cpu_kernels.available():
-        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
-
-
 def test_config(checkpoint):
     cfg = load_model(checkpoint[1], lazy=True).config
     assert cfg.architecture == "gpt_oss" and cfg.attention_sinks and cfg.attention_bias
@@ -88,29 +81,11 @@ def test_config(checkpoint):
 def test_logits_match_transformers(checkpoint, backend):
     """Two prefill chunks of 32 then 4 decode steps, pages out of order, the model loaded
     lazily; the sliding layers' window (8) is crossed by every chunk."""
-    _need(backend)
+    need_backend(backend)
     model, directory = checkpoint
     loaded = load_model(directory, lazy=True)
-    rng = np.random.default_rng(1)
-    prompt = [int(t) for t in rng.integers(3, VOCAB, 2 * CHUNK)]
-    seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt),
-                   len(prompt))
-    pages = [int(p) for p in rng.permutation(np.arange(1, 40))]  # non-contiguous
-    seq.page_ids = pages[:10]
-    groups = groups_of(loaded.config).num_groups
-    if groups > 1:  # a table per layer group (core/kv_groups.py), each of its own pages
-        seq.group_page_ids = [pages[10 * g:10 * g + 10] for g in range(1, groups)]
-    runner = StepLogits(loaded.config, loaded.params, PAGE, backend, num_pages=40)
-    first = runner.step(StepPlan([ScheduledChunk(seq, 0, CHUNK, [])]))
-    ours = [runner.step(StepPlan([ScheduledChunk(seq, CHUNK, CHUNK, [seq])]))[0]]
-    decode = [int(t) for t in rng.integers(3, VOCAB, 4)]
-    for tok in decode:
-        seq.token_ids.append(tok)
-        ours.append(runner.step(StepPlan([ScheduledChunk(seq, seq.num_tokens - 1, 1, [seq])]))[0])
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt + decode])).logits[0, len(prompt) - 1:].numpy()
-    assert first.shape[0] == 0  # a chunk that ends no prompt samples nothing
-    np.testing.assert_allclose(np.stack(ours), ref, atol=1e-4, rtol=1e-4)
+    chunks_then_decode_logits_match(model, loaded.config, loaded.params, backend, num_pages=40,
+                                    pages_per_table=10, decode_steps=4)
 
 
 @pytest.mark.parametrize("backend", ["pallas-tpu-interpret", "pallas-gpu-interpret"])
@@ -137,7 +112,7 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, backend):
     """Five requests at once through pages of 8 in a pool too small for all (preemption),
     chunks of 32 (chunked prefill beside others' decode), two sharing a 3-page prefix cached by
     a request before them (prefix caching), 10 greedy tokens each: transformers' tokens."""
-    _need(backend)
+    need_backend(backend)
     model, directory = checkpoint
     loaded = load_model(directory)
     # 10 usable pages per layer group: the longest request (10 pages a group) just fits.

@@ -15,24 +15,18 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from hf_families import (FAMILIES, WINDOW, StepLogits, crossing_chunk_logits_match,  # noqa: E402
-                         family_loaded, family_model, greedy_reference)
+from hf_families import (FAMILIES, WINDOW, chunks_then_decode_logits_match,  # noqa: E402
+                         crossing_chunk_logits_match, family_loaded, family_model,
+                         greedy_reference)
+from skips import need_backend  # noqa: E402
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
-from jaxserve.core.kv_groups import groups_of  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
-from jaxserve.core.sequence import Request, Sequence  # noqa: E402
-from jaxserve.core.step_plan import ScheduledChunk, StepPlan  # noqa: E402
 from jaxserve.engine.llm_engine import LLMEngine  # noqa: E402
 from jaxserve.llm import LLM  # noqa: E402
 
 PAGE = 8
 CHUNK = 32
-
-
-def _need_cpu(backend):
-    if backend == "cpu" and not cpu_kernels.available():
-        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
 
 
 @pytest.mark.parametrize("backend", ["xla", "cpu"])
@@ -41,40 +35,13 @@ def test_logits_match_transformers(family, backend):
     """Two prefill chunks of 32 (the second crossing the window of 12 many times over), then
     decode steps. Where every layer is windowed (Mistral) the pages before the window are taken
     out of the page table (the scratch page 0 instead), as the KV manager releases them."""
-    _need_cpu(backend)
+    need_backend(backend)
     model, cfg, params = family_model(family)
-    rng = np.random.default_rng(1)
-    prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, 2 * CHUNK)]
-    seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt),
-                   len(prompt))
-    pages = [int(p) for p in rng.permutation(np.arange(1, 64))]  # non-contiguous
-    # a table per layer group (core/kv_groups.py), each of its own pages
-    seq.page_ids, seq.group_page_ids = pages[:12], [pages[12 * g:12 * g + 12] for g in
-                                                    range(1, groups_of(cfg).num_groups)]
-    runner = StepLogits(cfg, params, PAGE, backend)
-
-    def release(position):
-        if cfg.kv_window is not None:
-            for i in range(max(0, position - cfg.kv_window + 1) // PAGE):
-                seq.page_ids[i] = 0
-
-    ours = []
-    for start in (0, CHUNK):
-        release(start)
-        last = start + CHUNK == len(prompt)
-        out = runner.step(StepPlan([ScheduledChunk(seq, start, CHUNK, [seq] if last else [])]))
-    ours.append(out[0])
-    decode_tokens = [int(t) for t in rng.integers(3, cfg.vocab_size, 5)]
-    for tok in decode_tokens:
-        seq.token_ids.append(tok)
-        release(seq.num_tokens - 1)
-        plan = StepPlan([ScheduledChunk(seq, seq.num_tokens - 1, 1, [seq])])
-        ours.append(runner.step(plan)[0])
+    seq = chunks_then_decode_logits_match(model, cfg, params, backend, num_pages=64,
+                                          pages_per_table=12, decode_steps=5,
+                                          release_window=True)
     if cfg.kv_window is not None:
         assert seq.page_ids[:5] == [0] * 5  # keys 0..39 lie before position 68's window
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt + decode_tokens])).logits[0].numpy()
-    np.testing.assert_allclose(np.stack(ours), ref[len(prompt) - 1:], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family,backend", [("gemma2", "pallas-tpu-interpret"),
@@ -102,7 +69,7 @@ def test_mistral_window_releases_pages_and_keeps_greedy_parity(backend):
     """A 40-token prompt and 80 greedy tokens in a pool of 9 usable pages: without releasing
     pages before the window the sequence would need 15. Tokens equal transformers' greedy ones;
     the peak is what a window and a chunk span."""
-    _need_cpu(backend)
+    need_backend(backend)
     llm = _engine("mistral", backend, num_pages=10)
     prompt = [int(t) for t in np.random.default_rng(2).integers(3, 211, 40)]
     out = llm.generate([{"prompt_token_ids": prompt}], _greedy(80), use_tqdm=False)[0]

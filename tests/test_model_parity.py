@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_families import StepLogits  # noqa: E402
-from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
+from skips import need_backend  # noqa: E402
 from jaxserve.config import ModelConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 from jaxserve.core.sequence import Request, Sequence  # noqa: E402
@@ -87,8 +87,7 @@ def test_dynamic_and_unknown_rope_scalings_are_refused_by_name():
 
 
 def _check_logits(kind, page_size, chunks, backend):
-    if backend == "cpu" and not cpu_kernels.available():
-        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
+    need_backend(backend)
     model, cfg, params = _tiny(kind)
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, sum(chunks))]

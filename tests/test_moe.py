@@ -19,8 +19,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hf_families import (TINY, StepLogits, seeded_model, tensor_parallel_tokens_match,  # noqa: E402
-                         transformers_greedy)
+from hf_families import (TINY, StepLogits, chunks_then_decode_logits_match,  # noqa: E402
+                         seeded_model, tensor_parallel_tokens_match, transformers_greedy)
+from skips import need_backend  # noqa: E402
 from jaxserve.backends.cpu import kernels as cpu_kernels  # noqa: E402
 from jaxserve.config import EngineConfig  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
@@ -69,11 +70,6 @@ def checkpoint(tmp_path_factory):
         return model, directory
 
     return make
-
-
-def _need(backend):
-    if backend == "cpu" and not cpu_kernels.available():
-        pytest.skip(f"CPU kernel not built: {cpu_kernels.unavailable_reason()}")
 
 
 def _reference_mlp(x, router, gate, up, down, k, normalize):
@@ -163,24 +159,11 @@ def test_config_reads_experts_and_dense_layers(checkpoint):
 def test_logits_match_transformers(checkpoint, name, backend):
     """Two prefill chunks of 32 then 4 decode steps, pages out of order; the model loaded
     lazily (layer by layer, as the runner places it) from its directory."""
-    _need(backend)
+    need_backend(backend)
     model, directory = checkpoint(name)
     loaded = load_model(directory, lazy=True)
-    rng = np.random.default_rng(1)
-    prompt = [int(t) for t in rng.integers(3, TINY["vocab_size"], 2 * CHUNK)]
-    seq = Sequence(0, Request("r", prompt, SamplingParams(temperature=0)), list(prompt),
-                   len(prompt))
-    seq.page_ids = [int(p) for p in rng.permutation(np.arange(1, 32))[:10]]
-    runner = StepLogits(loaded.config, loaded.params, PAGE, backend, num_pages=32)
-    runner.step(StepPlan([ScheduledChunk(seq, 0, CHUNK, [])]))
-    ours = [runner.step(StepPlan([ScheduledChunk(seq, CHUNK, CHUNK, [seq])]))[0]]
-    decode = [int(t) for t in rng.integers(3, TINY["vocab_size"], 4)]
-    for tok in decode:
-        seq.token_ids.append(tok)
-        ours.append(runner.step(StepPlan([ScheduledChunk(seq, seq.num_tokens - 1, 1, [seq])]))[0])
-    with torch.no_grad():
-        ref = model(torch.tensor([prompt + decode])).logits[0, len(prompt) - 1:].numpy()
-    np.testing.assert_allclose(np.stack(ours), ref, atol=1e-4, rtol=1e-4)
+    chunks_then_decode_logits_match(model, loaded.config, loaded.params, backend, num_pages=32,
+                                    pages_per_table=10, decode_steps=4)
 
 
 def test_renormalising_the_chosen_experts_changes_the_logits(checkpoint):
@@ -203,7 +186,7 @@ def test_engine_greedy_tokens_match_transformers(checkpoint, name, backend, monk
     from jaxserve.backends.cpu.packing import PanelExperts
     from jaxserve.model import moe
 
-    _need(backend)
+    need_backend(backend)
     rows, gathered, real = [], moe.gathered_experts, PanelExperts.grouped_matmul
     monkeypatch.setattr(PanelExperts, "grouped_matmul",
                         lambda self, x, *a: rows.append(len(x)) or real(self, x, *a))
@@ -255,7 +238,7 @@ def test_int8_experts_give_their_dequantized_weights_logits(checkpoint, backend)
     step), and not the float model's."""
     from jaxserve.model.quantize import Int8Weight
 
-    _need(backend)
+    need_backend(backend)
     loaded = load_model(checkpoint("qwen3_moe-int8")[1])
     rng = np.random.default_rng(3)
     prompt = [int(t) for t in rng.integers(3, TINY["vocab_size"], CHUNK + 5)]
