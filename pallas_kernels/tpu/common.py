@@ -34,6 +34,12 @@ Attention sinks (`sinks` f[Hq]): each program's softmax starts from its rows' si
 `sink_operand`: one more [R, 128] input block per KV head) instead of an empty state, so the
 loop over keys is unchanged and a model without sinks has no such input.
 
+Cost (`attention_cost`, `with_cost`). Every pallas_call here declares a pl.CostEstimate, so XLA's
+TPU cost model (`compiled.cost_analysis()`) counts the pages a kernel reads, which it cannot see
+inside a custom call: from the static shapes at the bucket's full context (every row P pages),
+the pages each (row, query block) pair reads, K and V (and int8 scales), plus q, out and the
+table. JAX's ragged paged attention declares none; `with_cost` attaches one to its pallas_call.
+
 Sliding windows and soft-capping (keyword-only arguments of the entry point): both paths start
 their key-block loop at the block holding the earliest key any of their queries' windows reaches
 (`window_start`) and mask the rest by position with the causal limit (their values too: pages
@@ -261,6 +267,71 @@ def sink_operand(sinks, num_kv_heads: int, rows_per_group: int):
     sink = sinks.astype(jnp.float32).reshape(num_kv_heads, 1, group, 1)
     sink = jnp.broadcast_to(sink, (num_kv_heads, rows_per_group // group, group, LANES))
     return sink.reshape(num_kv_heads, rows_per_group, LANES)
+
+
+def row_reads(num_tokens: int, num_rows: int, block_q: int) -> int:
+    """The most (row, query block) pairs T tokens in S rows make with blocks of block_q tokens:
+    each such pair reads the row's pages once. A row spans several blocks only by having
+    tokens in each, so at most min(T, min(S, T) + blocks - 1); decode (block_q 1) gives T."""
+    rows = min(num_rows, num_tokens)
+    return min(num_tokens, rows + pl.cdiv(num_tokens, block_q) - 1)
+
+
+def pages_read(table_width: int, page_size: int, pages_per_block: int,
+               window: int | None) -> int:
+    """Pages a row at the full context of its padded table (P' pages) has read: whole key blocks,
+    from the block holding its window's first key (`window_start`) on."""
+    if window is None:
+        return table_width
+    block_len = pages_per_block * page_size
+    return min(table_width, (pl.cdiv(window, block_len) + 1) * pages_per_block)
+
+
+def attention_cost(*, num_tokens: int, num_rows: int, block_q: int, pages_read: int,
+                   page_size: int, num_q_heads: int, kv_heads_read: int, head_dim: int,
+                   kv_itemsize: int, q_itemsize: int, scales: bool = False,
+                   soft_cap: bool = False) -> pl.CostEstimate:
+    """What a paged attention kernel reads and computes at the bucket's full context:
+    row_reads pairs each read pages_read pages of kv_heads_read heads (K and V; an int8 page's
+    f32 scales too) and score block_q query tokens of every query head against them (QK and
+    PV: 4 flops a query head, key and lane; an exp, and a tanh with soft_cap, per score)."""
+    pairs = row_reads(num_tokens, num_rows, block_q)
+    keys = pairs * pages_read * page_size
+    scores = keys * min(block_q, num_tokens) * num_q_heads
+    kv = keys * kv_heads_read * 2 * (head_dim * kv_itemsize + (4 if scales else 0))
+    io = 2 * num_tokens * num_q_heads * head_dim * q_itemsize + 4 * num_rows * pages_read
+    return pl.CostEstimate(flops=int(4 * scores * head_dim),
+                           transcendentals=int(scores * (2 if soft_cap else 1)),
+                           bytes_accessed=int(kv + io))
+
+
+def with_cost(fn, cost: pl.CostEstimate):
+    """fn, whose one pallas_call declares no cost, with `cost` declared on it: fn is traced to a
+    jaxpr and its pallas_call equation (inside nested jits) given the cost_estimate param that
+    pallas_call's own keyword sets, then evaluated. For a kernel we call but do not own."""
+    from jax.extend import core as jex_core
+
+    def rewrite(jaxpr):
+        eqns = []
+        for eqn in jaxpr.eqns:
+            params = dict(eqn.params)
+            if eqn.primitive.name == "pallas_call":
+                params["cost_estimate"] = cost
+            for k, v in params.items():
+                if isinstance(v, jex_core.ClosedJaxpr):
+                    params[k] = jex_core.ClosedJaxpr(rewrite(v.jaxpr), v.consts)
+            eqns.append(eqn.replace(params=params))
+        return jaxpr.replace(eqns=eqns)
+
+    def wrapped(*args):
+        if not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+            return fn(*args)  # run eagerly: no compiled program's cost to inform
+        closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+        out = jex_core.jaxpr_as_fun(jex_core.ClosedJaxpr(rewrite(closed.jaxpr), closed.consts))(
+            *jax.tree_util.tree_leaves(args))
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shape), out)
+
+    return wrapped
 
 
 def finish(carry):

@@ -20,6 +20,9 @@ the interpreted TPU backend keeps the head-major pool and this package's kernels
 layout, padding and options are tested on CPU with JAX's `ref_ragged_paged_attention` in the
 kernel's place, and the kernel itself is compiled for v5e and v6e (tests/test_tpu_compile.py).
 
+Cost: JAX's kernel declares no pl.CostEstimate; `common.with_cost` attaches this package's count
+of its reads (`common.attention_cost`) to its pallas_call, so XLA's cost model sees its pages.
+
 Block sizes: JAX's tuned table, looked up for the device kind that Mosaic lowers for
 (`target_device_kind`, which honours `compile_target`); JAX's own lookup reads
 `jax.devices()`, a CPU in a compile-only process, so the adapter passes explicit sizes.
@@ -32,8 +35,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as jax_rpa
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes as tuned
+
+from pallas_kernels.tpu.common import attention_cost, with_cost
 
 # Where no TPU is the target (JAX's reference swapped in by tests), sizes as for this chip.
 _DEFAULT_KIND = "TPU v6 lite"
@@ -127,10 +133,17 @@ def ragged_paged_attention(
         q = q.reshape(num_tokens, padded * group, head_dim)
     pages, queries = block_sizes(q.dtype, kv_pages.dtype, padded * group, padded, head_dim,
                                  page_size, num_tokens, page_tables.shape[1])
-    num_seqs = jnp.array([page_tables.shape[0]], jnp.int32)
-    out = jax_rpa.ragged_paged_attention(
-        q, kv_pages, seq_lens, page_tables, query_start, num_seqs, sm_scale=sm_scale,
-        sliding_window=window, soft_cap=soft_cap, num_kv_pages_per_block=pages,
-        num_queries_per_block=queries)
+    num_seqs = np.array([page_tables.shape[0]], np.int32)  # concrete: the reference reads it
+    kernel = lambda *args: jax_rpa.ragged_paged_attention(  # noqa: E731 - num_seqs concrete
+        *args, num_seqs, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
+        num_kv_pages_per_block=pages, num_queries_per_block=queries)
+    # It declares no cost; ours from its reads: whole rows (it masks a window, reads all pages),
+    # every combined head, once per (row, query block).
+    cost = attention_cost(
+        num_tokens=num_tokens, num_rows=page_tables.shape[0], block_q=queries,
+        pages_read=page_tables.shape[1], page_size=page_size, num_q_heads=padded * group,
+        kv_heads_read=padded, head_dim=head_dim, kv_itemsize=kv_pages.dtype.itemsize,
+        q_itemsize=q.dtype.itemsize, soft_cap=soft_cap is not None)
+    out = with_cost(kernel, cost)(q, kv_pages, seq_lens, page_tables, query_start)
     return out[:, :num_q_heads] if padded > num_kv_heads else out
 

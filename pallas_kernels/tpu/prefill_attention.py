@@ -36,8 +36,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.tpu.common import (LANES, finish, init_carry, kv_scratch, masked_scores,
-                                       in_window, online_softmax_step, pipelined_kv_loop,
+from pallas_kernels.tpu.common import (LANES, attention_cost, finish, init_carry, kv_scratch, masked_scores,
+                                       in_window, online_softmax_step, pages_read,
+                                       pipelined_kv_loop,
                                        pool_layout, pool_operands, resolve_interpret,
                                        sink_operand, split_refs, window_start)
 
@@ -141,6 +142,12 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
                                       quantized=len(pool) == 4, page_major=len(pool) == 1),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        cost_estimate=attention_cost(
+            num_tokens=padded_tokens, num_rows=page_tables.shape[0], block_q=block_q,
+            pages_read=pages_read(table_width, page_size, pages_per_block, window),
+            page_size=page_size, num_q_heads=num_q_heads, kv_heads_read=num_kv_heads,
+            head_dim=head_dim, kv_itemsize=k_pages.dtype.itemsize, q_itemsize=q.dtype.itemsize,
+            scales=k_scale is not None, soft_cap=soft_cap is not None),
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         interpret=resolve_interpret(interpret),
     )(seq_lens, table, query_start, first_seq, last_seq, q4, *sink_args, *pool)
