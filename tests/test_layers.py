@@ -1,5 +1,6 @@
-"""The package's layers as the code imports them: the host core runs without JAX, the model
-imports no backend, and no backend is chosen where it would run in interpret mode."""
+"""The package's layers as the code imports them: every import goes down the layers' order
+(LAYERS, docs/design.md), the host core runs without JAX, and no backend is chosen where it
+would run in interpret mode."""
 
 import ast
 import pathlib
@@ -45,20 +46,70 @@ def _imports(path: pathlib.Path) -> set[str]:
     return names
 
 
-def test_model_imports_no_backend_and_core_no_runtime():
-    """The model takes its backend as an object passed down (model.attention.AttentionBackend):
-    it imports no backend, not even the registry, so nothing below the runtime looks one up by
-    name."""
-    for path in (ROOT / "jaxserve" / "model").glob("*.py"):
-        upward = {m for m in _imports(path)
-                  if m.startswith(("jaxserve.backends", "jaxserve.runtime", "jaxserve.engine"))
-                  or m == "jaxserve"}
-        assert not upward, f"{path.name} imports {upward}"
-    for path in (ROOT / "jaxserve" / "core").glob("*.py"):
-        upward = {m for m in _imports(path)
-                  if m.startswith(("jaxserve.runtime", "jaxserve.engine", "jaxserve.model",
-                                   "jaxserve.backends", "jaxserve.server"))}
-        assert not upward, f"core/{path.name} imports {upward}"
+# The import order, top first: a module imports from its own layer and those below it only
+# (docs/design.md, "Layers"). The engine asks and lower layers answer; where a lower layer must
+# act on a higher one's behalf (the model's attention, a backend's kernels) the object is passed
+# down, as model.attention.AttentionBackend is.
+LAYERS = (
+    ("front ends", ("jaxserve", "jaxserve.cli", "jaxserve.server", "jaxserve.llm",
+                    "jaxserve.batch_file", "jaxserve.integrations")),
+    ("tools", ("jaxserve.tools",)),
+    ("engine", ("jaxserve.engine",)),
+    ("runtime", ("jaxserve.runtime",)),
+    ("backends", ("jaxserve.backends",)),
+    ("model", ("jaxserve.model",)),
+    ("host core and weights", ("jaxserve.core", "jaxserve.weights")),
+    ("foundation", ("jaxserve.config", "jaxserve.pytree", "jaxserve.tokenizer", "jaxserve.chat",
+                    "jaxserve.json_models", "pallas_kernels")),
+)
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of the longest prefix naming the module's package or module."""
+    best, rank = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, rank = len(prefix), i
+    assert rank is not None, f"{module} is in no layer of LAYERS"
+    return rank
+
+
+def _our_imports(path: pathlib.Path) -> set[str]:
+    """The jaxserve and pallas_kernels modules a file imports (`from jaxserve import backends`
+    names jaxserve.backends)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                module = sub if _is_module(sub) else node.module
+                names.add(module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return {n for n in names if n.split(".")[0] in ("jaxserve", "pallas_kernels")}
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def test_every_import_goes_down_the_layers():
+    """The whole order of LAYERS, for every source file: nothing imports a layer above its own.
+    So the model imports no backend, not even the registry (nothing below the runtime looks one
+    up by name), and the host core imports neither the model nor the runtime."""
+    sources = [*ROOT.glob("jaxserve/**/*.py"), *ROOT.glob("pallas_kernels/**/*.py")]
+    upward = []
+    for path in sources:
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        rank = _layer(module)
+        for name in _our_imports(path):
+            if _layer(name) < rank:
+                upward.append(f"{module} ({LAYERS[rank][0]}) imports {name} "
+                              f"({LAYERS[_layer(name)][0]})")
+    assert not upward, "\n".join(sorted(upward))
 
 
 def test_declared_dependencies_are_the_imported_ones():
