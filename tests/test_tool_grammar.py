@@ -31,27 +31,38 @@ MARKUP = ("<tool_call>", "</tool_call>", "<think>", "</think>", "[TOOL_CALLS]", 
           "<|python_tag|>", "<|python_start|>", "<|python_end|>")
 
 
-def byte_tokenizer(special: tuple[str, ...] = (), template: str | None = None) -> Tokenizer:
+def byte_tokenizer(special: tuple[str, ...] = (), template: str | None = None,
+                   added: bool = False) -> Tokenizer:
+    """One token per byte, then `special` as special tokens, or (`added`) as added tokens that
+    are not special, as Qwen's and Hermes' `<tool_call>` and `<think>` are."""
     backend = tokenizers.Tokenizer(models.BPE(
         vocab={ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))},
         merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(["<|endoftext|>", *special])
+    backend.add_special_tokens(["<|endoftext|>"])
+    backend.add_tokens([AddedToken(t, special=not added, normalized=False) for t in special])
     return Tokenizer(backend, bos_token_id=None, eos_token_ids=[256], chat_template=template)
 
 
-def accepts(parser: str, text: str | list[str], *, special: bool, reasoning: str | None = None,
-            parallel: bool = True, template: str | None = None) -> str:
+def accepts(parser: str, text: str | list[str], *, special: bool | str,
+            reasoning: str | None = None, parallel: bool = True, template: str | None = None,
+            tools: tuple[dict, ...] = ()) -> str:
+    """What `matches` says of the grammar of `tools` (WEATHER and TIME by default) in the
+    parser's format; markup is text (special False), special tokens (True) or added tokens
+    that are not special ("added")."""
+    tok = byte_tokenizer(MARKUP if special else (), template, added=special == "added")
+    grammar = tool_grammar(PARSERS[parser](), list(tools) or [WEATHER, TIME], tok,
+                           reasoning_parser(reasoning), parallel)
+    return matches(llguidance.LLMatcher.grammar_from_lark(grammar.lark), tok, text)
+
+
+def matches(grammar: str, tok: Tokenizer, text: str | list[str]) -> str:
     """'accept' (the output may end here), 'open' (it may not: a call is open), 'stop' (it must
-    end here) or the refused prefix's end. A
-    list of texts is encoded piece by piece (markup split across pieces is spelled in bytes)."""
-    tok = byte_tokenizer(MARKUP if special else (), template)
-    grammar = tool_grammar(PARSERS[parser](), [WEATHER, TIME], tok, reasoning_parser(reasoning),
-                           parallel)
+    end here) or the refused prefix's end, for llguidance's `grammar` (its JSON form). A list
+    of texts is encoded piece by piece (markup split across pieces is spelled in bytes)."""
     lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=300, eos_token=[256])
-    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_lark(grammar.lark),
-                                   log_level=0)
+    matcher = llguidance.LLMatcher(lltok, grammar, log_level=0)
     assert not matcher.is_error(), matcher.get_error()
     ids = [t for piece in ([text] if isinstance(text, str) else text)
            for t in tok.encode(piece, add_special_tokens=False)]
@@ -61,7 +72,8 @@ def accepts(parser: str, text: str | list[str], *, special: bool, reasoning: str
     return "stop" if matcher.is_stopped() else "accept" if matcher.is_accepting() else "open"
 
 
-@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+@pytest.mark.parametrize("special", [False, True, "added"],
+                         ids=["text-markup", "special-markup", "added-markup"])
 def test_hermes(special):
     assert accepts("hermes", "Just text, <tool no call.", special=special) == "accept"
     assert accepts("hermes", f"Let me see.\n{HERMES}\n{HERMES} done.", special=special) == "accept"
@@ -74,7 +86,8 @@ def test_hermes(special):
                    special=special).endswith("}} x")  # the closing markup
 
 
-@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+@pytest.mark.parametrize("special", [False, True, "added"],
+                         ids=["text-markup", "special-markup", "added-markup"])
 def test_mistral_and_llama3_json(special):
     two = ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": 2}}, {"name": "get_weather", '
            '"arguments": {"city": "Oslo", "unit": "f"}}] ok')
@@ -92,7 +105,8 @@ def test_mistral_and_llama3_json(special):
     assert accepts("llama3_json", '{"name": "x', special=special).endswith('"x')
 
 
-@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+@pytest.mark.parametrize("special", [False, True, "added"],
+                         ids=["text-markup", "special-markup", "added-markup"])
 def test_the_think_block_comes_first(special):
     thought = "<think>\nmaybe <tool call> later\n</think>\n\n"
     assert accepts("hermes", thought + HERMES, special=special, reasoning="qwen3") == "accept"
@@ -130,7 +144,8 @@ def test_keywords_llguidance_cannot_enforce_do_not_refuse_the_tools():
         llguidance.LLMatcher.grammar_from_lark(grammar.lark)) == ""
 
 
-@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+@pytest.mark.parametrize("special", [False, True, "added"],
+                         ids=["text-markup", "special-markup", "added-markup"])
 def test_pythonic(special):
     two = "[get_weather(city='Pa\\'ris', unit=\"c\"), get_time(zone=-3)]"
     assert accepts("pythonic", two, special=special) == "accept"
@@ -172,8 +187,8 @@ def test_the_request_picks_the_grammar():
         .structured_outputs is None
     own = parse_request("chat", {**body, "response_format": {"type": "json_object"}}, ctx)
     assert own.constraint_field == "response_format"  # an explicit constraint wins
-    assert parse_request("chat", {**body, "tool_choice": "required"}, ctx).params \
-        .structured_outputs.json is not None
+    assert "start: call" in parse_request("chat", {**body, "tool_choice": "required"}, ctx) \
+        .params.structured_outputs.grammar  # a forced call
 
 
 def test_a_close_tag_inside_a_string_argument_is_text():
@@ -234,7 +249,8 @@ def random_walk(lark: str, tok: Tokenizer, rng, start: str, steps: int = 400
     return tok.decode(ids, skip_special_tokens=False), False
 
 
-@pytest.mark.parametrize("special", [False, True], ids=["text-markup", "special-markup"])
+@pytest.mark.parametrize("special", [False, True, "added"],
+                         ids=["text-markup", "special-markup", "added-markup"])
 def test_every_pythonic_call_the_grammar_allows_is_read_and_valid(special):
     """Random walks through the pythonic grammar: the parser reads each text as calls of the
     offered tools, and every call's arguments are valid against its tool's schema."""
@@ -269,3 +285,73 @@ def test_a_tool_pythonic_calls_cannot_name_is_left_out():
     grammar = tool_grammar(PARSERS["pythonic"](), bad, byte_tokenizer(), None, True)
     assert "answer: PLAIN" in grammar.lark
     assert accepts("pythonic", "[f(", special=False).endswith("[f")
+
+
+# What openai.pydantic_function_tool makes of a model with an enum and a nested model, less its
+# additionalProperties: false: `$defs` and `$ref`s, a `#` that refers to the parameters.
+TREE = {"name": "tree", "parameters": {
+    "$defs": {"Unit": {"enum": ["c", "f"], "title": "Unit", "type": "string"},
+              "Leaf": {"properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}},
+                       "required": ["v"], "title": "Leaf", "type": "object"}},
+    "properties": {"unit": {"$ref": "#/$defs/Unit"}, "leaf": {"$ref": "#/$defs/Leaf"},
+                   "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+    "required": ["unit", "leaf"], "title": "Tree", "type": "object"}}
+TREE_ARGS = '{"unit": "c", "leaf": {"v": 1}, "kids": [{"unit": "f", "leaf": {"v": 2}}]}'
+
+
+def _chat_spec(body: dict, reasoning: str | None = None, tok: Tokenizer | None = None):
+    tok = tok or byte_tokenizer()
+    tok.chat_template = tok.chat_template or "{{ messages }}"
+    ctx = ProtocolContext(model_names=("m",), tokenizer=tok, max_model_len=4096, vocab_size=300,
+                          reasoning_parser=reasoning)
+    body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    return parse_request("chat", body, ctx).params.structured_outputs, tok
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "tree"}}])
+def test_forced_calls_resolve_their_own_refs_and_close_objects(choice):
+    """Issue 54, rows 2 and 3: each tool's parameters are their own root (`#/$defs/...` and
+    `#` resolve there, not in the call around them) and objects are closed to their declared
+    properties, so a call ends once its keys are written."""
+    body = {"tools": [{"type": "function", "function": t} for t in (TREE, TIME)],
+            "tool_choice": choice}
+    spec, tok = _chat_spec(body)
+    grammar = spec.grammar_text()
+    call = '{"name": "tree", "arguments": ' + TREE_ARGS + "}"
+    assert matches(grammar, tok, call) == "stop"
+    assert matches(grammar, tok, call.replace('"f"', '"k"')).endswith('{"unit": "k')
+    # extra keys are refused, at the top and in the nested model
+    assert matches(grammar, tok, call.replace('"c", ', '"c", "x')).endswith('"c", "x')
+    assert matches(grammar, tok, call.replace('{"v": 1}', '{"v": 1, "w')).endswith('{"v": 1,')
+    # a kid is a tree's arguments, not a call: no "name" in it
+    assert matches(grammar, tok, call.replace('[{"unit"', '[{"name')).endswith('[{"n')
+    for text in ("Just text", f"x <tool_call>\n"
+                 f'{{"name": "tree", "arguments": {TREE_ARGS}}}\n</tool_call>'):  # auto alike
+        assert accepts("hermes", text, special=True, tools=(TREE,)) == "accept"
+    assert accepts("hermes", '<tool_call>{"name": "tree", "arguments": {"unit": "c", "z',
+                   special=True, tools=(TREE,)).endswith('"c", "z')
+
+
+@pytest.mark.parametrize("special", [True, "added", False])
+def test_a_response_format_comes_after_the_thinking(special):
+    """Issue 54, row 7: with a reasoning parser the thinking is free and the format
+    constrains the answer after it (vLLM's behaviour), so the answer reaches `content`."""
+    tok = byte_tokenizer(MARKUP if special else (), added=special == "added")
+    fmt = {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "t", "schema": TIME["parameters"]}}}
+    spec, _ = _chat_spec(fmt, "deepseek_r1", tok)
+    assert spec.json == TIME["parameters"] and spec.wrapper is not None
+    grammar = spec.grammar_text()
+    assert matches(grammar, tok, 'Hmm, {"zone": 1}?</think>\n\n{"zone":2}') == "stop"
+    assert matches(grammar, tok, '</think>{"zone":"2').endswith('"zone":"')
+    assert matches(grammar, tok, "still thinking") == "accept"  # as the parser reads it
+    spec, _ = _chat_spec(fmt, "qwen3", tok)
+    assert matches(spec.grammar_text(), tok, '<think>\nhm\n</think>\n{"zone":2}') == "stop"
+    assert matches(spec.grammar_text(), tok, '{"zone":2}') == "stop"
+    regex = {"structured_outputs": {"regex": "[ab]/c"}}
+    spec, _ = _chat_spec(regex, "deepseek_r1", tok)
+    assert matches(spec.grammar_text(), tok, "x</think>b/c") == "stop"
+    if special:  # the closing tag stays in the text, where the reasoning parser reads it
+        assert tok.backend.token_to_id("</think>") in spec.special_text_ids
+    assert _chat_spec(regex, None, tok)[0].wrapper is None

@@ -91,7 +91,9 @@ class StructuredOutputsParams:
     syntax), a list of choices (the output is one of them verbatim), a Lark grammar
     (llguidance's dialect), or json_object=True (any JSON object). `special_text_ids`: special
     tokens the grammar names that the output's text keeps (a tool call's markup, which the
-    server's parser reads); other special tokens are skipped as always."""
+    server's parser reads); other special tokens are skipped as always. `wrapper`: a Lark
+    grammar the whole output matches instead, in which `@answer` is the spec's own grammar (the
+    server's think block before a response format)."""
 
     json: dict | str | None = None
     regex: str | None = None
@@ -99,6 +101,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool = False
     special_text_ids: tuple[int, ...] = ()
+    wrapper: str | None = None
 
     def __post_init__(self):
         given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
@@ -114,7 +117,7 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
         if self.json is not None and not isinstance(self.json, (dict, bool)):
             raise ValueError("structured_outputs.json must be a JSON schema (an object)")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "wrapper"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
@@ -138,16 +141,24 @@ class StructuredOutputsParams:
 
     def grammar_text(self) -> str:
         """The llguidance grammar (its JSON form) this spec constrains to."""
+        grammars = self._grammars()
+        if self.wrapper is not None:
+            grammars[0]["name"] = "answer"  # what the wrapper's `@answer` names
+            grammars = [{"lark_grammar": self.wrapper}, *grammars]
+        return json.dumps({"grammars": grammars})
+
+    def _grammars(self) -> list[dict]:
         m = llguidance.LLMatcher
-        if self.json is not None:
-            return m.grammar_from_json_schema(json.dumps(self.json), defaults=_JSON_DEFAULTS)
-        if self.json_object:
-            return m.grammar_from_json_schema('{"type": "object"}', defaults=_JSON_DEFAULTS)
-        if self.regex is not None:
-            return m.grammar_from_regex(self.regex)
-        if self.choice is not None:  # Lark string literals take JSON's escapes
-            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
-        return m.grammar_from_lark(self.grammar)
+        if self.json is not None or self.json_object:
+            schema = {"type": "object"} if self.json_object else self.json
+            text = m.grammar_from_json_schema(json.dumps(schema), defaults=_JSON_DEFAULTS)
+        elif self.regex is not None:
+            text = m.grammar_from_regex(self.regex)
+        elif self.choice is not None:  # Lark string literals take JSON's escapes
+            return [{"lark_grammar": "start: " + " | ".join(json.dumps(c) for c in self.choice)}]
+        else:
+            return [{"lark_grammar": self.grammar}]
+        return json.loads(text)["grammars"]
 
 
 def error_text(error: str) -> str:

@@ -10,7 +10,7 @@ import uuid
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.server.chat_output import ChatOutputStream
 from jaxserve.server.protocol import ParsedRequest, ProtocolContext
-from jaxserve.server.structured_requests import tool_call
+from jaxserve.server.structured_requests import forced_call
 
 
 def new_id(kind: str) -> str:
@@ -111,10 +111,13 @@ class ResponseBuilder:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.p.model}
 
-    def _tool_call(self, text: str, finish: str | None) -> dict | None:
-        """The tool call of a tool-constrained output that completed (finish "stop"); an
-        output cut short (length) stays text."""
-        return tool_call(text) if self.p.tool_call and finish == "stop" else None
+    def _forced_message(self, text: str, finish: str | None) -> tuple[dict, str | None]:
+        """A forced call's message fields and finish reason: the call, "tool_calls" once it is
+        complete; cut short, the call as far as it was written (no call before its name is
+        whole) with the engine's reason. Never content: the output is the call's JSON."""
+        call, complete = forced_call(text)
+        return ({"content": None, "tool_calls": [call]} if call else {"content": None},
+                "tool_calls" if complete else finish)
 
     # ---- whole responses
     def response(self, outputs: list[RequestOutput]) -> dict:
@@ -151,14 +154,13 @@ class ResponseBuilder:
                     logprobs = (chat_logprobs(self.tok, ids, lps, self.p.num_logprobs)
                                 if self.p.num_logprobs is not None else None)
                     message, finish = {"role": "assistant", "content": text}, _finish_reason(c)
-                    call = self._tool_call(text, finish)
                     if self.p.output_parser is not None:  # reasoning, text or calls
                         message = self.p.output_parser.message(text)
                         if "tool_calls" in message and finish == "stop":
                             finish = "tool_calls"
-                    elif call is not None:
-                        message, finish = {"role": "assistant", "content": None,
-                                           "tool_calls": [call]}, "tool_calls"
+                    elif self.p.tool_call:
+                        fields, finish = self._forced_message(text, finish)
+                        message = {"role": "assistant", **fields}
                     choices.append({"index": index, "message": message,
                                     "logprobs": logprobs, "finish_reason": finish,
                                     "stop_reason": c.stop_reason})
@@ -216,13 +218,12 @@ class ResponseBuilder:
                         continue
                     if first:
                         delta = {"role": "assistant", "content": "", **delta}
-                elif self.p.tool_call:  # the call goes out whole once its JSON is complete
+                elif self.p.tool_call:  # the call goes out whole when the output ends
                     delta = {}
-                    call = self._tool_call(text, finish)
-                    if call is not None:
-                        delta, finish = {"tool_calls": [{"index": 0, **call}]}, "tool_calls"
-                    elif finish is not None:
-                        delta = {"content": text}
+                    if finish is not None:
+                        fields, finish = self._forced_message(text, finish)
+                        if "tool_calls" in fields:
+                            delta = {"tool_calls": [{"index": 0, **fields["tool_calls"][0]}]}
                     elif not first:
                         continue
                 if first:

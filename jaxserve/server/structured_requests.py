@@ -1,18 +1,22 @@
 """The output constraint of a validated request (requests.py holds the fields' shapes): one of
 `response_format` (json_object, json_schema), the extra body field `structured_outputs`, or
-`tools` with a `tool_choice` that forces a call, as one StructuredOutputsParams; and tool calls
-read back from a constrained output. Host-only, no engine calls.
+`tools` with a `tool_choice` that forces a call, as one StructuredOutputsParams; a response
+format put after the thinking when a reasoning parser reads it (`after_thinking`); and a forced
+call read back from its output (`forced_call`). Host-only, no engine calls.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 
 from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.server.reasoning import ReasoningParser
 from jaxserve.server.requests import (ChatCompletionRequest, CompletionRequest, FieldError,
                                       FunctionDefinition, ResponseFormat, StructuredOutputs)
+from jaxserve.server.tool_grammar import after_reasoning, forced_call_grammar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +61,6 @@ def _forced(functions: list[FunctionDefinition], choice) -> list[FunctionDefinit
     return offered
 
 
-def _call_schema(fn: FunctionDefinition) -> dict:
-    """A call of one function: {"name": <its name>, "arguments": <its parameters>}."""
-    return {"type": "object", "properties": {
-        "name": {"const": fn.name},
-        "arguments": fn.parameters or {"type": "object"}},
-        "required": ["name", "arguments"], "additionalProperties": False}
-
-
 def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> OutputConstraint:
     """At most one of response_format, structured_outputs and a forced tool call constrains the
     output; FieldError otherwise, or for a tool_choice that names no offered function."""
@@ -79,10 +75,9 @@ def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> Out
     choice = getattr(request, "tool_choice", None)
     if tools is not None:
         forced = _forced([tool.function for tool in tools], request.tool_choice)
-        if forced:
-            schema = (_call_schema(forced[0]) if len(forced) == 1
-                      else {"anyOf": [_call_schema(fn) for fn in forced]})
-            specs.append(("tool_choice", StructuredOutputsParams(json=schema)))
+        if forced:  # each tool's parameters their own root, so their $refs resolve
+            grammar = forced_call_grammar([fn.model_dump(exclude_unset=True) for fn in forced])
+            specs.append(("tool_choice", StructuredOutputsParams(grammar=grammar)))
     elif choice is not None:
         raise FieldError("'tool_choice' needs 'tools'", "tool_choice")
     if len(specs) > 1:
@@ -95,13 +90,37 @@ def output_constraint(request: CompletionRequest | ChatCompletionRequest) -> Out
         auto_tools=bool(tools) and choice in (None, "auto"))
 
 
-def tool_call(text: str) -> dict | None:
-    """The OpenAI tool call in a completed constrained output ({"name", "arguments"}); None if
-    the output stopped early (its JSON is incomplete)."""
+def after_thinking(constraint: OutputConstraint, tokenizer,
+                   reasoning: ReasoningParser | None) -> OutputConstraint:
+    """A chat's response_format or structured_outputs with a reasoning parser: the thinking
+    comes first, free, and the format constrains the answer after it, so the answer lands in
+    `content` (a forced call and tool_choice "auto"'s grammar are left as they are)."""
+    spec = constraint.spec
+    if reasoning is None or spec is None or constraint.field not in (
+            "response_format", "structured_outputs"):
+        return constraint
+    wrapper = after_reasoning(tokenizer, reasoning)
+    return dataclasses.replace(constraint, spec=dataclasses.replace(
+        spec, wrapper=wrapper.lark,
+        special_text_ids=tuple(sorted({*spec.special_text_ids, *wrapper.special_text_ids}))))
+
+
+# A forced call's output, as forced_call_grammar writes it: its name, then its arguments.
+_HEAD = re.compile(r'\{"name": ("(?:[^"\\]|\\.)*"), "arguments": ')
+
+
+def forced_call(text: str) -> tuple[dict | None, bool]:
+    """The OpenAI tool call in a forced call's output, and whether it is complete. An output
+    cut short (max_tokens, a stop string) is the call as far as it was written, arguments
+    partial JSON, as OpenAI returns a call cut by max_tokens; None before its name is whole."""
+    head = _HEAD.match(text)
+    if head is None:
+        return None, False
     try:
-        call = json.loads(text)
-        name, arguments = call["name"], json.dumps(call["arguments"])
-    except (json.JSONDecodeError, KeyError, TypeError):  # cut short (a stop string)
-        return None
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+        json.loads(text)
+        complete, arguments = True, text[head.end():-1]
+    except json.JSONDecodeError:
+        complete, arguments = False, text[head.end():]
+    call = {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": json.loads(head.group(1)), "arguments": arguments}}
+    return call, complete

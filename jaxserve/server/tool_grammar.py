@@ -1,12 +1,17 @@
 """tool_choice "auto": the output is free text until the model opens a call in its parser's
 format, then the call is constrained to the offered tools (a name among them, arguments valid
 against that tool's JSON schema, the closing markup), then free again. One llguidance Lark
-grammar per request, built on llguidance's own machinery: a trigger that is a special token is
-named as one (`<[id]>`: free text, a plain regex over bytes, cannot hold a special token, so the
-token alone opens a call); a trigger that is text closes a lazy lexeme (`trig[lazy]: TEXT
-"<tool_call>"`: it ends at the trigger's first occurrence, and what follows is the call); each
-tool's arguments are its schema inlined (`%json`). With a reasoning parser the grammar first
-allows a free `<think>...</think>`, as that parser reads it (tool calls inside are thoughts).
+grammar per request, built on llguidance's own machinery: a trigger that is an added token,
+special or not (llguidance matches every added token only by its id), is named as one (`<[id]>`:
+free text, a plain regex over bytes, cannot hold it, so the token alone opens a call); a
+trigger that is text closes a lazy lexeme (`trig[lazy]: TEXT "<tool_call>"`: it ends at the
+trigger's first occurrence, and what follows is the call); each tool's arguments are its schema
+inlined (`%json`, its own root, so its `$defs` and `#` refs resolve), objects that declare
+properties closed to them unless the schema says otherwise (OpenAI's strict mode). With a
+reasoning parser the grammar first allows a free `<think>...</think>`, as that parser reads it
+(tool calls inside are thoughts). A forced call (tool_choice "required" or named) is the same
+call rules alone (`forced_call_grammar`); a response format after reasoning is the reasoning
+rules before the format's own grammar (`after_reasoning`).
 
 Formats: hermes (`<tool_call>` call `</tool_call>`, anywhere in the text), mistral
 (`[TOOL_CALLS]` and a JSON list of calls, or `name[ARGS]{...}` when the template shows `[ARGS]`),
@@ -15,14 +20,13 @@ open so), pythonic (likewise with `[` or `<|python_start|>`: a list of calls who
 arguments are Python literals, pythonic_grammar.py, which says where it is looser than the
 schemas).
 
-Special tokens the grammar names (triggers, closing tags, think tags) are kept in the output's
+Added tokens the grammar names (triggers, closing tags, think tags) are kept in the output's
 text (`StructuredOutputsParams.special_text_ids`), so the parsers see them; they never reach a
 message's content, since the parsers take them out. Host-only.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 
@@ -46,30 +50,63 @@ _TEXT = r"/(.|\n)*/"
 @dataclasses.dataclass(frozen=True)
 class ToolGrammar:
     lark: str
-    special_text_ids: tuple[int, ...]  # special tokens the grammar names: kept in the text
+    special_text_ids: tuple[int, ...]  # added tokens the grammar names: kept in the text
 
 
 class _Markup:
-    """Literal markup in Lark: a special token as `<[id]>`, any other text as a string."""
+    """Literal markup in Lark: an added token as `<[id]>`, any other text as a string. Every
+    added token counts, special or not (Qwen's and Hermes' `<tool_call>` and `<think>` are
+    not): llguidance's tokenizer takes them all as special, so text can never spell one and a
+    grammar that writes its text as a string would mask the model's own token."""
 
     def __init__(self, tokenizer):
         backend = getattr(tokenizer, "backend", None)
         added = backend.get_added_tokens_decoder() if backend is not None else {}
-        self.special = {tok.content: int(i) for i, tok in added.items() if tok.special}
+        self.tokens = {tok.content: int(i) for i, tok in added.items()}
         self.used: set[int] = set()
 
-    def is_special(self, text: str) -> bool:
-        return text in self.special
+    def is_token(self, text: str) -> bool:
+        return text in self.tokens
 
     def __call__(self, text: str) -> str:
-        if text in self.special:
-            self.used.add(self.special[text])
-            return f"<[{self.special[text]}]>"
+        if text in self.tokens:
+            self.used.add(self.tokens[text])
+            return f"<[{self.tokens[text]}]>"
         return json.dumps(text)
 
 
+# Schema keywords whose value is a schema (or a list of them), or names schemas.
+_SUBSCHEMA = ("additionalProperties", "items", "prefixItems", "contains", "not", "if", "then",
+              "else", "propertyNames", "unevaluatedItems", "additionalItems", "anyOf", "oneOf",
+              "allOf")
+_NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# An object with one of these says itself what else it holds (or shares its keys with another
+# schema, which closing it would refuse): left as it is.
+_OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "allOf")
+
+
+def closed(schema, close: bool = True):
+    """The schema with every object that lists `properties` closed to them
+    (`additionalProperties: false`), as OpenAI's strict mode requires, so a call ends once its
+    keys are written; an allOf's branches stay open (each would refuse the others' keys)."""
+    if isinstance(schema, list):
+        return [closed(s, close) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = closed(out[key], key != "allOf")
+    for key in _NAMED:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN):
+        out["additionalProperties"] = False
+    return out
+
+
 def _arguments_schema(parameters: dict | None) -> str:
-    schema = copy.deepcopy(parameters) if parameters else {}
+    schema = closed(parameters) if parameters else {}
     schema.setdefault("type", "object")  # OpenAI's arguments are always an object
     schema["x-guidance"] = {**schema.get("x-guidance", {}), **_JSON_STYLE}
     return "%json " + json.dumps(schema, ensure_ascii=False)
@@ -89,7 +126,7 @@ def _call_rules(tools: list[dict], arguments_key: str) -> str:
 def _opened(name: str, trigger: str, markup: _Markup) -> str:
     """Rules `name_first` and `name`: free text, then the trigger (after which the call is
     constrained); the first text is FIRST_TEXT (it may not open a think block)."""
-    if markup.is_special(trigger):  # free text cannot hold a special token: no laziness needed
+    if markup.is_token(trigger):  # free text cannot hold an added token: no laziness needed
         return (f"{name}_first: FIRST_TEXT {markup(trigger)}\n"
                 f"{name}: TEXT {markup(trigger)}")
     return (f"{name}_first[lazy]: FIRST_TEXT {json.dumps(trigger)}\n"
@@ -131,7 +168,7 @@ def _llama3_json(tools, markup, parallel, template) -> str:
     """The answer is calls when it opens with `{` or the python tag; text may open with
     neither (the parser would read it as a call)."""
     tag = "<|python_tag|>"
-    opens = r"\{" if markup.is_special(tag) else r"\{|" + _escape(tag)
+    opens = r"\{" if markup.is_token(tag) else r"\{|" + _escape(tag)
     calls = 'call (";" " " call)*' if parallel else "call"
     return "\n".join([
         _call_rules(tools, "parameters"),
@@ -143,7 +180,7 @@ def _pythonic(tools, markup, parallel, template) -> str:
     """The answer is a call list when it opens with `[` or the python start tag; text may
     open with neither (as llama3_json)."""
     rules, calls = pythonic_calls(tools, parallel)
-    opens = r"\[" if markup.is_special(PY_START) else r"\[|" + _escape(PY_START)
+    opens = r"\[" if markup.is_token(PY_START) else r"\[|" + _escape(PY_START)
     plain = f"PLAIN: FIRST_TEXT & ~/\\s*({opens})(.|\\n)*/"
     if calls is None:  # no tool can be called pythonically: text only
         return "\n".join([rules, "answer: PLAIN", plain])
@@ -155,7 +192,7 @@ def _tag_opening(tag: str, markup: _Markup) -> str:
     """Whitespace and then `tag`: one lexeme when the tag is text (llguidance's lexer is
     greedy, so a whitespace lexeme before it would lose to the free text, which also holds the
     tag's first characters)."""
-    if markup.is_special(tag):
+    if markup.is_token(tag):
         return f"SPACE {markup(tag)}"
     return f"/[ \\t\\r\\n]{{0,4}}{_escape(tag)}/"
 
@@ -174,15 +211,15 @@ def _reasoning_rules(reasoning: ReasoningParser | None, markup: _Markup
     if reasoning is None:
         return "start: answer", None, None
     opened, closed = markup(THINK_OPEN), markup(THINK_CLOSE)
-    # thoughts: text up to the first closing tag (a special one cannot be inside text)
-    if markup.is_special(THINK_CLOSE):
+    # thoughts: text up to the first closing tag (an added token cannot be inside text)
+    if markup.is_token(THINK_CLOSE):
         rules, thought, unclosed = [], f"THOUGHT {closed}", None
     else:
         rules = [f"thought[lazy]: /(.|\\n)*{_escape(THINK_CLOSE)}/"]
         thought, unclosed = "thought", f"(.|\\n)*{_escape(THINK_CLOSE)}(.|\\n)*"
     # The opening tag with the whitespace before it: one lexeme when it is text (llguidance's
     # lexer is greedy, so a separate whitespace lexeme would lose to the answer's text).
-    if markup.is_special(THINK_OPEN):
+    if markup.is_token(THINK_OPEN):
         rules.append(f"think_open: SPACE {opened}")
     else:
         rules += ["think_open: THINK_OPEN", f"THINK_OPEN: /\\s*{_escape(THINK_OPEN)}/"]
@@ -190,14 +227,14 @@ def _reasoning_rules(reasoning: ReasoningParser | None, markup: _Markup
         rules.append(f"start: think_open? ({thought} answer | UNCLOSED)")
         return "\n".join(rules), None, unclosed
     rules.append(f"start: think_open ({thought} answer | UNCLOSED) | answer")
-    first = None if markup.is_special(THINK_OPEN) else f"\\s*{_escape(THINK_OPEN)}(.|\\n)*"
+    first = None if markup.is_token(THINK_OPEN) else f"\\s*{_escape(THINK_OPEN)}(.|\\n)*"
     return "\n".join(rules), first, unclosed
 
 
 def _free_text(markup: _Markup, *excluded: str | None) -> str:
-    """Free text: any, but not the text of a special token the grammar names (its parser could
+    """Free text: any, but not the text of an added token the grammar names (its parser could
     not tell it from the token, which the text keeps), nor what `excluded` matches."""
-    names = [_escape(text) for text, i in markup.special.items() if i in markup.used]
+    names = [_escape(text) for text, i in markup.tokens.items() if i in markup.used]
     regexes = ([f"(.|\\n)*({'|'.join(names)})(.|\\n)*"] if names else []) + [
         e for e in excluded if e]
     return " & ".join([_TEXT] + [f"~/{r}/" for r in regexes])
@@ -206,6 +243,24 @@ def _free_text(markup: _Markup, *excluded: str | None) -> str:
 def _escape(text: str) -> str:
     """Literal text inside a Lark regex."""
     return "".join("\\" + c if c in r".^$*+?()[]{}|\/-" else c for c in text)
+
+
+def forced_call_grammar(tools: list[dict]) -> str:
+    """A forced call (tool_choice "required" or named): `{"name": ..., "arguments": ...}` of
+    one of `tools` and nothing else, as the call rules write it (forced_call reads it back)."""
+    return "\n".join(["%llguidance {}", "start: call", _call_rules(tools, "arguments")])
+
+
+def after_reasoning(tokenizer, reasoning: ReasoningParser) -> ToolGrammar:
+    """The thinking first, as the reasoning parser reads it, then `@answer`: a response
+    format's own grammar (StructuredOutputsParams.wrapper), so the format constrains the answer
+    and not the thoughts (vLLM applies it after the end of reasoning alike)."""
+    markup = _Markup(tokenizer)
+    start, _, unclosed = _reasoning_rules(reasoning, markup)
+    lark = "\n".join([
+        "%llguidance {}", start, "answer: SPACE @answer", f"THOUGHT: {_free_text(markup)}",
+        f"UNCLOSED: {_free_text(markup, unclosed)}", r"SPACE: /[ \t\r\n]{0,4}/"])
+    return ToolGrammar(lark, tuple(sorted(markup.used)))
 
 
 def tool_grammar(parser: ToolParser, tools: list[dict], tokenizer,
