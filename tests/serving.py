@@ -12,12 +12,13 @@ import uvicorn
 
 
 @contextlib.contextmanager
-def serve_app(app):
-    """Yields the base URL while uvicorn serves `app` on 127.0.0.1."""
+def serve_app(app, **options):
+    """Yields the base URL while uvicorn serves `app` on 127.0.0.1; options: uvicorn.Config's."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    options = {"log_level": "warning", "timeout_graceful_shutdown": 2, **options}
+    server = uvicorn.Server(uvicorn.Config(app, **options))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -117,3 +117,51 @@ def test_a_second_signal_exits_at_once(model_dir):
     assert "Traceback" not in err, err
     for t in threads:
         t.join(30)
+
+
+def test_a_port_in_use_is_one_line_and_exit_2_before_the_model_loads(tmp_path):
+    """Issue 54 row 14: the conflict was found after the model had loaded (20 s)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # no such model: reaching the load would be a different error
+        proc = subprocess.run([sys.executable, "-m", "jaxserve.cli.main", "serve",
+                               f"--model={tmp_path / 'absent'}", f"--port={port}"],
+                              capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot listen on 127.0.0.1:{port}" in lines[0], proc.stderr
+
+
+def test_live_answers_while_the_engine_is_built_and_ready_says_starting(model_dir):
+    """docs/serving.md: the server listens at once; /health/live answered only once the engine
+    was built. The first answers now come before the engine exists."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jaxserve.cli.main", "serve",
+                             f"--model={model_dir}", f"--port={port}", "--num_pages=64",
+                             "--page_size=8", "--attention_backend=xla", "--log_level=warning",
+                             "--compile_warmup=none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url, seen = f"http://127.0.0.1:{port}", []
+    try:
+        deadline = time.monotonic() + 120
+        while not seen or seen[-1][1] != 200:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            try:
+                live = httpx.get(url + "/health/live", timeout=5)
+                ready = httpx.get(url + "/health/ready", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.02)
+                continue
+            assert live.status_code == 200
+            seen.append((ready.json().get("reason", "ok"), ready.status_code))
+        assert seen[0][1] == 503 and seen[0][0].startswith("starting"), seen[:3]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 0

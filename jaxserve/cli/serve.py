@@ -7,12 +7,15 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 
 import uvicorn
 from absl import flags
 
 from jaxserve.cli import engine_flags  # defines the engine flags
 from jaxserve.config.serving import ProtocolConfig, ServingConfig
+from jaxserve.server import listen
+from jaxserve.server.health import StartingApp
 
 engine_flags.define_flags(ServingConfig)
 engine_flags.define_flags(ProtocolConfig)
@@ -30,11 +33,12 @@ def _warmed_up(future) -> None:
 
 class DrainingServer(uvicorn.Server):
     """The first SIGINT/SIGTERM drains (no new requests; live ones get shutdown_timeout seconds,
-    then OpenAI-shaped errors); a second fails what is left and exits at once."""
+    then OpenAI-shaped errors); a second fails what is left and exits at once. Before the
+    engine is built (aengine None) a signal just exits."""
 
-    def __init__(self, config, aengine, shutdown_timeout: float):
+    def __init__(self, config, shutdown_timeout: float):
         super().__init__(config)
-        self.aengine, self.shutdown_timeout = aengine, shutdown_timeout
+        self.aengine, self.shutdown_timeout = None, shutdown_timeout
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -49,7 +53,9 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig, frame):
-        if not self.should_exit:
+        if self.aengine is None:
+            self.should_exit = True
+        elif not self.should_exit:
             print(f"jaxserve serve: shutting down, waiting up to {self.shutdown_timeout:g} s for "
                   "live requests (a second signal exits at once)", file=sys.stderr)
             self.aengine.drain(self.shutdown_timeout)
@@ -58,31 +64,58 @@ class DrainingServer(uvicorn.Server):
             self.aengine.abort_all("the server is shutting down")
 
 
+def _build(server: DrainingServer, front: StartingApp, engine_config, serving: ServingConfig,
+           server_config, failure: list) -> None:
+    """In a thread while the socket already answers health: build the engine, start its
+    warm-up, then hand the socket to the app. A failure is one line and stops the server."""
+    try:
+        from jaxserve.engine import make_engine
+        from jaxserve.server import AsyncEngine, build_app
+
+        aengine = AsyncEngine(make_engine(engine_config), stall_timeout=serving.stall_timeout,
+                              ready_after=serving.ready_after)
+        aengine.start()  # uvicorn runs no lifespan (StartingApp): the loop starts here
+        if serving.compile_warmup != "none":  # in the background: /health/ready says so
+            aengine.warm_up(full=serving.compile_warmup == "full").add_done_callback(_warmed_up)
+        server.aengine = aengine
+        front.serve(build_app(aengine, server_config))
+    except Exception as e:  # noqa: BLE001 - reported in one line, exit 2
+        print(f"jaxserve serve: error: {e}", file=sys.stderr)
+        front.failed(str(e))
+        failure.append(e)
+        server.should_exit = True
+
+
 def main(argv):
     del argv
 
     from jaxserve.config import EngineConfig
-    from jaxserve.engine import make_engine
-    from jaxserve.engine.async_engine import AsyncEngine
-    from jaxserve.server import ServerConfig, build_app
+    from jaxserve.server import ServerConfig
 
     try:
         serving = engine_flags.config_of(ServingConfig)
         server_config = ServerConfig.of(serving, engine_flags.config_of(ProtocolConfig),
                                         os.environ.get("JAXSERVE_API_KEY"))
-        engine = make_engine(EngineConfig.from_options(**engine_flags.engine_options()))
+        engine_config = EngineConfig.from_options(**engine_flags.engine_options())
     except (ValueError, OSError) as e:
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         return 2
-    aengine = AsyncEngine(engine)
-    if serving.compile_warmup != "none":  # in the background: /health/ready says so meanwhile
-        aengine.warm_up(full=serving.compile_warmup == "full").add_done_callback(_warmed_up)
-    app = build_app(aengine, server_config)
-    config = uvicorn.Config(app, host=serving.host, port=serving.port,
-                            log_level=serving.log_level,
+    try:  # before the model loads: a port in use is found at once
+        sock = listen.bind(serving.host, serving.port)
+    except OSError as e:
+        print(f"jaxserve serve: error: cannot listen on {serving.host}:{serving.port}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return 2
+    front = StartingApp()  # /health/live answers from now on; the engine is built meanwhile
+    config = uvicorn.Config(front, lifespan="off", log_level=serving.log_level,
+                            http=listen.read_timeout_protocol(serving.read_timeout),
                             timeout_graceful_shutdown=serving.shutdown_timeout + 5)
-    DrainingServer(config, aengine, serving.shutdown_timeout).run()
+    server, failure = DrainingServer(config, serving.shutdown_timeout), []
+    threading.Thread(target=_build, args=(server, front, engine_config, serving, server_config,
+                                          failure), name="jaxserve-build", daemon=True).start()
+    server.run(sockets=[sock])
     for sig in (signal.SIGINT, signal.SIGTERM):  # one more while winding down: exit at once
         signal.signal(sig, lambda *_: os._exit(0))
-    aengine.shutdown()
-    return 0
+    if server.aengine is not None:
+        server.aengine.shutdown()
+    return 2 if failure else 0

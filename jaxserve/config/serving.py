@@ -16,6 +16,7 @@ from jaxserve.config.options import check_choices, option
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "pythonic")
 REASONING_PARSERS = ("none", "qwen3", "deepseek_r1")
 COMPILE_WARMUPS = ("none", "default", "full")
+READY_AFTER = ("start", "all")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -45,6 +46,19 @@ class ServingConfig:
         "meanwhile): default = every shape of a packed backend (cpu), the pure decode and "
         "prefill buckets of the others; full = every bucket combination; none = compile on "
         "first use.", choices=COMPILE_WARMUPS)
+    ready_after: str = option(
+        "start", "When /health/ready turns 200: start = once the first shapes are compiled (the "
+        "rest compile in the background while requests are served, the first ones slower); "
+        "all = once every warm-up shape is compiled.", choices=READY_AFTER)
+    stall_timeout: float = option(
+        60.0, "/health/ready answers 503 'stalled' when the engine loop has not come round for "
+        "this many seconds (a step or a command holding it).")
+    read_timeout: float = option(
+        30.0, "Seconds a client has to send a request's headers and body (from the connection "
+        "or the previous response); then 408 and the connection is closed.")
+    max_prompts_per_request: int = option(
+        256, "Most prompts one /v1/completions body may hold (more: a 400); `jaxserve batch` "
+        "runs larger sets.")
     log_level: str = option("info", "uvicorn log level.", choices=LOG_LEVELS)
 
     def __post_init__(self):
@@ -54,6 +68,10 @@ class ServingConfig:
             (self.shutdown_timeout >= 0,
              f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}"),
             (self.max_body_bytes >= 1, f"max_body_bytes must be >= 1, got {self.max_body_bytes}"),
+            (self.stall_timeout > 0, f"stall_timeout must be > 0, got {self.stall_timeout}"),
+            (self.read_timeout > 0, f"read_timeout must be > 0, got {self.read_timeout}"),
+            (self.max_prompts_per_request >= 1,
+             f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}"),
         )
         for ok, message in checks:
             if not ok:

@@ -5,7 +5,9 @@ LLMEngine is not thread-safe, so every engine call (add_request, abort, step, st
 runs on the loop thread. A handler submits a group of prompts sharing one SamplingParams
 (`await add(...)`, which raises at once if the engine refuses them), iterates the group's outputs,
 and aborts what is unfinished when it stops listening (client disconnect): the abort is applied
-before the next step, so the request's pages are freed at once.
+before the next step, so the request's pages are freed at once. `readiness()` says why it should
+not get traffic now: dead, draining, warming up, or stalled (the loop has not come round for
+`stall_timeout` seconds: a step or a command holding it).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable, Protocol
 
+from jaxserve.config.serving import ServingConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine
@@ -78,11 +82,16 @@ class RequestGroup:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05):
+    def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05,
+                 stall_timeout: float = ServingConfig.stall_timeout,
+                 ready_after: str = ServingConfig.ready_after):
+        """stall_timeout, ready_after: ServingConfig's (readiness())."""
         self.engine = engine
         self.max_waiting = engine.config.scheduler.max_waiting
         self.observers: list[Observer] = []
         self.idle_wait_s = idle_wait_s
+        self.stall_timeout, self.ready_after = stall_timeout, ready_after
+        self._beat = time.monotonic()  # the loop's last round (idle, it comes round every wait)
         self.last_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, tuple[RequestGroup, int]] = {}  # loop thread only
@@ -121,22 +130,36 @@ class AsyncEngine:
         def run(engine: LLMEngine) -> dict:
             try:
                 return engine.warmup(full=full, background=background, **options)
-            finally:
-                self.warming_up = False
+            finally:  # the loop held by warm-up is no stall
+                self._beat, self.warming_up = time.monotonic(), False
 
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(("call", run, future))
         return future
 
     def readiness(self) -> str | None:
-        """None when serving; otherwise why not: dead (with the cause), draining, warming up."""
+        """None when serving; otherwise why not: dead (with the cause), draining, warming up
+        (with ready_after="all", until every warm-up shape is compiled), stalled. Reads no
+        engine state that the loop thread writes, so it answers while the loop is stuck."""
         if not self.alive:
             return f"dead: {self.last_error!r}"
         if self.draining:
             return "draining for shutdown"
         if self.warming_up:
             return "warming up (compiling step shapes)"
+        pending = self.compilations_pending
+        if pending and self.ready_after == "all":
+            return f"warming up: {pending} step shapes still compiling (ready_after=all)"
+        stuck = time.monotonic() - self._beat
+        if stuck > self.stall_timeout:
+            return (f"stalled: the engine loop has not come round for {stuck:.0f} s "
+                    f"({len(self._live)} requests live)")
         return None
+
+    @property
+    def compilations_pending(self) -> int:
+        """Warm-up shapes still queued or compiling in the background."""
+        return self.engine.compilations_pending
 
     def drain(self, timeout: float) -> None:
         """Refuse new requests from now on; fail what is still live after `timeout` seconds
@@ -205,6 +228,7 @@ class AsyncEngine:
     def _iterate(self) -> None:
         """Apply the queued commands, then run one engine step if anything is unfinished."""
         engine = self.engine
+        self._beat = time.monotonic()
         try:
             command = (self._commands.get_nowait() if engine.has_unfinished()
                        else self._commands.get(timeout=self.idle_wait_s))
@@ -245,6 +269,9 @@ class AsyncEngine:
     def _add(self, group: RequestGroup, prompts: list[dict], params: SamplingParams,
              cache_salt: str | None) -> None:
         if self.max_waiting is not None:
+            if len(prompts) > self.max_waiting:  # a 400, not "retry later": it never fits
+                raise ValueError(f"the request holds {len(prompts)} prompts and at most "
+                                 f"max_waiting={self.max_waiting} may wait; send fewer")
             waiting = self.engine.num_waiting
             if waiting + len(prompts) > self.max_waiting:
                 raise EngineOverloaded(

@@ -140,6 +140,10 @@ class DataParallelEngine:
     def warmup(self, full: bool = False, **options) -> dict:
         return _summed([r.warmup(full, **options) for r in self.replicas])
 
+    @property
+    def compilations_pending(self) -> int:
+        return sum(r.compilations_pending for r in self.replicas)
+
     def kv_usage(self) -> dict:
         return _summed([r.kv_usage() for r in self.replicas])
 

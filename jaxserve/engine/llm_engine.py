@@ -269,6 +269,11 @@ class LLMEngine:
         """Shapes compiled: the step's, and the draft model's calls."""
         return self.runner.compilations + self.speculator.compilations
 
+    @property
+    def compilations_pending(self) -> int:
+        """Warm-up's compiles queued or running (read from any thread: /health/ready asks)."""
+        return self.runner.compilations_pending
+
     def kv_usage(self) -> dict:
         """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
         return {**self.scheduler.kv_usage(),
@@ -284,7 +289,7 @@ class LLMEngine:
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())
         stats.update(compilations=self.compilations,
-                     compilations_pending=self.runner.compilations_pending,
+                     compilations_pending=self.compilations_pending,
                      **self.pipeline.stats(),
                      **self.startup.stats(),
                      activation_peak_bytes=(self.memory_plan.activation_peak_bytes

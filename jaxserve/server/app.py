@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxserve.config.serving import ProtocolConfig, ServingConfig
 from jaxserve.engine import DataParallelEngine, LLMEngine
 from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
+from jaxserve.server.health import add_health_routes
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
@@ -52,6 +53,7 @@ class ServerConfig:
     api_keys: tuple[tuple[str, str], ...] = ()
     max_body_bytes: int = ServingConfig.max_body_bytes
     max_tokens_limit: int | None = ProtocolConfig.max_tokens_limit  # None: the context bounds it
+    max_prompts_per_request: int = ServingConfig.max_prompts_per_request
     served_model_names: tuple[str, ...] | None = None  # default: the engine's model name
     # With keys, /metrics needs one too (it shows every tenant's traffic; Prometheus scrapers
     # send bearer tokens); True leaves it open for a scraper that cannot.
@@ -74,6 +76,7 @@ class ServerConfig:
                                              env_key),
                    operator_keys=tuple(serving.operator_key),
                    public_metrics=serving.public_metrics, max_body_bytes=serving.max_body_bytes,
+                   max_prompts_per_request=serving.max_prompts_per_request,
                    max_tokens_limit=context["max_tokens_limit"],
                    served_model_names=context["model_names"],
                    tool_call_parser=context["tool_call_parser"],
@@ -352,8 +355,20 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                 raise APIError(str(e), param=parsed.constraint_field,
                                code="invalid_value") from None
 
+    def count_prompts(body) -> None:
+        """Before anything reads the prompts: one body may hold max_prompts_per_request."""
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        count = len(prompt) if isinstance(prompt, list) and prompt \
+            and not isinstance(prompt[0], int) else 1  # a list of ints is one prompt
+        if count > config.max_prompts_per_request:
+            raise APIError(f"'prompt' holds {count} prompts; at most max_prompts_per_request="
+                           f"{config.max_prompts_per_request} are accepted in one request",
+                           param="prompt", code="too_many_prompts")
+
     async def serve(kind: str, request: Request):
-        parsed = parse_request(kind, await read_json(request), ctx)
+        body = await read_json(request)
+        count_prompts(body)
+        parsed = parse_request(kind, body, ctx)
         await compile_grammar(parsed)
         group = await submit(parsed, cache_salt(request))
         builder = ResponseBuilder(parsed, ctx)
@@ -407,23 +422,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
             {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
              "max_model_len": ctx.max_model_len} for name in ctx.model_names]}
 
-    @app.get("/health/live")
-    async def live():
-        """200 while the process and its engine loop are up."""
-        if not aengine.alive:
-            return StrictJSONResponse({"status": "dead", "error": repr(aengine.last_error)},
-                                status_code=503)
-        return {"status": "live"}
-
-    @app.get("/health/ready")
-    @app.get("/health")
-    async def ready():
-        """200 when serving; 503 with the reason while warming up, draining or dead."""
-        reason = aengine.readiness()
-        if reason is not None:
-            return StrictJSONResponse({"status": "unavailable", "reason": reason},
-                                      status_code=503)
-        return {"status": "ok"}
+    add_health_routes(app, aengine)
 
     @app.get("/metrics")
     async def prometheus():

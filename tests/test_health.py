@@ -1,0 +1,159 @@
+"""Readiness, limits and the socket, as orchestrators, careless operators and hostile clients
+meet them (issue 54 rows 1, 11 and 14): /health/ready turns 503 when the engine loop stalls and
+says how many shapes still compile (ready_after="all" waits for them); a body of too many
+prompts, or of more than max_waiting, is a 400 naming the limit; a client that does not finish
+sending its request within the read timeout gets 408 and its connection closed; the placeholder
+served while the engine is built answers health. On the tiny random model."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+from fastapi import FastAPI
+
+from jaxserve.config import EngineConfig
+from jaxserve.engine import LLMEngine
+from jaxserve.server import AsyncEngine, ServerConfig, build_app
+from jaxserve.server.health import StartingApp
+from jaxserve.server.listen import read_timeout_protocol
+from serving import serve_app
+from tiny_model import tiny_loaded
+
+httpx = pytest.importorskip("httpx")
+
+MODEL = "tiny"
+BODY = {"model": MODEL, "prompt": "the quick brown fox", "max_tokens": 2, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def aengine():
+    engine = LLMEngine(EngineConfig.from_options(num_pages=64, page_size=8, max_num_seqs=4,
+                                                 max_num_batched_tokens=64,
+                                                 attention_backend="xla"), tiny_loaded())
+    aengine = AsyncEngine(engine)
+    # no compile threads: the shapes past the first stay pending until a step needs them
+    aengine.warm_up(compile_threads=0).result(timeout=300)
+    yield aengine
+    aengine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def url(aengine):
+    app = build_app(aengine, ServerConfig(served_model_names=(MODEL,), max_prompts_per_request=3))
+    with serve_app(app) as url:
+        yield url
+
+
+def wait_for(check, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met"
+        time.sleep(0.05)
+
+
+def test_ready_says_what_still_compiles_and_ready_after_all_waits_for_it(aengine, url):
+    pending = aengine.compilations_pending
+    assert pending > 0
+    r = httpx.get(url + "/health/ready")
+    assert r.status_code == 200 and r.json() == {"status": "ok", "compilations_pending": pending}
+    aengine.ready_after = "all"
+    try:
+        r = httpx.get(url + "/health/ready")
+        assert r.status_code == 503 and f"{pending} step shapes still compiling" in \
+            r.json()["reason"] and r.json()["compilations_pending"] == pending
+    finally:
+        aengine.ready_after = "start"
+
+
+def test_ready_turns_503_while_the_engine_loop_is_stuck(aengine, url):
+    """Issue 54 row 1: an abort held the loop for 13 minutes while ready said 200."""
+    release = threading.Event()
+    saved, aengine.stall_timeout = aengine.stall_timeout, 0.3
+    try:
+        holder = threading.Thread(target=asyncio.run,  # a call that holds the loop
+                                  args=(aengine.call(lambda engine: release.wait(60)),))
+        holder.start()
+        wait_for(lambda: httpx.get(url + "/health/ready").status_code == 503)
+        body = httpx.get(url + "/health/ready").json()
+        assert body["status"] == "unavailable" and body["reason"].startswith("stalled: the "
+                                                                             "engine loop")
+        assert httpx.get(url + "/health/live").status_code == 200  # alive, only stuck
+        release.set()
+        wait_for(lambda: httpx.get(url + "/health/ready").status_code == 200)
+    finally:
+        release.set()
+        aengine.stall_timeout = saved
+
+
+def test_a_body_of_too_many_prompts_is_400_naming_the_limit(url):
+    r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": ["a"] * 4}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "prompt" and "max_prompts_per_request=3" in error["message"]
+    r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": [5] * 40}, timeout=60)
+    assert r.status_code == 200, r.text  # token ids: one prompt
+    r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": ["a", "b", "c"]}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
+def test_more_prompts_than_may_ever_wait_is_400_not_retry_later(aengine, url):
+    """Issue 54 row 11: with max_waiting=2 a request of 3 prompts can never be queued."""
+    saved, aengine.max_waiting = aengine.max_waiting, 2
+    try:
+        r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": ["a", "b", "c"]},
+                       timeout=60)
+        assert r.status_code == 400 and "max_waiting=2" in r.json()["error"]["message"], r.text
+        r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": ["a", "b"]}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        aengine.max_waiting = saved
+
+
+def _exchange(port: int, data: bytes, hold: float = 0.0) -> bytes:
+    """Send `data`, then read until the server closes (10 s at most)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_a_request_not_sent_within_the_read_timeout_gets_408_and_is_closed():
+    """Issue 54 row 14: a connection holding half its headers (or body) was held for good."""
+    app = FastAPI()
+
+    @app.post("/echo")
+    async def echo(request: dict):
+        return request
+
+    with serve_app(app, http=read_timeout_protocol(0.5), timeout_keep_alive=60) as url:
+        port = int(url.rsplit(":", 1)[1])
+        half_headers = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        half_body = half_headers + b"Content-Length: 20\r\n\r\n{\"a\": "
+        for data in (b"", half_headers, half_body):
+            answer = _exchange(port, data)
+            assert answer.startswith(b"HTTP/1.1 408 ") and b"request_timeout" in answer, answer
+        # a whole request in time is answered, and a second one on the same connection too;
+        # a half second request then times out in its turn
+        whole = half_headers + b"Content-Length: 8\r\n\r\n{\"a\": 1}"
+        answers = _exchange(port, whole * 2 + half_headers).split(b"HTTP/1.1 ")[1:]
+        assert [a[:3] for a in answers] == [b"200", b"200", b"408"], answers
+
+
+def test_the_placeholder_answers_health_until_the_app_is_handed_over(url):
+    front = StartingApp()
+    with serve_app(front, lifespan="off") as front_url:
+        assert httpx.get(front_url + "/health/live").status_code == 200
+        r = httpx.get(front_url + "/health/ready")
+        assert r.status_code == 503 and r.json()["reason"].startswith("starting")
+        r = httpx.post(front_url + "/v1/completions", json=BODY)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "starting"
+        front.failed("no such model")
+        assert "no such model" in httpx.get(front_url + "/health").json()["reason"]
+        front.serve(FastAPI())  # everything goes to the app now
+        assert httpx.get(front_url + "/health/live").status_code == 404
