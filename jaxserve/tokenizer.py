@@ -8,6 +8,7 @@ incremental detokenizer used for streaming.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 import numbers
@@ -99,7 +100,12 @@ def check_unicode(text: str, what: str) -> None:
 
 
 class ChatTemplateError(ValueError):
-    pass
+    """A chat template that refuses, or cannot render, a conversation; `param` names the field
+    of a request it comes from."""
+
+    def __init__(self, message: str, param: str = "messages"):
+        super().__init__(message)
+        self.param = param
 
 
 class Tokenizer:
@@ -113,7 +119,6 @@ class Tokenizer:
         self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
-        self._jinja_template = None
 
     # --- construction -------------------------------------------------------------------------
 
@@ -266,21 +271,67 @@ class Tokenizer:
 
     # --- chat template ------------------------------------------------------------------------
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """Render the model's own chat template (sandboxed jinja2, as transformers does)."""
-        if not self.chat_template:
+    def apply_chat_template(self, messages: list[dict], /, add_generation_prompt: bool = True,
+                            *, continue_final_message: bool = False,
+                            chat_template: str | None = None, **variables: Any) -> str:
+        """Render the model's own chat template, or `chat_template` (sandboxed jinja2, as
+        transformers does); `variables` are the template's other variables (tools, ...).
+        continue_final_message: the text ends with the last message's content, as the model
+        would go on writing it (no end of turn after it, no generation prompt). Any failure of
+        the template is a ChatTemplateError."""
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise ChatTemplateError("a chat template is Jinja text (a string)", "chat_template")
+        source = chat_template or self.chat_template
+        if not source:
             raise ChatTemplateError("this model has no chat template (tokenizer.chat_template in "
                                     "the GGUF / chat_template in tokenizer_config.json); send a "
                                     "plain prompt instead")
-        if self._jinja_template is None:
-            self._jinja_template = _compile_template(self.chat_template)
+        template = _compile_template(source)
         context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-                   **kwargs}
-        return self._jinja_template.render(messages=messages,
-                                           add_generation_prompt=add_generation_prompt, **context)
+                   **variables, "add_generation_prompt": add_generation_prompt}
+        if not continue_final_message:
+            return _render(template, {**context, "messages": messages})
+        if add_generation_prompt:
+            raise ChatTemplateError("continue_final_message continues the last message: no "
+                                    "generation prompt may follow it", "continue_final_message")
+        final = messages[-1] if messages else {}
+        if not isinstance(final.get("content"), str):
+            raise ChatTemplateError("continue_final_message needs a last message with text "
+                                    "content", "continue_final_message")
+        # The template writes a mark where the final content goes; the text is cut there and
+        # ends with the content as given, whatever the template would write after it.
+        marked = [*messages[:-1], {**final, "content": _FINAL_MARK}]
+        text = _render(template, {**context, "messages": marked})
+        if _FINAL_MARK not in text:
+            raise ChatTemplateError("continue_final_message: the chat template does not write "
+                                    "the last message's content, so it cannot be continued",
+                                    "continue_final_message")
+        return text[:text.rindex(_FINAL_MARK)] + final["content"]
 
 
+_FINAL_MARK = "<|jaxserve-final-message|>"
+# Jinja's own names and the globals templates call: chat_template_kwargs may not replace them.
+_TEMPLATE_GLOBALS = ("raise_exception", "strftime_now")
+
+
+def reserved_template_names() -> frozenset[str]:
+    """Names a chat template's variables may not take (its environment's globals, `self`)."""
+    import jinja2.defaults
+
+    return frozenset({"self", *jinja2.defaults.DEFAULT_NAMESPACE, *_TEMPLATE_GLOBALS})
+
+
+def _render(template, context: dict) -> str:
+    try:
+        return template.render(context)  # a dict, so no variable meets render()'s own arguments
+    except ChatTemplateError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the template is code run on the request's data
+        raise ChatTemplateError(f"the chat template failed on these messages: "
+                                f"{type(e).__name__}: {e}") from None
+
+
+@functools.lru_cache(maxsize=8)  # the model's template and a few given per call
 def _compile_template(source: str):
     import jinja2
     from jinja2.ext import loopcontrols
@@ -299,9 +350,12 @@ def _compile_template(source: str):
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[loopcontrols], undefined=jinja2.Undefined)
     env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
+    env.globals.update(zip(_TEMPLATE_GLOBALS, (raise_exception, strftime_now)))
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template is not valid Jinja: {e} (line {e.lineno})",
+                                "chat_template") from None
 
 
 class IncrementalDetokenizer:

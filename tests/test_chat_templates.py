@@ -2,8 +2,10 @@
 (roles must alternate; no system role), Gemma 3's (a system message folded into the first user
 turn) and Mistral's [INST] format (eos after each answer), written here in the families' formats
 and saved in a tiny tokenizer directory; jaxserve's Tokenizer.from_hf_dir and transformers'
-AutoTokenizer read the same files. Text and token ids are compared, and a conversation the
-template refuses raises in both."""
+AutoTokenizer read the same files. Text and token ids are compared, a conversation the template
+refuses raises in both, and continue_final_message ends the text where transformers does. Chat
+bodies (the server's and batch lines') with bad tool calls or template fields are 400s naming the
+field."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
+from jaxserve.server.protocol import APIError, ProtocolContext, parse_request  # noqa: E402
 from jaxserve.tokenizer import Tokenizer  # noqa: E402
 from test_weights import write_hf_tokenizer  # noqa: E402
+from tiny_model import CHAT_TEMPLATE, tiny_tokenizer  # noqa: E402
 
 GEMMA = (
     "{{ bos_token }}{% for m in messages %}"
@@ -84,3 +88,65 @@ def test_refused_conversations_raise_in_both(tokenizers):
         theirs.apply_chat_template(WITH_SYSTEM, tokenize=False)
     with pytest.raises(ValueError, match="supported"):
         ours.apply_chat_template(WITH_SYSTEM)
+
+
+def test_continue_final_message_renders_as_transformers(tokenizers):
+    """The last message is continued: no end of turn after it (it was written, the flag
+    ignored), no generation prompt."""
+    family, ours, theirs = tokenizers
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "The answer is"}]
+    text = ours.apply_chat_template(messages, add_generation_prompt=False,
+                                    continue_final_message=True)
+    assert text == theirs.apply_chat_template(messages, tokenize=False,
+                                              continue_final_message=True)
+    assert text.endswith("Hi<end_of_turn>\n<start_of_turn>model\nThe answer is"
+                         if family.startswith("gemma") else "[/INST]The answer is")
+
+
+# ------------------------------------------------------------------------- request bodies
+USER = {"role": "user", "content": "hi"}
+
+
+def _ctx(template: str = CHAT_TEMPLATE):
+    base = tiny_tokenizer()
+    tokenizer = Tokenizer(base.backend, bos_token_id=None, eos_token_ids=base.eos_token_ids,
+                          chat_template=template)
+    return ProtocolContext(model_names=("tiny",), tokenizer=tokenizer, max_model_len=256,
+                           vocab_size=320)
+
+
+def _refused(body: dict, ctx=None) -> dict:
+    with pytest.raises(APIError) as caught:
+        parse_request("chat", body, ctx or _ctx())
+    assert caught.value.status == 400
+    return caught.value.body()["error"]
+
+
+@pytest.mark.parametrize("call,param,needle", [
+    ({"id": "c1", "type": "function"}, ".function", "required"),  # was a KeyError: a 500
+    ({"function": {"arguments": "{}"}}, ".function.name", "required"),  # KeyError
+    ({"function": "get_time"}, ".function", "must be an object"),  # Python's own message
+    ({"function": {"name": "f", "arguments": 3}}, ".function.arguments", "JSON text"),
+])
+def test_bad_tool_calls_are_refused_naming_the_field(call, param, needle):
+    calls = {"role": "assistant", "content": None, "tool_calls": [call]}
+    error = _refused({"messages": [USER, calls, {"role": "tool", "content": "1"}]})
+    assert error["param"] == "messages[1].tool_calls[0]" + param and needle in error["message"]
+
+
+def test_template_fields_are_checked_and_continue_final_message_works():
+    ctx = _ctx()
+    error = _refused({"messages": [USER], "chat_template_kwargs": {"self": 1}})  # a TypeError
+    assert error["param"] == "chat_template_kwargs" and "'self'" in error["message"]
+    error = _refused({"messages": [USER], "chat_template": "{{ messages }}"})  # was ignored
+    assert (error["param"], error["code"]) == ("chat_template", "unsupported_parameter")
+    prefill = [USER, {"role": "assistant", "content": "The answer is"}]
+    error = _refused({"messages": prefill, "continue_final_message": True})
+    assert error["param"] == "continue_final_message" and "add_generation_prompt" in \
+        error["message"]
+    body = {"messages": prefill, "continue_final_message": True, "add_generation_prompt": False}
+    assert parse_request("chat", body, ctx).prompts[0]["prompt"] == \
+        "<user>hi\n<assistant>The answer is"  # was "...is\n": an ended turn
+    error = _refused({"messages": [USER]}, _ctx("{{ messages[0].content.nope() }}"))
+    assert error["param"] == "messages" and "UndefinedError" in error["message"]  # was a 500

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
-from jaxserve.server.requests import (REQUEST_MODELS, ChatCompletionRequest, CompletionRequest,
-                                      first_error)
+from jaxserve.json_models import first_error
+from jaxserve.server.requests import REQUEST_MODELS, ChatCompletionRequest, CompletionRequest
 from jaxserve.server.chat_output import ChatOutputParser
 from jaxserve.server.reasoning import ReasoningParser, reasoning_parser
 from jaxserve.server.structured_requests import (OutputConstraint, after_thinking,
@@ -27,6 +27,7 @@ from jaxserve.server.structured_requests import (OutputConstraint, after_thinkin
 from jaxserve.server.tool_grammar import tool_grammar
 from jaxserve.server.tool_parsers import ToolParser, tool_parser
 from jaxserve.server.tool_prompt import TemplateTools, probe_template, with_tools
+from jaxserve.tokenizer import ChatTemplateError
 
 
 class APIError(Exception):
@@ -139,18 +140,14 @@ def _chat_prompt(request: ChatCompletionRequest, ctx: ProtocolContext,
     """The rendered chat. When the template renders no tools and the model chooses whether to
     call (tool_choice "auto"), they go into a system message (tool_prompt.py); a forced call's
     output is constrained to the tools' schemas and its prompt is left as it was."""
-    tools = constraint.tools
-    extra = {"tools": [{"type": "function", "function": fn} for fn in tools]} if tools else {}
-    messages = [m.for_template() for m in request.messages]
+    messages = request.template_messages()
     if constraint.auto_tools or any(m.get("tool_calls") for m in messages):
-        messages = with_tools(messages, tools if constraint.auto_tools else [],
+        messages = with_tools(messages, constraint.tools if constraint.auto_tools else [],
                               ctx.tool_parser, ctx.template_tools)
     try:
-        text = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=request.add_generation_prompt,
-            **(request.chat_template_kwargs or {}), **extra)
-    except ValueError as e:  # ChatTemplateError
-        raise APIError(str(e), param="messages", code="invalid_value") from None
+        text = request.render(ctx.tokenizer, messages)
+    except ChatTemplateError as e:
+        raise APIError(str(e), param=e.param, code="invalid_value") from None
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     return {"prompt_token_ids": ids, "prompt": text}
 
