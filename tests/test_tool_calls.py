@@ -2,11 +2,14 @@
 model steered by structured_outputs to write what a model would: a text answer stays text, a call
 in the parser's format comes back as `tool_calls` with finish_reason "tool_calls" (streamed as
 OpenAI's deltas, equal to the non-streamed call), parallel_tool_calls=false keeps the first;
-tools reach the prompt of a template that ignores them; reasoning is split off. One engine for
-the module."""
+tools reach the prompt of a template that ignores them; reasoning is split off. Forced calls of
+tools with `$defs` / `$ref` and open objects, and one cut by max_tokens. One engine for the
+module, and one whose tokenizer adds Qwen's markup as tokens that are not special (a call opens
+at its own `<tool_call>`; a response format comes after the thinking)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,11 +19,12 @@ from jaxserve.engine import LLMEngine
 from jaxserve.server import AsyncEngine, ServerConfig, build_app
 from jaxserve.server.protocol import ProtocolContext, parse_request
 from jaxserve.tokenizer import Tokenizer
+from tokenizers import AddedToken
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
 from serving import read_chat_stream, serve_app  # noqa: E402
-from tiny_model import tiny_loaded, tiny_tokenizer  # noqa: E402
+from tiny_model import CHAT_TEMPLATE, tiny_loaded, tiny_tokenizer  # noqa: E402
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "function": {
@@ -124,7 +128,16 @@ def test_a_call_cut_before_its_name_is_content_streamed_alike(client):
     assert read_chat_stream(chat(client, CALL, max_tokens=cut, stream=True)) == (text, [], "length")
 
 
-def test_batch_file_rows_with_tools_read_calls_and_reasoning(tmp_path):
+@pytest.fixture
+def steer_thoughts(monkeypatch):
+    """structured_outputs steers the whole output, thoughts included (with a reasoning parser
+    it constrains only the answer after them): these tests read reasoning back."""
+    import jaxserve.server.protocol as protocol
+
+    monkeypatch.setattr(protocol, "after_thinking", lambda constraint, *_: constraint)
+
+
+def test_batch_file_rows_with_tools_read_calls_and_reasoning(tmp_path, steer_thoughts):
     """A batch file's chat rows with tools go through the server's request and response code:
     calls and reasoning come back as they do over HTTP, read by the parsers the context names
     (`jaxserve batch --tool_call_parser --reasoning_parser`)."""
@@ -206,7 +219,7 @@ def test_a_qwen_style_template_renders_its_own_tools():
         parse_request("chat", {**body, "chat_template_kwargs": {"tools": []}}, ctx)
 
 
-def test_reasoning_content_whole_and_streamed(aengine):
+def test_reasoning_content_whole_and_streamed(aengine, steer_thoughts):
     text = "<think>\nThe user wants the weather.\n</think>\n\n" + CALL
     config = ServerConfig(served_model_names=(MODEL,), reasoning_parser="qwen3")
     with serve_app(build_app(aengine, config)) as url:
@@ -218,3 +231,105 @@ def test_reasoning_content_whole_and_streamed(aengine):
         reasoning = "".join(getattr(ch.choices[0].delta, "reasoning_content", None) or ""
                             for ch in chat(client, text, stream=True))
         assert reasoning == "The user wants the weather."
+
+
+# openai.pydantic_function_tool's schema of a model with an enum and a nested model, less its
+# additionalProperties: false (issue 54, rows 2 and 3)
+DAY = {"properties": {"offset": {"type": "integer", "minimum": 0, "maximum": 6}},
+       "required": ["offset"], "title": "Day", "type": "object"}
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {
+    "$defs": {"Unit": {"enum": ["c", "f"], "title": "Unit", "type": "string"}, "Day": DAY},
+    "properties": {"unit": {"$ref": "#/$defs/Unit"}, "day": {"$ref": "#/$defs/Day"}},
+    "required": ["unit", "day"], "title": "Forecast", "type": "object"}}}
+NOTE = {"type": "function", "function": {"name": "note", "parameters": {
+    "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}
+ASK = [{"role": "user", "content": "Forecast?"}]
+
+
+def test_forced_calls_follow_refs_and_close_extra_keys(client):
+    """A forced call of a tool with `$defs` and `$ref`s follows its schema, and ends once its
+    declared keys are written (was a 400; then extra keys until max_tokens)."""
+    params = FORECAST["function"]["parameters"]
+    for choice in ("required", {"type": "function", "function": {"name": "forecast"}}):
+        out = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[FORECAST, TIME], tool_choice=choice, n=4, seed=7,
+            temperature=1.0, max_tokens=150)
+        for c in out.choices:
+            assert c.finish_reason == "tool_calls" and c.message.content is None, c
+            call = c.message.tool_calls[0].function
+            if call.name == "forecast":
+                args = json.loads(call.arguments)
+                jsonschema.validate(args, params)
+                assert set(args) <= {"unit", "day"} and set(args["day"]) == {"offset"}
+
+
+def test_a_forced_call_cut_by_max_tokens_is_a_call_not_content(client):
+    """Cut short, a forced call comes back as far as it was written, arguments partial, with
+    finish_reason "length" (as OpenAI's), streamed alike; cut before its name, as nothing."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=[NOTE], tool_choice="required", seed=3,
+                  temperature=1.0, max_tokens=60)
+    c = client.chat.completions.create(**kwargs).choices[0]
+    call = c.message.tool_calls[0].function
+    assert (c.finish_reason, c.message.content, call.name) == ("length", None, "note")
+    assert call.arguments.startswith('{"text": "') and len(call.arguments) > 12
+    assert read_chat_stream(client.chat.completions.create(**kwargs, stream=True)) == (
+        "", [("note", call.arguments)], "length")
+    c = client.chat.completions.create(**{**kwargs, "max_tokens": 5}).choices[0]
+    assert (c.finish_reason, c.message.content, c.message.tool_calls) == ("length", None, None)
+
+
+QWEN_MARKUP = ("<tool_call>", "</tool_call>", "<think>", "</think>")
+
+
+@pytest.fixture(scope="module")
+def qwen_markup():
+    """The tiny model with Qwen's markup added to its tokenizer as tokens that are not special,
+    as Qwen 2.5/3's and Hermes' tokenizers add them (ids 257-260, inside its vocabulary)."""
+    backend = tiny_tokenizer().backend
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_MARKUP])
+    tok = Tokenizer(backend, bos_token_id=None, eos_token_ids=[256], chat_template=CHAT_TEMPLATE)
+    engine = LLMEngine(EngineConfig.from_options(num_pages=256, page_size=16, max_num_seqs=4,
+                                                 max_num_batched_tokens=512),
+                       dataclasses.replace(tiny_loaded(max_len=2048), tokenizer=tok))
+    aengine = AsyncEngine(engine)
+    yield aengine, {t: backend.token_to_id(t) for t in QWEN_MARKUP}
+    aengine.shutdown()
+
+
+def _markup_client(qwen_markup, **config):
+    aengine, _ = qwen_markup
+    app = build_app(aengine, ServerConfig(served_model_names=(MODEL,), **config))
+    with serve_app(app) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_a_trigger_that_is_not_special_opens_a_call(qwen_markup):
+    """Issue 54, row 4: a logit_bias on the model's own `<tool_call>` opens a call whose
+    arguments follow the schema (the grammar masked it: llguidance takes every added token as
+    special, and the grammar spelled the trigger as text)."""
+    for client in _markup_client(qwen_markup):
+        out = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[FORECAST], seed=1, temperature=1.0,
+            max_tokens=150, parallel_tool_calls=False,
+            logit_bias={str(qwen_markup[1]["<tool_call>"]): 40})
+        c = out.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None, c
+        call = c.message.tool_calls[0].function
+        jsonschema.validate(json.loads(call.arguments), FORECAST["function"]["parameters"])
+
+
+def test_a_response_format_after_deepseek_r1_reasoning_is_content(qwen_markup):
+    """Issue 54, row 7: with --reasoning_parser=deepseek_r1 the model thinks freely until
+    `</think>`, then the schema constrains the answer, which is `content` (it was all in
+    reasoning_content); streamed alike."""
+    for client in _markup_client(qwen_markup, reasoning_parser="deepseek_r1"):
+        kwargs = dict(model=MODEL, messages=ASK, seed=2, temperature=1.0, max_tokens=150,
+                      response_format={"type": "json_schema", "json_schema": {
+                          "name": "day", "schema": {**DAY, "additionalProperties": False}}},
+                      logit_bias={str(qwen_markup[1]["</think>"]): 4})
+        c = client.chat.completions.create(**kwargs).choices[0]
+        assert c.finish_reason == "stop", c
+        jsonschema.validate(json.loads(c.message.content), DAY)
+        assert c.message.reasoning_content and "</think>" not in c.message.reasoning_content
+        chunks = list(client.chat.completions.create(**kwargs, stream=True))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == c.message.content

@@ -63,7 +63,14 @@ class _Markup:
         backend = getattr(tokenizer, "backend", None)
         added = backend.get_added_tokens_decoder() if backend is not None else {}
         self.tokens = {tok.content: int(i) for i, tok in added.items()}
+        self.special = {int(i) for i, tok in added.items() if tok.special}
         self.used: set[int] = set()
+
+    @property
+    def kept(self) -> tuple[int, ...]:
+        """The special tokens the grammar names, which the output's text must keep (a decode
+        skips them; the others are in it already)."""
+        return tuple(sorted(self.used & self.special))
 
     def is_token(self, text: str) -> bool:
         return text in self.tokens
@@ -260,7 +267,7 @@ def after_reasoning(tokenizer, reasoning: ReasoningParser) -> ToolGrammar:
     lark = "\n".join([
         "%llguidance {}", start, "answer: SPACE @answer", f"THOUGHT: {_free_text(markup)}",
         f"UNCLOSED: {_free_text(markup, unclosed)}", r"SPACE: /[ \t\r\n]{0,4}/"])
-    return ToolGrammar(lark, tuple(sorted(markup.used)))
+    return ToolGrammar(lark, markup.kept)
 
 
 def tool_grammar(parser: ToolParser, tools: list[dict], tokenizer,
@@ -278,4 +285,4 @@ def tool_grammar(parser: ToolParser, tools: list[dict], tokenizer,
         "%llguidance {}", start, answer, f"TEXT: {_free_text(markup)}",
         f"FIRST_TEXT: {_free_text(markup, first)}", f"THOUGHT: {_free_text(markup)}",
         f"UNCLOSED: {_free_text(markup, unclosed)}", r"SPACE: /[ \t\r\n]{0,4}/"])
-    return ToolGrammar(lark, tuple(sorted(markup.used)))
+    return ToolGrammar(lark, markup.kept)
