@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import time
 import uuid
@@ -244,6 +245,11 @@ class LineRunner:
                 parsed = parse_request(kind, body, self.ctx)
             except APIError as e:
                 self.ready.append((i, _api_error(cid, e)))
+                continue
+            except Exception as e:  # noqa: BLE001 - a bug fails its line, as the server's 500
+                logging.exception("batch line %r", cid)
+                self.ready.append((i, _api_error(cid, APIError(
+                    f"internal error: {type(e).__name__}", status=500, type="internal_error"))))
                 continue
             parsed.stream = parsed.include_usage = False
             line = _Line(i, cid, parsed, finals=[None] * len(parsed.prompts))

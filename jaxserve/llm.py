@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from jaxserve.chat import Conversation
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine, Prompt, make_engine
+from jaxserve.json_models import FieldError
+from jaxserve.tokenizer import ChatTemplateError
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
 
 
 class LLM:
@@ -77,15 +80,33 @@ class LLM:
                              "max_tokens, or give None to generate up to the context's end")
 
     def chat(self, messages: Messages | list[Messages],
-             sampling_params: SamplingParams | None = None,
-             use_tqdm: bool | None = None) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenizer.apply_chat_template(c, add_generation_prompt=True)
-                   for c in conversations]
-        tokenized = [{"prompt_token_ids": self.engine.tokenizer.encode(p, add_special_tokens=False),
-                      "prompt": p} for p in prompts]
-        return self.generate(tokenized, sampling_params, use_tqdm=use_tqdm)
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool | None = None, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Apply the chat template (the model's, or `chat_template`) to one conversation or a
+        list of them, and generate. Messages, tools and the template's fields are validated as
+        the server validates a chat body (jaxserve/chat.py): text parts are joined, content None
+        is empty, and a bad field raises ValueError naming it (FieldError.param) before anything
+        runs. Tools reach the template as given (the server also writes them into the prompt of
+        a template that renders none)."""
+        single = not messages or isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            try:
+                chat = Conversation.validated(
+                    messages=conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs)
+                text = chat.render(self.engine.tokenizer, chat_template=chat_template)
+            except (FieldError, ChatTemplateError) as e:  # both name the field (param)
+                where = "" if single else f"conversation {i}: "
+                raise FieldError(f"{where}{e}", e.param) from None
+            prompts.append({"prompt_token_ids": self.engine.tokenizer.encode(
+                text, add_special_tokens=False), "prompt": text})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)

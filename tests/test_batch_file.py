@@ -57,13 +57,16 @@ def test_batch_order_errors_and_equality(llm, tmp_path):
                                           "unknown_field": 1}),
         _request("a", "/v1/completions", {"model": MODEL, "prompt": "dup"}),
         "[" * 100_000 + "]" * 100_000,  # was a RecursionError that ended the whole file
+        _request("g", "/v1/chat/completions", {"model": MODEL, "messages": [  # was a KeyError
+            *chat, {"role": "assistant", "tool_calls": [{"type": "function"}]}]}),  # that too
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(inp, lines)
     summary = run_batch(llm.engine, str(inp), str(out))
     results = _lines(out)
-    assert [r["custom_id"] for r in results] == ["a", None, "b", "c", "d", "e", "f", "a", None]
-    assert (summary.total, summary.skipped, summary.succeeded, summary.failed) == (9, 0, 3, 6)
+    assert [r["custom_id"] for r in results] == ["a", None, "b", "c", "d", "e", "f", "a", None,
+                                                  "g"]
+    assert (summary.total, summary.skipped, summary.succeeded, summary.failed) == (10, 0, 3, 7)
     assert results[8]["error"]["code"] == "invalid_json" and "levels" in results[8]["error"][
         "message"]
 
@@ -83,7 +86,29 @@ def test_batch_order_errors_and_equality(llm, tmp_path):
     assert results[4]["response"]["body"]["error"]["code"] == "context_length_exceeded"
     assert results[5]["error"]["code"] == "invalid_url"
     assert results[7]["error"]["code"] == "duplicate_custom_id"
+    assert results[9]["response"]["status_code"] == 400
+    assert results[9]["response"]["body"]["error"]["param"] == "messages[1].tool_calls[0].function"
     assert llm.stats()["referenced_pages"] == 0 and llm.stats()["running"] == 0
+
+
+def test_a_bug_fails_its_line_alone(llm, tmp_path, monkeypatch):
+    """An unexpected exception reading a line (as row 5's KeyError was) is that line's 500;
+    the other lines run."""
+    import jaxserve.batch_file as batch_file
+
+    def parse(kind, body, ctx):
+        if body["prompt"] == "boom":
+            raise KeyError("function")
+        return parse_request(kind, body, ctx)
+
+    parse_request = batch_file.parse_request
+    monkeypatch.setattr(batch_file, "parse_request", parse)
+    body = {"model": MODEL, "max_tokens": 2, "temperature": 0}
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write(inp, [_request(c, "/v1/completions", {**body, "prompt": c}) for c in ("boom", "ok")])
+    summary = batch_file.run_batch(llm.engine, str(inp), str(out))
+    assert (summary.succeeded, summary.failed) == (1, 1)
+    assert [r["response"]["status_code"] for r in _lines(out)] == [500, 200]
 
 
 def test_batch_resume_skips_done_lines(llm, tmp_path):

@@ -302,6 +302,39 @@ def test_bad_input_is_refused_clearly(llm):
         LLM(model="smollm2-135m", page_sz=16)
 
 
+def test_chat_takes_and_checks_what_the_server_does(llm):
+    """Issue 54 row 15: content parts and content None (were Jinja errors), tools and
+    chat_template_kwargs (were no keywords), a template of the call's own and a prefill to
+    continue; a bad field is a ValueError naming it (param) and nothing runs."""
+    one = SamplingParams(temperature=0, max_tokens=1)
+    plain = [{"role": "system", "content": ""}, {"role": "user", "content": "Hi there"}]
+    parts = [{"role": "system", "content": None},
+             {"role": "user", "content": [{"type": "text", "text": "Hi "},
+                                          {"type": "text", "text": "there"}]}]
+    assert llm.chat(parts, one)[0].prompt == llm.chat(plain, one)[0].prompt
+    template = ("{% for t in tools %}{{ t.function.name }};{% endfor %}{{ style }}|"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    tools = [{"type": "function", "function": {"name": "get_time"}}]
+    out = llm.chat(plain, one, chat_template=template, tools=tools,
+                   chat_template_kwargs={"style": "terse"})
+    assert out[0].prompt == "get_time;terse|Hi there"
+    prefill = [*plain, {"role": "assistant", "content": "Hello! I"}]
+    out = llm.chat(prefill, one, add_generation_prompt=False, continue_final_message=True)
+    assert out[0].prompt.endswith("<|im_start|>assistant\nHello! I")
+    for conversation, kwargs, param in [
+            ([{"role": "wizard", "content": "x"}], {}, "messages[0].role"),
+            (plain, {"tools": [{"type": "function"}]}, "tools[0].function"),
+            (prefill, {"continue_final_message": True}, "continue_final_message"),
+            (plain, {"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+            (plain, {"chat_template": "{% if %}"}, "chat_template"),
+            ([plain, [{"role": "user", "content": 3}]], {}, "messages[0].content")]:
+        with pytest.raises(ValueError) as caught:
+            llm.chat(conversation, one, **kwargs)
+        assert caught.value.param == param, caught.value
+    assert "conversation 1: " in str(caught.value)
+    assert llm.stats()["waiting"] == llm.stats()["running"] == 0
+
+
 def test_stats_report_the_required_fields(llm):
     stats = llm.stats()
     for key in ("total_pages", "free_pages", "cached_pages", "referenced_pages", "running",
