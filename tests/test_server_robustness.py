@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from jaxserve.config import EngineConfig
 from jaxserve.engine import LLMEngine
 from jaxserve.server import AsyncEngine, ServerConfig, build_app
-from jaxserve.server.app import read_api_keys, resolve_api_keys
+from jaxserve.server.auth import read_api_keys, resolve_api_keys
 from serving import serve_app
 from tiny_model import failing_on, tiny_loaded
 
@@ -304,6 +304,58 @@ def test_only_an_operator_sees_every_tenants_traffic(aengine):
 
 
 # ------------------------------------------------------------------------------- bodies
+def test_heavy_bodies_meet_cheap_limits_before_tokenizing(url, aengine, monkeypatch):
+    """2000 tools, 1.2 MB descriptions, a 3.9 MB prompt were rendered and tokenized (seconds on
+    the event loop) before the context check refused them: each is a 400 naming its field and
+    flag, and nothing is tokenized."""
+    encoded = []
+    encode = aengine.engine.tokenizer.encode
+    monkeypatch.setattr(aengine.engine.tokenizer, "encode",
+                        lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}}}}
+    big = {"type": "function", "function": {"name": "g", "description": "x" * 1_200_000}}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    for path, body, param, flag in [
+            ("/v1/chat/completions", {**chat, "tools": [tool] * 2000}, "tools", "max_tools"),
+            ("/v1/chat/completions", {**chat, "tools": [big] * 3}, "tools", "max_tools_bytes"),
+            ("/v1/completions", {"model": MODEL, "prompt": "word " * 780_000}, "prompt",
+             "max_prompt_chars"),
+            ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "word " * 2000}] * 2}]}, "messages",
+             "max_prompt_chars")]:
+        r = post(url, body, path=path)
+        assert r.status_code == 400, r.text[:300]
+        assert r.json()["error"]["param"] == param and f"--{flag}" in r.json()["error"]["message"]
+    assert encoded == []
+
+
+def test_preprocessing_runs_off_the_event_loop(url, aengine, monkeypatch):
+    """A body's templating and tokenizing held the event loop (a neighbour's stream froze for
+    seconds): while one request's tokenizing is held up, the server still answers."""
+    import threading
+
+    blocked, release = threading.Event(), threading.Event()
+    encode = aengine.engine.tokenizer.encode
+
+    def held_encode(text, **kw):
+        if "HOLD" in text:
+            blocked.set()
+            release.wait(30)
+        return encode(text, **kw)
+
+    monkeypatch.setattr(aengine.engine.tokenizer, "encode", held_encode)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(post, url, {**NORMAL, "prompt": "HOLD", "max_tokens": 1})
+        try:
+            assert blocked.wait(30)
+            r = httpx.get(url + "/v1/models", timeout=10)  # the loop is blocked: a timeout
+            assert r.status_code == 200 and not release.is_set()
+        finally:
+            release.set()
+        assert held.result().status_code == 200
+
+
 @pytest.mark.parametrize("raw", [b"[" * 100_000 + b"]" * 100_000,
                                  b'{"model": "tiny", "prompt": "hi", "stop": '
                                  + b"[" * 1000 + b"]" * 1000 + b"}"],

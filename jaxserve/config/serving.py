@@ -59,6 +59,15 @@ class ServingConfig:
     max_prompts_per_request: int = option(
         256, "Most prompts one /v1/completions body may hold (more: a 400); `jaxserve batch` "
         "runs larger sets.")
+    max_tools: int = option(
+        128, "Most tools one chat body may offer (more: a 400, before any is read).")
+    max_tools_bytes: int = option(
+        1024 * 1024, "Largest size of a chat body's tools as JSON, descriptions and schemas "
+        "(more: a 400, before any is rendered or compiled).")
+    max_prompt_chars: int | None = option(
+        None, "Longest prompt text accepted, in characters, checked before tokenizing (a "
+        "completion's prompt, a chat's message contents together; more: a 400). Default: 32 "
+        "per token of max_model_len.")
     log_level: str = option("info", "uvicorn log level.", choices=LOG_LEVELS)
 
     def __post_init__(self):
@@ -72,6 +81,11 @@ class ServingConfig:
             (self.read_timeout > 0, f"read_timeout must be > 0, got {self.read_timeout}"),
             (self.max_prompts_per_request >= 1,
              f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}"),
+            (self.max_tools >= 1, f"max_tools must be >= 1, got {self.max_tools}"),
+            (self.max_tools_bytes >= 1,
+             f"max_tools_bytes must be >= 1, got {self.max_tools_bytes}"),
+            (self.max_prompt_chars is None or self.max_prompt_chars >= 1,
+             f"max_prompt_chars must be >= 1, got {self.max_prompt_chars}"),
         )
         for ok, message in checks:
             if not ok:

@@ -13,9 +13,10 @@ operator key.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
-import hmac
+import functools
 import logging
 import time
 
@@ -27,6 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from jaxserve.config.serving import ProtocolConfig, ServingConfig
 from jaxserve.engine import DataParallelEngine, LLMEngine
 from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
+from jaxserve.server.auth import OPERATOR, AuthMiddleware, resolve_api_keys
+from jaxserve.server.body_limits import BodyLimits
 from jaxserve.server.health import add_health_routes
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -37,8 +40,6 @@ from jaxserve.server.responses import ResponseBuilder
 from jaxserve.server.tool_parsers import PARSERS
 
 log = logging.getLogger("jaxserve.server")
-# The tenant of an operator key: holds a space, which no tenant of a key file or flag can.
-OPERATOR = "operator key"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,11 @@ class ServerConfig:
     max_body_bytes: int = ServingConfig.max_body_bytes
     max_tokens_limit: int | None = ProtocolConfig.max_tokens_limit  # None: the context bounds it
     max_prompts_per_request: int = ServingConfig.max_prompts_per_request
+    # Checked on the parsed body before it is rendered or tokenized (body_limits.py);
+    # max_prompt_chars None: 32 per token of the context.
+    max_tools: int = ServingConfig.max_tools
+    max_tools_bytes: int = ServingConfig.max_tools_bytes
+    max_prompt_chars: int | None = ServingConfig.max_prompt_chars
     served_model_names: tuple[str, ...] | None = None  # default: the engine's model name
     # With keys, /metrics needs one too (it shows every tenant's traffic; Prometheus scrapers
     # send bearer tokens); True leaves it open for a scraper that cannot.
@@ -77,6 +83,8 @@ class ServerConfig:
                    operator_keys=tuple(serving.operator_key),
                    public_metrics=serving.public_metrics, max_body_bytes=serving.max_body_bytes,
                    max_prompts_per_request=serving.max_prompts_per_request,
+                   max_tools=serving.max_tools, max_tools_bytes=serving.max_tools_bytes,
+                   max_prompt_chars=serving.max_prompt_chars,
                    max_tokens_limit=context["max_tokens_limit"],
                    served_model_names=context["model_names"],
                    tool_call_parser=context["tool_call_parser"],
@@ -108,87 +116,6 @@ class ServerConfig:
     def keys(self) -> tuple[tuple[str, str], ...]:
         single = () if self.api_key is None else ((self.api_key, "default"),)
         return single + tuple(self.api_keys)
-
-
-def read_api_keys(path: str) -> tuple[tuple[str, str], ...]:
-    """A file of `key tenant` lines; blank lines and lines whose first character (after leading
-    spaces) is `#` are skipped, so a key or tenant may hold `#`. A file with no key, or one that
-    lists a key twice, is refused: an empty file must never mean "no authentication"."""
-    pairs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            parts = line.split()
-            if len(parts) != 2:
-                raise ValueError(f"{path}:{n}: expected 'key tenant', got {len(parts)} fields")
-            pairs.append((parts[0], parts[1]))
-    if not pairs:
-        raise ValueError(f"api_key_file {path} holds no keys (an empty key file would leave the "
-                         "server open)")
-    return tuple(pairs)
-
-
-def resolve_api_keys(flag_keys: list[str] | None, key_file: str | None,
-                     env_key: str | None) -> tuple[tuple[str, str], ...]:
-    """The (key, tenant) pairs a server requires, from --api_key (tenants key0, key1, ...),
-    --api_key_file and, when neither is given, JAXSERVE_API_KEY (tenant "default"). Empty means
-    no authentication: only when nothing asked for a key. A key source that was given but holds
-    no key raises ValueError, so a misconfigured server refuses to start rather than start open."""
-    keys = [(k, f"key{i}") for i, k in enumerate(flag_keys or [])]
-    if key_file:
-        keys += read_api_keys(key_file)
-    if env_key is not None and not keys:
-        if not env_key.strip():
-            raise ValueError("JAXSERVE_API_KEY is set but empty")
-        keys = [(env_key.strip(), "default")]
-    return tuple(keys)
-
-
-class _AuthMiddleware:
-    """Pure ASGI (streams and disconnects pass through untouched). Puts the key's tenant in
-    scope["state"]["tenant"]. With more than one tenant, /metrics and /debug (every tenant's
-    traffic) answer 403 to all but an operator key."""
-
-    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json", "/metrics")
-    OPERATOR_ONLY = ("/debug", "/metrics")
-
-    def __init__(self, app, keys: tuple[tuple[str, str], ...], public: tuple[str, ...] = ()):
-        self.app = app
-        self.keys = [(key.encode(), tenant) for key, tenant in keys]
-        self.protected = tuple(p for p in self.PROTECTED if p not in public)
-        tenants = {tenant for _, tenant in keys if tenant != OPERATOR}
-        self.operator_only = tuple(p for p in self.OPERATOR_ONLY if p in self.protected
-                                   and len(tenants) > 1)
-
-    def _tenant(self, token: bytes) -> str | None:
-        tenant = None
-        for key, name in self.keys:  # every key compared, in constant time
-            if hmac.compare_digest(token, key):
-                tenant = name
-        return tenant
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith(self.protected):
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
-            tenant = self._tenant(token.strip()) if scheme.lower() == b"bearer" else None
-            scope.setdefault("state", {})["tenant"] = tenant
-            if tenant is None:
-                err = APIError("Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                               status=401, code="invalid_api_key")
-                response = StrictJSONResponse(err.body(), status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
-                await response(scope, receive, send)
-                return
-            if tenant != OPERATOR and scope["path"].startswith(self.operator_only):
-                err = APIError(f"{scope['path']} shows every tenant's traffic: it needs an "
-                               "operator key (--operator_key)", status=403,
-                               type="permission_error", code="operator_key_required")
-                await StrictJSONResponse(err.body(), status_code=403)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _EventStream(StreamingResponse):
@@ -245,6 +172,16 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                                      config.reasoning_parser)
     metrics = ServerMetrics()
     aengine.observers.append(metrics)
+    limits = BodyLimits.of(config.max_tools, config.max_tools_bytes, config.max_prompt_chars,
+                           ctx.max_model_len)
+    # A body's validation, chat template, tokenizing and grammar run here, off the event loop
+    # (a 3.9 MB prompt froze every stream for seconds). Few threads: each holds the GIL in
+    # turn with the loop, so the more there are, the longer the loop waits for it.
+    workers = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="jaxserve-prepare")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(
+            workers, functools.partial(fn, *args))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -252,6 +189,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         yield
         with contextlib.suppress(ValueError):
             aengine.observers.remove(metrics)
+        workers.shutdown(wait=False, cancel_futures=True)
         if owned:
             aengine.shutdown()
 
@@ -261,7 +199,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     app.state.metrics = metrics
     app.state.ctx = ctx
     if config.keys or config.operator_keys:
-        app.add_middleware(_AuthMiddleware,
+        app.add_middleware(AuthMiddleware,
                            keys=config.keys + tuple((k, OPERATOR) for k in config.operator_keys),
                            public=("/metrics",) if config.public_metrics else ())
     base_salt = aengine.engine.config.cache.cache_salt or ""
@@ -350,7 +288,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         spec = parsed.params.structured_outputs
         if spec is not None:
             try:
-                await asyncio.to_thread(aengine.engine.grammars.compile, spec)
+                await off_loop(aengine.engine.grammars.compile, spec)
             except ValueError as e:
                 raise APIError(str(e), param=parsed.constraint_field,
                                code="invalid_value") from None
@@ -365,10 +303,15 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                            f"{config.max_prompts_per_request} are accepted in one request",
                            param="prompt", code="too_many_prompts")
 
-    async def serve(kind: str, request: Request):
-        body = await read_json(request)
+    def prepare(kind: str, body):
+        """The engine's request from a body: the cheap limits first, then validation,
+        templating and tokenizing (in a worker thread)."""
         count_prompts(body)
-        parsed = parse_request(kind, body, ctx)
+        limits.check(body)
+        return parse_request(kind, body, ctx)
+
+    async def serve(kind: str, request: Request):
+        parsed = await off_loop(prepare, kind, await read_json(request))
         await compile_grammar(parsed)
         group = await submit(parsed, cache_salt(request))
         builder = ResponseBuilder(parsed, ctx)
