@@ -8,6 +8,7 @@ served while the engine is built answers health. On the tiny random model."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import threading
 import time
@@ -100,17 +101,29 @@ def test_a_body_of_too_many_prompts_is_400_naming_the_limit(url):
     assert r.status_code == 200 and len(r.json()["choices"]) == 3
 
 
-def test_more_prompts_than_may_ever_wait_is_400_not_retry_later(aengine, url):
-    """Issue 54 row 11: with max_waiting=2 a request of 3 prompts can never be queued."""
-    saved, aengine.max_waiting = aengine.max_waiting, 2
+def test_more_prompts_than_may_ever_wait_is_400_and_a_full_queue_503(aengine, url):
+    """Issue 54 row 11: with max_waiting=2 a request of 3 prompts can never be queued (it was
+    a 503 "retry later"); 2 prompts behind 1 waiting (in a group's backlog) are a 503."""
+    from jaxserve.core.sampling_params import SamplingParams
+
+    saved = aengine.max_waiting, aengine.group_quota
+    aengine.max_waiting, aengine.group_quota = 2, 1
+    group = None
     try:
         r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": ["a", "b", "c"]},
                        timeout=60)
         assert r.status_code == 400 and "max_waiting=2" in r.json()["error"]["message"], r.text
+        long = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        group = asyncio.run(aengine.add([{"prompt_token_ids": [5, 6], "prompt": None}] * 2,
+                                        long))  # one runs for 200 steps, one waits behind it
         r = httpx.post(url + "/v1/completions", json={**BODY, "prompt": ["a", "b"]}, timeout=60)
-        assert r.status_code == 200, r.text
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+        assert "1 requests are waiting" in r.json()["error"]["message"]
+        assert r.headers["retry-after"]
     finally:
-        aengine.max_waiting = saved
+        if group is not None:
+            group.abort()
+        aengine.max_waiting, aengine.group_quota = saved
 
 
 def _exchange(port: int, data: bytes, hold: float = 0.0) -> bytes:
@@ -157,3 +170,34 @@ def test_the_placeholder_answers_health_until_the_app_is_handed_over(url):
         assert "no such model" in httpx.get(front_url + "/health").json()["reason"]
         front.serve(FastAPI())  # everything goes to the app now
         assert httpx.get(front_url + "/health/live").status_code == 404
+
+
+def test_a_later_request_queues_behind_a_groups_quota_not_all_of_it(aengine):
+    """Issue 54 row 1: a neighbour waited behind every prompt of a huge request. A group now
+    has max_num_seqs (4) prompts in the engine at once; the rest follow as those finish."""
+    from jaxserve.core.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, i + 7], "prompt": None} for i in range(24)]
+
+    async def run():
+        big = await aengine.add(prompts, params)
+        small = await aengine.add(prompts[:1], params)
+        order = []
+
+        async def drain(group, name):
+            async for _, out in group:
+                if out.finished:
+                    order.append(name)
+
+        await asyncio.gather(drain(big, "big"), drain(small, "small"))
+        # a group dropped with its backlog full leaves nothing behind
+        dropped = await aengine.add(prompts, params)
+        dropped.abort()
+        return order
+
+    order = asyncio.run(run())
+    print(f"the neighbour finished after {order.index('small')} of the group's 24")
+    assert order.count("big") == 24 and order.index("small") <= 8
+    wait_for(lambda: aengine._backlogged == 0 and not asyncio.run(
+        aengine.call(lambda e: e.has_unfinished())))

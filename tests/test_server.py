@@ -293,18 +293,6 @@ def test_bad_inputs_of_every_kind(server, engine):
     assert stats["referenced_pages"] == 0  # no page leaked by any refused request
 
 
-def test_overloaded_queue_answers_503(server):
-    aengine = server.aengine
-    saved = aengine.max_waiting
-    aengine.max_waiting = 0
-    try:
-        r = _post(server.url, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2})
-    finally:
-        aengine.max_waiting = saved
-    assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
-    assert "waiting" in r.json()["error"]["message"] and r.headers["retry-after"]
-
-
 def test_api_key_and_limits(locked_server):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
     r = _post(locked_server, "/v1/completions", body)

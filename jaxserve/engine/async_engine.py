@@ -5,7 +5,10 @@ LLMEngine is not thread-safe, so every engine call (add_request, abort, step, st
 runs on the loop thread. A handler submits a group of prompts sharing one SamplingParams
 (`await add(...)`, which raises at once if the engine refuses them), iterates the group's outputs,
 and aborts what is unfinished when it stops listening (client disconnect): the abort is applied
-before the next step, so the request's pages are freed at once. `readiness()` says why it should
+before the next step, so the request's pages are freed at once. A group has at most as many
+prompts in the engine as it can run at once (max_num_seqs): the rest wait in its backlog and
+go in as its earlier ones finish, so a request that arrives later queues behind that many of a
+huge group's prompts, not behind all of them. `readiness()` says why it should
 not get traffic now: dead, draining, warming up, or stalled (the loop has not come round for
 `stall_timeout` seconds: a step or a command holding it).
 """
@@ -13,6 +16,7 @@ not get traffic now: dead, draining, warming up, or stalled (the loop has not co
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import itertools
 import logging
@@ -55,6 +59,8 @@ class RequestGroup:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.unfinished = set(self.request_ids)
+        self.backlog: collections.deque = collections.deque()  # loop thread: (index, prompt)
+        self.params, self.cache_salt = None, None  # the backlog's, set by AsyncEngine._add
 
     def __aiter__(self):
         return self
@@ -74,7 +80,7 @@ class RequestGroup:
     def abort(self) -> None:
         """Abort every unfinished request of the group (safe to call more than once)."""
         if self.unfinished:
-            self.engine._submit(("abort", list(self.unfinished)))
+            self.engine._submit(("abort", self, list(self.unfinished)))
             self.unfinished.clear()
 
     def _deliver(self, item) -> None:  # called on the asyncio loop
@@ -88,6 +94,10 @@ class AsyncEngine:
         """stall_timeout, ready_after: ServingConfig's (readiness())."""
         self.engine = engine
         self.max_waiting = engine.config.scheduler.max_waiting
+        config = engine.config
+        # a group's prompts in the engine at once: what the engine can run at once
+        self.group_quota = config.scheduler.max_num_seqs * config.parallel.data_parallel_size
+        self._backlogged = 0  # prompts in the groups' backlogs (loop thread)
         self.observers: list[Observer] = []
         self.idle_wait_s = idle_wait_s
         self.stall_timeout, self.ready_after = stall_timeout, ready_after
@@ -248,7 +258,10 @@ class AsyncEngine:
         if kind == "wake":
             return
         if kind == "abort":
-            for rid in command[1]:
+            group, rids = command[1:]
+            self._backlogged -= len(group.backlog)
+            group.backlog.clear()
+            for rid in rids:
                 self._abort(rid)
             return
         if kind == "fail_all":
@@ -272,24 +285,47 @@ class AsyncEngine:
             if len(prompts) > self.max_waiting:  # a 400, not "retry later": it never fits
                 raise ValueError(f"the request holds {len(prompts)} prompts and at most "
                                  f"max_waiting={self.max_waiting} may wait; send fewer")
-            waiting = self.engine.num_waiting
+            waiting = self.engine.num_waiting + self._backlogged
             if waiting + len(prompts) > self.max_waiting:
                 raise EngineOverloaded(
                     f"the server is overloaded: {waiting} requests are waiting and the limit is "
                     f"{self.max_waiting}; retry later")
+        # The longest prompt goes in first: the engine refuses a prompt for its length (and
+        # the shared params), so if it is taken, the backlog's will be too.
+        longest = max(range(len(prompts)), key=lambda i: len(prompts[i]["prompt_token_ids"]))
+        order = [longest] + [i for i in range(len(prompts)) if i != longest]
+        now, later = order[:self.group_quota], order[self.group_quota:]
         added = []
         try:
-            for i, (rid, prompt) in enumerate(zip(group.request_ids, prompts)):
-                self.engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt)
-                added.append(rid)
-                self._live[rid] = (group, i)
-                self._progress[rid] = (len(prompt["prompt_token_ids"]), 0)
+            for i in now:
+                self._add_one(group, i, prompts[i], params, cache_salt)
+                added.append(group.request_ids[i])
         except BaseException:
             for rid in added:
                 self.engine.abort(rid)
                 self._live.pop(rid, None)
                 self._progress.pop(rid, None)
             raise
+        group.params, group.cache_salt = params, cache_salt
+        group.backlog.extend((i, prompts[i]) for i in later)
+        self._backlogged += len(later)
+
+    def _add_one(self, group: RequestGroup, i: int, prompt: dict, params: SamplingParams,
+                 cache_salt: str | None) -> None:
+        rid = group.request_ids[i]
+        self.engine.add_request(prompt, params, request_id=rid, cache_salt=cache_salt)
+        self._live[rid] = (group, i)
+        self._progress[rid] = (len(prompt["prompt_token_ids"]), 0)
+
+    def _feed(self, group: RequestGroup) -> None:
+        """One of the group's prompts finished: the next from its backlog goes in."""
+        if group.backlog:
+            i, prompt = group.backlog.popleft()
+            self._backlogged -= 1
+            try:
+                self._add_one(group, i, prompt, group.params, group.cache_salt)
+            except ValueError as e:  # not expected: the longest was taken
+                self._post(group, [e])
 
     def _abort(self, rid: str) -> None:
         if self._live.pop(rid, None) is None:
@@ -311,6 +347,7 @@ class AsyncEngine:
             if out.finished:
                 self._live.pop(out.request_id, None)
                 self._progress.pop(out.request_id, None)
+                self._feed(group)
                 for obs in self.observers:
                     obs.on_finished(out)
             else:
@@ -339,6 +376,8 @@ class AsyncEngine:
         self._live.clear()
         self._progress.clear()
         for group in groups:
+            self._backlogged -= len(group.backlog)
+            group.backlog.clear()
             self._post(group, [error])
         while refuse_queued:
             try:
