@@ -247,12 +247,17 @@ ASK = [{"role": "user", "content": "Forecast?"}]
 
 
 def test_forced_calls_follow_refs_and_close_extra_keys(client):
-    """A forced call of a tool with `$defs` and `$ref`s follows its schema, and ends once its
-    declared keys are written (was a 400; then extra keys until max_tokens)."""
+    """A forced call of a tool with `$defs` and `$ref`s follows its schema (was a 400), and
+    ends once its declared keys are written (inlined, without refs: extra keys until
+    max_tokens, then raw JSON as content)."""
     params = FORECAST["function"]["parameters"]
-    for choice in ("required", {"type": "function", "function": {"name": "forecast"}}):
+    inlined = {"type": "function", "function": {"name": "forecast", "parameters": {
+        "type": "object", "properties": {"unit": params["$defs"]["Unit"], "day": DAY},
+        "required": params["required"]}}}
+    for tools, choice in (([FORECAST, TIME], "required"), ([inlined], "required"),
+                          ([FORECAST], {"type": "function", "function": {"name": "forecast"}})):
         out = client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=[FORECAST, TIME], tool_choice=choice, n=4, seed=7,
+            model=MODEL, messages=ASK, tools=tools, tool_choice=choice, n=4, seed=7,
             temperature=1.0, max_tokens=150)
         for c in out.choices:
             assert c.finish_reason == "tool_calls" and c.message.content is None, c
