@@ -58,3 +58,5 @@ class RequestOutput:
     # Prompt logprobs (echo scoring): None for the first token, then {token_id: logprob} per token.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     error: str | None = None  # set when this request failed on its own (finish_reason "error")
+    # The engine's weights when its tokens were sampled: 0 as loaded, +1 per update_weights.
+    weights_version: int = 0

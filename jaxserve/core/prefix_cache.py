@@ -97,6 +97,14 @@ class PrefixCache:
             self.pool.evict(page)
         return len(pages)
 
+    def reset(self, model_fingerprint: str | None = None) -> int:
+        """Forget the cached prefixes (new weights: update_weights): every unreferenced cached
+        page is evicted, and with a new fingerprint no key chained before is made again, so a
+        page still referenced is never found. Returns the pages evicted."""
+        if model_fingerprint is not None:
+            self.model_fingerprint = model_fingerprint
+        return self.clear()
+
     def contains_key(self, key: bytes) -> bool:
         return key in self._page_by_key
 

@@ -35,6 +35,7 @@ from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.speculator import Speculator, load_draft
 from jaxserve.engine.startup import StartupTimeline
 from jaxserve.engine.step_pipeline import StepPipeline
+from jaxserve.engine.weight_update import WeightUpdates
 from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.params import JNP_DTYPES
@@ -147,6 +148,9 @@ class LLMEngine:
         # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
+        # Weights replaced in place, memory given back, pause (docs/rl.md).
+        self.weights = WeightUpdates(self.runner, self.scheduler, self.requests, self.pipeline,
+                                     loaded.config, resolved.dtype)
         self._eos_token_ids = eos
         self._ids = itertools.count()
         self._rng = np.random.default_rng(load.seed)
@@ -184,6 +188,7 @@ class LLMEngine:
                     cache_salt: str | None = None) -> Request:
         """Queue a request. Raises ValueError (RequestRejected) at once if it can never run.
         cache_salt (default: the engine's) isolates prefix-cache sharing per tenant."""
+        self.weights.check_awake()
         text, ids = self.tokenize(prompt)
         params = dataclasses.replace(params or SamplingParams())
         grammar = self.check_params(params)
@@ -236,8 +241,43 @@ class LLMEngine:
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
         """Run one iteration (StepPipeline: plan, build, dispatch, sample, fetch, apply); returns
-        a snapshot of every request that progressed or failed."""
-        return self.pipeline.step()
+        a snapshot of every request that progressed or failed; nothing while paused."""
+        return [] if self.weights.paused else self.pipeline.step()
+
+    # ----------------------------------------------------------------- weights (docs/rl.md)
+    def update_weights(self, weights, in_flight: str = "finish") -> list[RequestOutput]:
+        """Replace the weights in place, without compiling: (name, array) pairs in the
+        checkpoint's Hugging Face names and layout (whole layers, or all), or a tree like
+        params_like(). The requests in the engine finish first under the old weights
+        (in_flight="finish") or fail ("abort"): returns the outputs that made. The prefix cache
+        is forgotten; later outputs carry weights_version + 1."""
+        return self.weights.update(weights, in_flight)
+
+    def params_like(self) -> dict:
+        """The step's params as jax.ShapeDtypeStruct (shapes, dtypes, shardings)."""
+        return self.runner.params_like()
+
+    @property
+    def weights_version(self) -> int:
+        return self.runner.weights_version
+
+    def pause(self) -> None:
+        """No new step starts until resume() (requests stay where they are)."""
+        self.weights.pause(True)
+
+    def resume(self) -> None:
+        self.weights.pause(False)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 1) and the weights too (level 2); nothing may be in flight."""
+        self.weights.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """The pool again; weights freed by sleep(level=2) come back by update_weights."""
+        self.weights.wake_up(tags)
+
+    def reset_prefix_cache(self) -> None:
+        self.weights.forget_prefixes()
 
     # ----------------------------------------------------------------- compilation
     def warmup(self, full: bool = False, *, background: bool = False,

@@ -68,7 +68,16 @@ class StepPipeline:
         except StepFailed as e:
             self.recover(e)
             results = []
-        return results + self.requests.take_failed(time.monotonic())
+        return self._stamped(results) + self.take_failed()
+
+    def take_failed(self) -> list[RequestOutput]:
+        """The outputs of the requests failed since the last step."""
+        return self._stamped(self.requests.take_failed(time.monotonic()))
+
+    def _stamped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        for out in outputs:  # no request spans an update (WeightUpdates settles them first)
+            out.weights_version = self.runner.weights_version
+        return outputs
 
     def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()

@@ -6,6 +6,7 @@ model's (register_model) in its own layout (custom_model.place)."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -35,16 +36,27 @@ def prepare_params(params: dict, quantization: str, backend: Backend,
     fingerprint: calibrated_turns), quantized, in the execution layout and packed for the
     backend's matmul. The layers are made one at a time as they are placed, so the host holds
     one beyond the loaders' copy (a lazy load's: none)."""
-    pack = backend.pack_params or (lambda tree: tree)
     stacked = params["layers"]
     turns = (calibrated_turns(params, smooth_keys_for, fingerprint)
              if smooth_keys_for is not None else None)
     smooth = layer_smoother(params, smooth_keys_for, turns)
-    layers = (pack({"layers": [llama.fuse_layer(quantize_layer(
-                  smooth(i, llama.layer_of(stacked, i)), quantization))]})["layers"][0]
+    layers = (prepare_layer(smooth(i, llama.layer_of(stacked, i)), quantization, backend)
               for i in range(len(stacked["attn_norm"])))
+    return prepare_top(params, quantization, backend), layers
+
+
+def prepare_layer(layer: dict, quantization: str, backend: Backend) -> dict:
+    """One layer of the loaders' layout (llama.layer_of) -> the step's: quantized, fused and
+    packed for the backend."""
+    pack = backend.pack_params or (lambda tree: tree)
+    return pack({"layers": [llama.fuse_layer(quantize_layer(layer, quantization))]})["layers"][0]
+
+
+def prepare_top(params: dict, quantization: str, backend: Backend) -> dict:
+    """The loaders' leaves outside the layers -> the step's (the head quantized and packed)."""
+    pack = backend.pack_params or (lambda tree: tree)
     top = pack({**llama.head_params(quantize_head(params, quantization)), "layers": []})
-    return {k: v for k, v in top.items() if k != "layers"}, layers
+    return {k: v for k, v in top.items() if k != "layers"}
 
 
 def calibrated_turns(params: dict, cfg: ModelConfig, fingerprint: str | None) -> list:
@@ -82,6 +94,14 @@ def calibrated_turns(params: dict, cfg: ModelConfig, fingerprint: str | None) ->
     return turns
 
 
+def cast_weight(x, dtype) -> np.ndarray:
+    """A host weight in dtype; the int8 weights' float16 group scales and offsets (quantize.py)
+    and integer arrays keep theirs."""
+    x = np.asarray(x)
+    keep = x.dtype == np.float16 or not jnp.issubdtype(x.dtype, jnp.floating)
+    return x if keep else x.astype(dtype, copy=False)
+
+
 def device_params(params, cfg: ModelConfig, mesh: Mesh, backend: Backend, *, dtype, kv_dtype,
                   quantization: str = "none", expert_parallel: bool = False,
                   fingerprint: str | None = None) -> dict:
@@ -89,13 +109,7 @@ def device_params(params, cfg: ModelConfig, mesh: Mesh, backend: Backend, *, dty
     on `mesh`, weights in `dtype`; kv_dtype: the pool's (int8 smooths the keys first, its
     calibration kept by `fingerprint`, the weights'); expert_parallel: the experts spread over
     the tp devices (sharding.place_params)."""
-    def cast(x) -> np.ndarray:
-        """A host weight in dtype; the int8 weights' float16 group scales and offsets
-        (quantize.py) and integer arrays keep theirs."""
-        x = np.asarray(x)
-        keep = x.dtype == np.float16 or not jnp.issubdtype(x.dtype, jnp.floating)
-        return x if keep else x.astype(dtype, copy=False)
-
+    cast = functools.partial(cast_weight, dtype=dtype)
     int8_kv = kv_dtype == jnp.int8
     if custom_model.is_registered(cfg):  # jaxserve.register_model's: its own layout
         return custom_model.place(params, cfg, mesh, cast, quantization)

@@ -32,13 +32,14 @@ from jaxserve.model import layer_scan, llama
 from jaxserve.model.kv_cache import KVPool, groups_of
 from jaxserve.runtime import memory
 from jaxserve.runtime.batch import StepBatch, build_batch, warmup_batches, warmup_plan
-from jaxserve.runtime import custom_model, distributed, sharding
+from jaxserve.runtime import custom_model, distributed, param_update, sharding
 from jaxserve.runtime.params import JNP_DTYPES, device_params
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
 from jaxserve.runtime.precompile import Precompiler
 from jaxserve.runtime.sampling import (FILTERED, GREEDY, RANDOM, XLA, SamplingMetadata,
                                        sample)
+from jaxserve.weights.named_update import NamedUpdate
 
 @dataclasses.dataclass
 class StepOutput:
@@ -166,6 +167,10 @@ class ModelRunner:
         self.params = device_params(params, cfg, self.mesh, backend, dtype=self.dtype,
                                     kv_dtype=self.kv_dtype, quantization=quantization,
                                     expert_parallel=expert_parallel, fingerprint=fingerprint)
+        self._placing = dict(dtype=self.dtype, quantization=quantization,
+                             expert_parallel=expert_parallel, scan_layers=scan_layers)
+        self._lent: set[int] = set()  # ids of params a caller lent (update_params)
+        self.weights_version = 0  # update_params's count: every output carries it
         if scan_layers and "layers" in self.params:  # (a registered model's: its own)
             self.params["layers"] = layer_scan.group_layers(self.params["layers"], cfg,
                                                             layer_scan.stack_on_device)
@@ -197,16 +202,52 @@ class ModelRunner:
             self.channel.send(distributed.RESET)
         self.num_pages = num_pages or self.num_pages
         self.pool = None  # the old pool's buffers go before the new ones are allocated
-        cfg = self.cfg
-        tp = sharding.tp_size(self.mesh)
-        heads, layout = sharding.pool_layout_of(cfg, self.backend, tp, self.kv_dtype, self.dtype)
-        n, slots = self.num_pages, groups_of(cfg).size  # slots: each layer group's layers
-        layers, pages = (1, slots * n) if self.scan_layers else (slots, n)  # scanned: one cache
-        zeros = functools.partial(KVPool.zeros, layers, heads, pages,
-                                  self.page_size, cfg.head_dim, self.kv_dtype, layout, tp)
-        # Made in place on each device (never whole on one): sharded on the head axis.
-        placed = sharding.pool_sharding(self.mesh, jax.eval_shape(zeros))
-        self.pool = jax.jit(zeros, out_shardings=placed)()
+        if getattr(self, "_zeros", (None,))[0] != self.num_pages:  # kept: no compile again
+            cfg, tp = self.cfg, sharding.tp_size(self.mesh)
+            heads, layout = sharding.pool_layout_of(cfg, self.backend, tp, self.kv_dtype,
+                                                    self.dtype)
+            n, slots = self.num_pages, groups_of(cfg).size  # slots: each layer group's layers
+            layers, pages = (1, slots * n) if self.scan_layers else (slots, n)  # scanned: one
+            zeros = functools.partial(KVPool.zeros, layers, heads, pages,
+                                      self.page_size, cfg.head_dim, self.kv_dtype, layout, tp)
+            # Made in place on each device (never whole on one): sharded on the head axis.
+            placed = sharding.pool_sharding(self.mesh, jax.eval_shape(zeros))
+            self._zeros = (self.num_pages, jax.jit(zeros, out_shardings=placed))
+        self.pool = self._zeros[1]()
+
+    # ---- weights replaced in place, memory given back (runtime/param_update.py)
+    def params_like(self) -> dict:  # structure, shapes, dtypes, shardings (ShapeDtypeStruct)
+        if self.params is not None:
+            self._like = param_update.abstract(self.params)
+        return self._like
+
+    def update_params(self, update) -> None:
+        """Replace the params by a NamedUpdate's units or a tree like params_like(); the old
+        buffers are freed, not those a caller lent."""
+        if self.channel is not None or self.kv_dtype == jnp.int8:
+            raise ValueError("weights are not updated in place " + (
+                "with several processes" if self.channel is not None else
+                "with an int8 KV cache (its key smoothing is calibrated on the loaded model)"))
+        like = self.params_like()
+        if isinstance(update, NamedUpdate):
+            new, lent = param_update.from_units(update, self.params, like, self.cfg,
+                                                self.mesh, self.backend, **self._placing), set()
+        else:
+            new, lent = param_update.from_tree(update, like)
+        old, old_lent, self.params = self.params, self._lent, new
+        self._lent = lent | (old_lent & {id(x) for x in jax.tree_util.tree_leaves(new)})
+        param_update.delete_unused(old, new, old_lent)
+        self.weights_version += 1
+
+    def release(self, weights: bool) -> None:
+        """Free the KV pool (reset_pool makes it again) and with `weights` the params too
+        (update_params places them again); a caller's lent arrays are only dropped."""
+        param_update.delete_unused(self.pool, None, set())
+        self.pool = None
+        if weights:
+            self.params_like()
+            param_update.delete_unused(self.params, None, self._lent)
+            self.params, self._lent = None, set()
 
     @property
     def compilations(self) -> int:
@@ -226,8 +267,8 @@ class ModelRunner:
     def memory_stats(self) -> dict:
         """Bytes of the weights and the KV pool, over all devices and on one (under tensor
         parallelism each device holds every page, for its KV heads; repeated heads count)."""
-        pool_per_device = memory.bytes_on_device(self.pool)
-        return dict(kv_pool_bytes=self.pool.nbytes,
+        pool_per_device = memory.bytes_on_device(self.pool)  # (0 asleep: release)
+        return dict(kv_pool_bytes=getattr(self.pool, "nbytes", 0),
                     weight_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(self.params)),
                     kv_pool_bytes_per_device=pool_per_device,
                     kv_page_bytes_per_device=pool_per_device // self.num_pages,
