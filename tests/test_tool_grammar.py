@@ -356,3 +356,25 @@ def test_a_response_format_comes_after_the_thinking(special):
         # reads it (an added token that is not special is in it anyway)
         assert tok.backend.token_to_id("</think>") in spec.special_text_ids
     assert _chat_spec(regex, None, tok)[0].wrapper is None
+
+
+def test_objects_are_closed_unless_the_schema_opens_them():
+    """Closing stops where a schema says what else an object holds, and at an allOf's
+    branches (each would refuse the other's keys)."""
+    def tool(**params):
+        return {"name": "t", "parameters": {"type": "object", **params}}
+
+    def call(args):
+        return f'<tool_call>{{"name": "t", "arguments": {args}}}</tool_call>'
+
+    both = tool(allOf=[{"properties": {"a": {"type": "integer"}}},
+                       {"properties": {"b": {"type": "integer"}}}])
+    assert accepts("hermes", call('{"a": 1, "b": 2}'), special=True, tools=(both,)) == "accept"
+    opened = tool(properties={"a": {"type": "integer"}}, additionalProperties=True)
+    assert accepts("hermes", call('{"a": 1, "z": [1]}'), special=True, tools=(opened,)) == \
+        "accept"
+    free = tool(properties={"o": {"type": "object"}})  # no properties: any keys
+    assert accepts("hermes", call('{"o": {"z": 1}}'), special=True, tools=(free,)) == "accept"
+    shut = tool(properties={"o": {"properties": {"x": {}}}})
+    assert accepts("hermes", call('{"o": {"x": 1, "z": 1}}'), special=True,
+                   tools=(shut,)).endswith('"x": 1,')

@@ -20,9 +20,10 @@ open so), pythonic (likewise with `[` or `<|python_start|>`: a list of calls who
 arguments are Python literals, pythonic_grammar.py, which says where it is looser than the
 schemas).
 
-Added tokens the grammar names (triggers, closing tags, think tags) are kept in the output's
-text (`StructuredOutputsParams.special_text_ids`), so the parsers see them; they never reach a
-message's content, since the parsers take them out. Host-only.
+Special tokens the grammar names (triggers, closing tags, think tags) are kept in the output's
+text (`StructuredOutputsParams.special_text_ids`), as added tokens that are not special always
+are, so the parsers see them; they never reach a message's content, since the parsers take them
+out. Host-only.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ _TEXT = r"/(.|\n)*/"
 @dataclasses.dataclass(frozen=True)
 class ToolGrammar:
     lark: str
-    special_text_ids: tuple[int, ...]  # added tokens the grammar names: kept in the text
+    special_text_ids: tuple[int, ...]  # special tokens the grammar names: kept in the text
 
 
 class _Markup:
@@ -92,28 +93,28 @@ _NAMED = ("properties", "patternProperties", "$defs", "definitions", "dependentS
 _OPEN = ("additionalProperties", "patternProperties", "unevaluatedProperties", "$ref", "allOf")
 
 
-def closed(schema, close: bool = True):
+def _closed(schema, close: bool = True):
     """The schema with every object that lists `properties` closed to them
     (`additionalProperties: false`), as OpenAI's strict mode requires, so a call ends once its
     keys are written; an allOf's branches stay open (each would refuse the others' keys)."""
     if isinstance(schema, list):
-        return [closed(s, close) for s in schema]
+        return [_closed(s, close) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in _SUBSCHEMA:
         if isinstance(out.get(key), (dict, list)):
-            out[key] = closed(out[key], key != "allOf")
+            out[key] = _closed(out[key], key != "allOf")
     for key in _NAMED:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed(s) for name, s in out[key].items()}
+            out[key] = {name: _closed(s) for name, s in out[key].items()}
     if close and isinstance(out.get("properties"), dict) and not any(k in out for k in _OPEN):
         out["additionalProperties"] = False
     return out
 
 
 def _arguments_schema(parameters: dict | None) -> str:
-    schema = closed(parameters) if parameters else {}
+    schema = _closed(parameters) if parameters else {}
     schema.setdefault("type", "object")  # OpenAI's arguments are always an object
     schema["x-guidance"] = {**schema.get("x-guidance", {}), **_JSON_STYLE}
     return "%json " + json.dumps(schema, ensure_ascii=False)
