@@ -53,10 +53,15 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def v5e_report(tiny_dir) -> dict:
+def v5e_proc(tiny_dir) -> subprocess.CompletedProcess:
     proc = jaxserve("compile", "--topology=v5e:2x2", f"--model={tiny_dir}", "--json", *BUCKETS)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def v5e_report(v5e_proc) -> dict:
+    return json.loads(v5e_proc.stdout)
 
 
 def test_report_fields_and_types(v5e_report):
@@ -82,6 +87,36 @@ def test_report_fields_and_types(v5e_report):
     # the plan's runtime term covers the code of every executable compiled (steps, sampling
     # calls, page copies), each counted at the largest of its kind
     assert d["generated_code_bytes"] <= d["runtime_bytes"]
+
+
+def test_cost_report_and_progress(v5e_proc, v5e_report):
+    """Each step shape's compiled cost beside its roofline (a scanned step's counted from
+    unscanned compiles of 1 and 2 layers), and a progress line per executable on stderr."""
+    cost = v5e_report["cost"]
+    assert cost["chip"] == {"device_kind": "TPU v5 lite", "flops_per_s": 197e12,
+                            "hbm_bytes_per_s": 819e9}
+    assert cost["counted_from"].startswith("unscanned compiles")  # TPU scans by default
+    steps = cost["steps"]
+    assert [s["tokens"] for s in steps] == [1, 2, 3, 4]  # packed: a shape per token bucket
+    for s in steps:
+        assert s["pages_per_row"] == 64 // 16 and s["rows"] == min(2, s["tokens"])
+        assert s["bytes_accessed"] > 0 and s["flops"] > 0 and s["unpriced_ops"] == 0
+        assert s["estimated_seconds"] > 0 and s["necessary_bytes"] > 0
+        assert s["roofline_seconds"] == max(s["necessary_flops"] / 197e12,
+                                            s["necessary_bytes"] / 819e9)
+    assert set(cost["throughput"]) == {"decode", "prefill"}
+    progress = [ln for ln in v5e_proc.stderr.splitlines() if ln.strip().startswith("[")]
+    costs = 2 * len(steps)  # the 1- and 2-layer compiles of each step shape
+    assert len(progress) == v5e_report["shapes"] + v5e_report["sampling_calls"] + costs
+    assert progress[-1].strip().startswith(f"[{len(progress)}/{len(progress)}]")
+
+
+def test_missing_libtpu_names_the_pinned_install(monkeypatch):
+    from jaxserve.runtime import topology
+
+    monkeypatch.setattr(topology.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match=r"pip install 'jaxserve\[tpu\]'.*libtpu==0\.0\.42\.1"):
+        topology.tpu_topology.__wrapped__("v5e:2x2")
 
 
 def test_shapes_are_the_engines_warmup(v5e_report, tiny_dir):

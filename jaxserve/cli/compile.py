@@ -33,6 +33,10 @@ flags.DEFINE_string("topology", None,
                     "compilation cache that serve, generate, batch and LLM load from.")
 flags.DEFINE_bool("json", False, "Print one JSON object instead of a table.")
 flags.DEFINE_integer("compile_threads", 2, "Executables compiled at once (--topology).")
+flags.DEFINE_bool("cost", True, "With --topology: the roofline report of every step shape (XLA's "
+                  "cost model beside the necessary flops and bytes at the chip's peaks; a "
+                  "scanned step adds two small unscanned compiles per shape). Estimates, not "
+                  "measurements.")
 flags.DEFINE_alias("cache_dir", "compilation_cache_dir")
 FLAGS = flags.FLAGS
 
@@ -54,7 +58,29 @@ def _table(report: dict) -> str:
                   ("budget", "weight", "activation_peak", "runtime", "margin", "kv_pool")]
         lines.append(f"  num_pages       {report['num_pages']} of {report['page_size']} tokens")
     lines += [f"  FAILED {f['shape']}: {f['error']}" for f in report["failures"]]
-    return "\n".join(lines)
+    return "\n".join(lines + _cost_table(report.get("cost")))
+
+
+def _cost_table(cost: dict | None) -> list[str]:
+    """The roofline report's lines: per step shape, XLA's estimate beside the roofline."""
+    if not cost or "steps" not in cost:
+        return [f"  cost: {cost['error']}"] if cost else []
+    chip = cost["chip"]
+    lines = [f"  estimated cost per step ({cost['counted_from']}; {chip['flops_per_s'] / 1e12:.0f}"
+             f" TFLOP/s, {chip['hbm_bytes_per_s'] / 1e9:.0f} GB/s; compiler estimates, not "
+             "measurements)",
+             "    tokens  rows  pages   GB accessed  GB needed  ratio   est. ms  roofline ms"]
+    for s in cost["steps"]:
+        lines.append(f"    {s['tokens']:>6} {s['rows']:>5} {s['pages_per_row']:>6} "
+                     f"{s['bytes_accessed'] / 1e9:>12.3f} {s['necessary_bytes'] / 1e9:>10.3f} "
+                     f"{s['bytes_ratio']:>6.2f} {s['estimated_seconds'] * 1e3:>9.3f} "
+                     f"{s['roofline_seconds'] * 1e3:>12.3f}")
+    for kind, t in cost["throughput"].items():
+        size = f"{t['rows']} rows" if kind == "decode" else f"{t['tokens']} tokens"
+        lines.append(f"  {kind:<8} {t['tokens_per_s']:.0f} tok/s estimated "
+                     f"({t['roofline_tokens_per_s']:.0f} at the roofline), {size} at context "
+                     f"{t['context']}")
+    return lines
 
 
 def main(argv):
@@ -67,7 +93,11 @@ def main(argv):
         if FLAGS.topology is None:
             result = aot.warm_host_cache(config)
         else:
-            report = aot.compile_for_topology(config, FLAGS.topology, FLAGS.compile_threads)
+            print(f"compiling for {FLAGS.topology} (minutes for a large "
+                  "model; a line per executable)", file=sys.stderr, flush=True)
+            report = aot.compile_for_topology(
+                config, FLAGS.topology, FLAGS.compile_threads, cost=FLAGS.cost,
+                progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
             result = report.as_dict()
     except ValueError as e:  # bad flags or model: one line
         print(f"jaxserve compile: error: {e}", file=sys.stderr)

@@ -20,6 +20,7 @@ persistent compilation cache, where `serve`, `generate`, `batch` and `LLM` find 
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -34,7 +35,8 @@ from jaxserve import backends
 from jaxserve.config import DEFAULT_MEMORY_UTILIZATION, EngineConfig, ModelConfig
 from jaxserve.config.resolved import resolve_scan_layers
 from jaxserve.core import kv_groups
-from jaxserve.engine import memory_plan
+from jaxserve.model import layer_scan
+from jaxserve.engine import memory_plan, roofline
 from jaxserve.engine.memory_plan import GIB, MARGIN, MemoryPlan
 from jaxserve.runtime import abstract, sharding
 from jaxserve.runtime.batch import build_batch, warmup_batches, warmup_plan
@@ -78,6 +80,7 @@ class CompileReport:
     compile_seconds: float = 0.0
     generated_code_bytes: int = 0  # measured, over every executable compiled
     step_peak_bytes: int = 0  # the most a compiled step holds: arguments, temporaries, outputs
+    cost: dict | None = None  # the roofline report (roofline.py), when asked for and compiled
 
     def as_dict(self) -> dict:
         t, p = self.target, self.plan
@@ -95,7 +98,7 @@ class CompileReport:
                 "shapes": self.shapes, "sampling_calls": self.sampling_calls,
                 "failures": self.failures,
                 "per_device": per_device, "num_pages": None if p is None else p.num_pages,
-                "fits": self.fits,
+                "fits": self.fits, "cost": self.cost,
                 "compile_seconds": round(self.compile_seconds, 2)}
 
     def refusal(self) -> str:
@@ -274,17 +277,42 @@ def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> Me
                 num_pages=int(max(num_pages, 0)))
 
 
-def _jobs(compiler: _Compiler, pool):
+def _shallow(target: Target, layers: int) -> Target:
+    """The target with its first `layers` layers, unscanned (the cost report's compiles)."""
+    m = target.model
+    model = dataclasses.replace(m, num_layers=layers, layer_types=m.layer_types and
+                                m.layer_types[:layers])
+    return dataclasses.replace(target, model=model, scan_layers=False)
+
+
+def _cost_compilers(target: Target) -> tuple[list, float]:
+    """Compilers whose steps' costs give the target's (roofline.extrapolate): a scanned step
+    counts its loop body once, so the first one and two periods of layers, unscanned, and the
+    periods in the model; an unscanned target is costed by its own steps ([], 1)."""
+    if not target.scan_layers:
+        return [], 1.0
+    p, layers = layer_scan.period(target.model), target.model.num_layers
+    if 2 * p > layers:
+        return [_Compiler(_shallow(target, layers))] * 2, 1.0
+    return [_Compiler(_shallow(target, p)), _Compiler(_shallow(target, 2 * p))], layers / p
+
+
+def _jobs(compiler: _Compiler, pool, costers=(), num_pages: int = 0):
     """(what, kind, compile) of every executable the engine's warm-up compiles (runner.warmup):
     each step, its sampling call per sample-row count in each mode without and with logit
-    controls (masks only), and each page-copies bucket."""
+    controls (masks only), and each page-copies bucket; with costers (_cost_compilers), each
+    step's again by each of them ("cost 0", "cost 1")."""
     b, sampled = compiler.t.buckets, set()
     groups = kv_groups.groups_of(compiler.t.model).num_groups
+    pools = [c.pool(num_pages) for c in costers]
     for batch, _ in warmup_batches(b, compiler.t.page_size, num_groups=groups):
         rows = batch.logits_indices.shape[0]
-        yield (f"step of {batch.token_ids.shape[0]} tokens, {batch.attn.page_tables.shape[0]} "
-               f"rows, {rows} sampled", "step",
-               lambda batch=batch: compiler.compile_step(batch, pool))
+        what = (f"step of {batch.token_ids.shape[0]} tokens, "
+                f"{batch.attn.page_tables.shape[-2]} rows, {rows} sampled")
+        yield what, "step", lambda batch=batch: (batch, compiler.compile_step(batch, pool))
+        for i, (c, p) in enumerate(zip(costers, pools)):
+            yield (f"{what}, {c.t.model.num_layers} unscanned layers (cost)", f"cost {i}",
+                   lambda batch=batch, c=c, p=p: (batch, c.compile_step(batch, p)))
         if rows not in sampled:
             sampled.add(rows)
             for controls in (False, True):  # SAMPLING_VARIANTS of them
@@ -302,11 +330,12 @@ def _failure(what: str, e: Exception) -> dict:
     return {"shape": what, "error": f"{type(e).__name__}: {line}"}
 
 
-def compile_for_topology(config: EngineConfig, topology_name: str,
-                         threads: int = 2) -> CompileReport:
+def compile_for_topology(config: EngineConfig, topology_name: str, threads: int = 2,
+                         cost: bool = True, progress=None) -> CompileReport:
     """Plan the engine's memory on the topology and, when the model fits, compile every
-    executable of its warm-up, `threads` at a time. A compile that fails is reported, not
-    raised; bad configurations raise ValueError."""
+    executable of its warm-up, `threads` at a time, and with `cost` the roofline report of its
+    steps. A compile that fails is reported, not raised; bad configurations raise ValueError.
+    progress(line), when given, hears of each executable as it is compiled."""
     start = time.perf_counter()
     target = tpu_target(config, topology_name)
     compiler = _Compiler(target)
@@ -319,17 +348,33 @@ def compile_for_topology(config: EngineConfig, topology_name: str,
         return report
     fits = plan.num_pages >= 2 and plan.planned_bytes <= plan.budget_bytes
     report = CompileReport(target, plan, fits)
+    say = progress or (lambda line: None)
+    say(f"memory plan: {plan.num_pages} pages, fits: {fits} "
+        f"({time.perf_counter() - start:.0f} s)")
     if fits:
         pool = compiler.pool(plan.num_pages)
-        jobs = list(_jobs(compiler, pool))
+        costers, periods = _cost_compilers(target) if cost else ([], 1.0)
+        jobs = list(_jobs(compiler, pool, costers, plan.num_pages))
+        batches, costs, done = {}, {}, collections.Counter()
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as workers:
             futures = [(what, kind, workers.submit(fn)) for what, kind, fn in jobs]
-            for what, kind, future in futures:
+            for n, (what, kind, future) in enumerate(futures, 1):
                 try:
                     compiled = future.result()
                 except Exception as e:  # noqa: BLE001 - one shape's failure is reported
                     report.failures.append(_failure(what, e))
+                    say(f"[{n}/{len(jobs)}] FAILED {what}")
                     continue
+                finally:
+                    done[kind] += 1
+                say(f"[{n}/{len(jobs)}] {what} ({time.perf_counter() - start:.0f} s)")
+                if kind == "step" or kind.startswith("cost"):  # (batch, compiled)
+                    batches[done[kind] - 1] = compiled[0]
+                    if cost and (kind != "step" or not target.scan_layers):
+                        costs[kind, done[kind] - 1] = roofline.compiled_cost(compiled[1])
+                    if kind != "step":
+                        continue
+                    compiled = compiled[1]
                 m = compiled.memory_analysis()
                 report.generated_code_bytes += int(m.generated_code_size_in_bytes)
                 if kind == "step":
@@ -340,6 +385,8 @@ def compile_for_topology(config: EngineConfig, topology_name: str,
                     report.sampling_calls += 1
                 else:
                     report.shapes += 1
+        if cost:
+            report.cost = roofline.report(target, batches, costs, periods)
     # What the compiled steps hold, checked against the chip (the plan's own terms are estimates).
     held = report.step_peak_bytes + report.generated_code_bytes
     report.fits &= held <= target.topology.hbm_bytes_per_device

@@ -69,8 +69,9 @@ def tpu_topology(name: str) -> Topology:
     from jax.experimental import topologies
 
     if importlib.util.find_spec("libtpu") is None:
-        raise ValueError("compiling for a TPU topology needs libtpu (pip install libtpu, "
-                         "linux x86_64)")
+        raise ValueError("compiling for a TPU topology needs libtpu, the one this jax pairs "
+                         "with: pip install 'jaxserve[tpu]' (or 'libtpu==0.0.42.1' for jax "
+                         "0.10.2; linux x86_64)")
     before = {k: os.environ.get(k) for k in _OFF_TPU_ENV}
     if jax.default_backend() != "tpu":  # a real TPU's process keeps its lock and its host
         for k, v in _OFF_TPU_ENV.items():  # read while the plugin loads, here
