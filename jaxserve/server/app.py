@@ -24,6 +24,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jaxserve.config.serving import ProtocolConfig, ServingConfig
 from jaxserve.engine import DataParallelEngine, LLMEngine
@@ -236,11 +237,15 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         if length and length.isdigit() and int(length) > config.max_body_bytes:
             raise too_big
         data, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > config.max_body_bytes:
-                raise too_big
-            data.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > config.max_body_bytes:
+                    raise too_big
+                data.append(chunk)
+        except ClientDisconnect:  # gone, or closed by --read_timeout: no traceback for that
+            raise APIError("the client went away before its body arrived", status=499,
+                           code="client_closed") from None
         return parse_body(b"".join(data))
 
     async def submit(parsed, salt: str | None) -> RequestGroup:
