@@ -411,6 +411,59 @@ def test_unknown_name_and_missing_path(tmp_path):
         load_model(str(tmp_path))
 
 
+def bad_model_files(tmp_path) -> dict:
+    """name -> (path, what the error must say): a GGUF cut in its header and one cut in its
+    tensor data; HF directories whose config.json lacks hidden_size or is not JSON."""
+    path = tmp_path / "whole.gguf"
+    write_tiny_gguf(path, "llama", "Q8_0", True)
+    data = path.read_bytes()
+    cases = {}
+    for name, size in [("header", 200), ("data", len(data) * 2 // 3)]:
+        cut = tmp_path / f"cut-in-{name}.gguf"
+        cut.write_bytes(data[:size])
+        cases[f"gguf-cut-in-{name}"] = (cut, "truncated")
+    for name, text in [("no-hidden-size", json.dumps({
+            "architectures": ["LlamaForCausalLM"], "vocab_size": 300, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4})), ("not-json", "{'hidden_size':")]:
+        directory = tmp_path / name
+        directory.mkdir()
+        (directory / "config.json").write_text(text)
+        (directory / "model.safetensors").write_bytes(b"")
+        (directory / "tokenizer.json").write_text("{}")
+        cases[name] = (directory, "'hidden_size'" if name == "no-hidden-size" else "not JSON")
+    return cases
+
+
+def test_bad_model_files_name_the_file_and_the_fault(tmp_path):
+    """A truncated GGUF raised struct.error, a config.json without hidden_size a bare
+    KeyError, one that is not JSON a JSONDecodeError naming no file: each is a ModelFileError
+    (a ModelNotFoundError, a ValueError) naming the file and what is wrong, from load_model and
+    from read_model_config (what `jaxserve compile` reads)."""
+    from jaxserve.weights import ModelFileError
+    from jaxserve.weights.model_config import read_model_config
+
+    for name, (path, fault) in bad_model_files(tmp_path).items():
+        for read in (load_model, read_model_config):
+            with pytest.raises(ModelFileError) as e:
+                read(str(path))
+            message = str(e.value)
+            assert str(path) in message and fault in message, (name, message)
+            assert "\n" not in message
+
+
+def test_a_truncated_safetensors_file_names_it(tmp_path):
+    from jaxserve.weights import ModelFileError
+
+    path = tmp_path / "model.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 64]}})
+    path.write_bytes(len(header).to_bytes(8, "little") + header.encode() + b"\0" * 40)
+    with pytest.raises(ModelFileError, match="truncated: tensor w ends at byte"):
+        read_safetensors(str(path))
+    path.write_bytes(b"\xff" * 6)
+    with pytest.raises(ModelFileError, match="truncated or corrupt safetensors header"):
+        read_safetensors(str(path))
+
+
 def test_registry_missing_package_gives_install_hint(monkeypatch):
     import dataclasses
 

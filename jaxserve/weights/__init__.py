@@ -31,6 +31,11 @@ class ModelNotFoundError(ValueError):
     """Unknown model name, missing path, or a file/directory that is not a loadable model."""
 
 
+class ModelFileError(ModelNotFoundError):
+    """A model file that is not what it claims: a truncated or corrupt GGUF or safetensors file,
+    a config.json that is not JSON or lacks a field. The message names the file."""
+
+
 @dataclasses.dataclass(frozen=True)
 class LoadedModel:
     config: ModelConfig
@@ -117,5 +122,5 @@ def load_model(name_or_path: str, dtype: str = "float32", lazy: bool = False) ->
                      f"{'several .gguf files' if ggufs else 'no .gguf file'})")
 
 
-__all__ = ["LoadedModel", "ModelNotFoundError", "load_model", "save_orbax", "config_from_hf",
+__all__ = ["LoadedModel", "ModelFileError", "ModelNotFoundError", "load_model", "save_orbax", "config_from_hf",
            "params_from_hf_state_dict", "resolve_model_path", "known_names"]

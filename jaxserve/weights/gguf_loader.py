@@ -1,8 +1,7 @@
 """GGUF files: metadata, tensors (dequantised to float32), config and tokenizer.
 
-The header is parsed here directly (a few hundred microseconds for the 100k-string vocabulary,
-against ~2 s for `gguf.GGUFReader`); type codes, block sizes and dequantisation come from the
-`gguf` package (`gguf.quants.dequantize`), so every type it knows is supported (F32, F16, BF16,
+The header is gguf_file.py's (read_gguf, re-exported here); type codes, block sizes and
+dequantisation come from the `gguf` package (`gguf.quants.dequantize`), so every type it knows is supported (F32, F16, BF16,
 Q8_0, Q4_0, Q4_1, Q5_*, K-quants, ...).
 
 llama.cpp's converter permutes the rows of the llama Q and K projections so that rotary embedding
@@ -16,25 +15,14 @@ import dataclasses
 import functools
 import hashlib
 import json
-import mmap
 import os
-import struct
 from typing import Any
 
 import numpy as np
 
 from jaxserve.config import ModelConfig, RopeScaling
-from jaxserve.weights import gguf_gpt_oss
-
-GGUF_MAGIC = b"GGUF"
-_DEFAULT_ALIGNMENT = 32
-
-# GGUFValueType codes -> struct format (scalars).
-_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-               10: "<Q", 11: "<q", 12: "<d"}
-_NP_DTYPE = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-             6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
-_STRING, _ARRAY = 8, 9
+from jaxserve.weights import ModelFileError, gguf_gpt_oss
+from jaxserve.weights.gguf_file import GGUF_MAGIC, GGUFFile, GGUFTensorInfo, read_gguf  # noqa: F401
 
 # Architectures whose converter permutes Q/K rows (LlamaModel and its subclasses in
 # llama.cpp's convert_hf_to_gguf.py). Qwen2 and Qwen3 are not permuted.
@@ -51,114 +39,6 @@ _MOE_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weig
                 "ffn_down_exps.weight")
 _SANDWICH_ARCHS = ("gemma2", "gemma3")  # post-attention, pre- and post-FFN norms
 _SWA_PERIODS = {"gemma2": 2, "gemma3": 6, gguf_gpt_oss.ARCH: 2}  # llama.cpp's: n-th layer full
-
-
-@dataclasses.dataclass
-class GGUFTensorInfo:
-    name: str
-    shape: tuple[int, ...]  # numpy order (ggml's ne reversed): (rows, cols) for matrices
-    ggml_type: int
-    offset: int  # absolute byte offset in the file
-    nbytes: int
-
-
-@dataclasses.dataclass
-class GGUFFile:
-    path: str
-    metadata: dict[str, Any]
-    tensors: dict[str, GGUFTensorInfo]
-    data_offset: int
-
-
-class _Cursor:
-    __slots__ = ("buf", "pos")
-
-    def __init__(self, buf):
-        self.buf = buf
-        self.pos = 0
-
-    def unpack(self, fmt: str):
-        (v,) = struct.unpack_from(fmt, self.buf, self.pos)
-        self.pos += struct.calcsize(fmt)
-        return v
-
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="surrogateescape")
-        self.pos += n
-        return s
-
-    def value(self, vtype: int):
-        if vtype == _STRING:
-            return self.string()
-        if vtype == _ARRAY:
-            etype = self.unpack("<I")
-            count = self.unpack("<Q")
-            if etype == _STRING:
-                buf, pos, out = self.buf, self.pos, []
-                unpack_q = struct.Struct("<Q").unpack_from
-                for _ in range(count):
-                    (n,) = unpack_q(buf, pos)
-                    pos += 8
-                    out.append(bytes(buf[pos:pos + n]).decode("utf-8", errors="surrogateescape"))
-                    pos += n
-                self.pos = pos
-                return out
-            if etype in _NP_DTYPE:
-                dt = np.dtype(_NP_DTYPE[etype])
-                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).copy()
-                self.pos += dt.itemsize * count
-                return arr.tolist()
-            return [self.value(etype) for _ in range(count)]
-        if vtype in _SCALAR_FMT:
-            return self.unpack(_SCALAR_FMT[vtype])
-        raise ValueError(f"unknown GGUF value type {vtype}")
-
-
-def read_gguf(path: str) -> GGUFFile:
-    """Parse a GGUF (v2/v3, little-endian) header: metadata dict and tensor directory."""
-    import gguf
-
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    try:
-        if mm[:4] != GGUF_MAGIC:
-            raise ValueError(f"{path} is not a GGUF file (bad magic {bytes(mm[:4])!r})")
-        c = _Cursor(mm)
-        c.pos = 4
-        version = c.unpack("<I")
-        if version not in (2, 3):
-            raise ValueError(f"{path}: unsupported GGUF version {version} (2 and 3 are supported)")
-        n_tensors = c.unpack("<Q")
-        n_kv = c.unpack("<Q")
-        meta: dict[str, Any] = {"GGUF.version": version}
-        for _ in range(n_kv):
-            key = c.string()
-            vtype = c.unpack("<I")
-            meta[key] = c.value(vtype)
-        infos = []
-        for _ in range(n_tensors):
-            name = c.string()
-            n_dims = c.unpack("<I")
-            ne = [c.unpack("<Q") for _ in range(n_dims)]
-            ggml_type = c.unpack("<I")
-            offset = c.unpack("<Q")
-            infos.append((name, ne, ggml_type, offset))
-        align = int(meta.get("general.alignment", _DEFAULT_ALIGNMENT))
-        data_offset = (c.pos + align - 1) // align * align
-    finally:
-        mm.close()
-    tensors = {}
-    for name, ne, ggml_type, offset in infos:
-        qtype = gguf.GGMLQuantizationType(ggml_type)
-        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-        n = int(np.prod(ne)) if ne else 1
-        if n % block:
-            raise ValueError(f"{path}: tensor {name} has {n} elements, not a multiple of the "
-                             f"{qtype.name} block size {block}")
-        tensors[name] = GGUFTensorInfo(name, tuple(int(x) for x in reversed(ne)), ggml_type,
-                                       data_offset + offset, n // block * type_size)
-    return GGUFFile(path, meta, tensors, data_offset)
 
 
 def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
@@ -430,6 +310,21 @@ def gguf_fingerprint(g: GGUFFile, config: ModelConfig) -> str:
     return h.hexdigest()
 
 
+def gguf_model_config(g: GGUFFile) -> ModelConfig:
+    """The file's ModelConfig; ModelFileError naming the file when its metadata lacks a key or
+    holds one of the wrong type."""
+    emb = g.tensors.get("token_embd.weight")
+    if emb is None:
+        raise ModelFileError(f"{g.path}: GGUF has no token_embd.weight")
+    try:
+        config = config_from_gguf(g.metadata, n_vocab_tensor=emb.shape[0],
+                                  has_output="output.weight" in g.tensors)
+        return with_rope_freq_factors(g, config)
+    except (KeyError, TypeError, ValueError) as e:  # int(None): a required key is missing
+        raise ModelFileError(f"{g.path}: GGUF metadata is not a supported model's: "
+                             f"{type(e).__name__}: {e}") from None
+
+
 def load_gguf(path: str, dtype=np.float32, lazy: bool = False):
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import LoadedModel
@@ -437,12 +332,7 @@ def load_gguf(path: str, dtype=np.float32, lazy: bool = False):
 
     path = os.path.abspath(path)
     g = read_gguf(path)
-    emb = g.tensors.get("token_embd.weight")
-    if emb is None:
-        raise ValueError(f"{path}: GGUF has no token_embd.weight")
-    config = config_from_gguf(g.metadata, n_vocab_tensor=emb.shape[0],
-                              has_output="output.weight" in g.tensors)
-    config = with_rope_freq_factors(g, config)
+    config = gguf_model_config(g)
     params = params_from_hf_state_dict(config, gguf_hf_state_dict(g, config, dtype, lazy), dtype,
                                        lazy)
     tokenizer = Tokenizer.from_gguf_metadata(g.metadata)

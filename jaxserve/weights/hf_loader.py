@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import struct
-from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -352,9 +351,14 @@ def read_safetensors(path: str, digest=None, float_dtype=np.float32) -> dict[str
     """All tensors of one .safetensors file, memory-mapped; float types become `float_dtype`
     (None: kept as stored; a bf16 tensor read as bf16 is a view of the file, never an f32 copy). If `digest` (a hashlib
     object) is given, the file's header and raw data bytes are fed to it."""
+    from jaxserve.weights import ModelFileError
+
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    (n,) = struct.unpack("<Q", raw[:8].tobytes())
-    header = json.loads(raw[8:8 + n].tobytes())
+    try:
+        (n,) = struct.unpack("<Q", raw[:8].tobytes())
+        header = json.loads(raw[8:8 + n].tobytes())
+    except (struct.error, ValueError) as e:  # cut short in the header, or not safetensors
+        raise ModelFileError(f"{path}: truncated or corrupt safetensors header: {e}") from None
     base = 8 + n
     if digest is not None:
         digest.update(raw[8:])
@@ -363,6 +367,9 @@ def read_safetensors(path: str, digest=None, float_dtype=np.float32) -> dict[str
         if name == "__metadata__":
             continue
         start, end = meta["data_offsets"]
+        if base + end > len(raw):
+            raise ModelFileError(f"{path} is truncated: tensor {name} ends at byte "
+                                 f"{base + end} but the file has {len(raw)} bytes")
         buf = raw[base + start:base + end]
         dt = meta["dtype"]
         if dt == "BF16":
@@ -414,10 +421,10 @@ def load_hf_dir(directory: str, dtype=np.float32, lazy: bool = False):
     from jaxserve.tokenizer import Tokenizer
     from jaxserve.weights import LoadedModel
 
+    from jaxserve.weights.model_config import hf_config
+
     directory = os.path.abspath(directory)
-    with open(os.path.join(directory, "config.json")) as f:
-        cfg_json: dict[str, Any] = json.load(f)
-    config, tokenizer = with_stop_tokens(config_from_hf(cfg_json), directory,
+    config, tokenizer = with_stop_tokens(hf_config(directory), directory,
                                          Tokenizer.from_hf_dir(directory))
     h = hashlib.sha256()
     h.update(json.dumps(config.fingerprint_fields(), sort_keys=True, default=str).encode())
