@@ -222,3 +222,21 @@ def test_prompt_logprobs_that_cannot_be_recorded_fail_alone(llm, reference, monk
         assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     monkeypatch.undo()
     assert_clean_and_working(llm, reference)
+
+
+def test_a_max_model_len_past_the_models_context_is_capped_with_a_warning(caplog):
+    """--max_model_len=100000 on a model of 8192 positions became 8192 without a word."""
+    from jaxserve.config.resolved import ResolvedConfig
+
+    model = tiny_loaded().config  # 256 positions
+    config = EngineConfig.from_options(max_model_len=1000, attention_backend="xla")
+    with caplog.at_level("WARNING", logger="jaxserve.engine"):
+        resolved = ResolvedConfig.of(config, model, dtype="float32", backend="xla",
+                                     attention_cost=1.0)
+    assert resolved.max_model_len == 256
+    (record,) = [r for r in caplog.records if "max_model_len" in r.getMessage()]
+    assert "max_model_len=1000" in record.getMessage() and "capped to 256" in record.getMessage()
+    caplog.clear()
+    ResolvedConfig.of(EngineConfig.from_options(max_model_len=200, attention_backend="xla"),
+                      model, dtype="float32", backend="xla", attention_cost=1.0)
+    assert not caplog.records

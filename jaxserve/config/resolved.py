@@ -6,6 +6,7 @@ Host-only arithmetic: the device's answers (its dtype, its backend) are passed i
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from jaxserve.config.cache import kv_slot_bytes
 from jaxserve.config.engine import EngineConfig
@@ -63,9 +64,14 @@ class ResolvedConfig:
         resolved) and attention backend (its name and Backend.attention_cost) the engine
         chose."""
         context = model.max_position_embeddings
+        asked = config.scheduler.max_model_len
+        if asked is not None and asked > context:  # said once, not silently (issue 54)
+            logging.getLogger("jaxserve.engine").warning(
+                "max_model_len=%d is more than the model was trained for (max_position_"
+                "embeddings=%d in its config): capped to %d", asked, context, context)
         return cls(dtype=dtype,
                    kv_cache_dtype=resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype),
-                   max_model_len=min(config.scheduler.max_model_len or context, context),
+                   max_model_len=min(asked or context, context),
                    prefill_keys_per_token=resolve_prefill_keys_per_token(
                        config.scheduler.prefill_keys_per_token, model, attention_cost),
                    backend=backend,
