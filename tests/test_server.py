@@ -84,7 +84,7 @@ def _wait_idle(server, timeout=30.0) -> dict:
 # ------------------------------------------------------------------------------- basics
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/health").json() == {"status": "ok", "compilations_pending": 0}
 
 
 def test_chat_paris_streamed_equals_whole(client):
@@ -275,6 +275,10 @@ def test_bad_inputs_of_every_kind(server, engine):
               {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                "top_logprobs": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = _post(server.url, "/v1/chat/completions", {"model": MODEL, "messages": [  # was a 500
+        {"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}]})
+    assert (r.status_code, r.json()["error"]["param"]) == (
+        400, "messages[0].tool_calls[0].function.name")
     # Beyond the context: prompt too long, and prompt + max_tokens too long.
     long = "hello " * (engine.max_model_len + 10)
     r = _post(server.url, "/v1/completions", {"model": MODEL, "prompt": long, "max_tokens": 4})

@@ -91,7 +91,8 @@ def test_liveness_and_readiness():
         assert httpx.get(url + "/health/live").status_code == 200
         report = aengine.warm_up().result(timeout=300)
         assert report["compilations"] > 0
-        assert httpx.get(url + "/health/ready").json() == {"status": "ok"}
+        ready = httpx.get(url + "/health/ready").json()
+        assert ready["status"] == "ok" and ready["compilations_pending"] >= 0  # may compile on
         aengine.warming_up = True  # as while warm_up runs
         r = httpx.get(url + "/health/ready")
         assert r.status_code == 503 and "warming up" in r.json()["reason"]
