@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import numpy as np
 
 from jaxserve.config import ModelConfig
-from jaxserve.weights.hf_loader import params_from_hf_state_dict
+from jaxserve.weights.hf_loader import (_BIAS_KEYS, _LAYER_KEYS, _QK_NORM_KEYS,
+                                        params_from_hf_state_dict)
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
@@ -114,3 +115,23 @@ def convert_named(config: ModelConfig, named: Iterable[tuple[str, object]] | Map
             "norm and untied head together), as the step fuses them; missing: "
             f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
     return NamedUpdate(layers, top, config.num_layers)
+
+
+def hf_named(config: ModelConfig, params: dict) -> Iterator[tuple[str, np.ndarray]]:
+    """The loaders' layout -> (name, array) in a Hugging Face checkpoint's names and layout
+    (views, no copies), the inverse of the conversion for dense Llama-family models: what a
+    trainer that holds the loaders' layout gives update_weights."""
+    if config.num_experts or config.sandwich_norms or config.architecture == "gpt_oss":
+        raise ValueError("hf_named covers dense Llama-family layers only")
+    keys = dict(_LAYER_KEYS)
+    for present, extra in ((config.attention_bias, _BIAS_KEYS), (config.qk_norm, _QK_NORM_KEYS)):
+        keys.update({k: (v, False) for k, v in extra.items()} if present else {})
+    yield "model.embed_tokens.weight", np.asarray(params["embed"])
+    yield "model.norm.weight", np.asarray(params["final_norm"])
+    if "lm_head" in params:
+        yield "lm_head.weight", np.asarray(params["lm_head"]).T
+    for key, (suffix, transposed) in keys.items():
+        stacked = params["layers"][key]
+        for i in range(config.num_layers):
+            w = np.asarray(stacked[i])
+            yield f"model.layers.{i}.{suffix}", w.T if transposed else w
