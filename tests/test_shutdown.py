@@ -165,3 +165,19 @@ def test_live_answers_while_the_engine_is_built_and_ready_says_starting(model_di
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
     assert proc.returncode == 0
+
+
+def test_a_model_that_cannot_load_is_one_line_and_exit_2_after_listening(tmp_path):
+    """The engine is built while the socket answers health: its failure still ends the
+    server with one line and exit 2."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "jaxserve.cli.main", "serve",
+                           f"--model={tmp_path / 'absent'}", f"--port={port}",
+                           "--log_level=warning"],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "jaxserve serve: error:" in line]
+    assert len(errors) == 1 and "absent" in errors[0] and "Traceback" not in proc.stderr

@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 import uvicorn
 from absl import flags
@@ -79,7 +80,9 @@ def _build(server: DrainingServer, front: StartingApp, engine_config, serving: S
             aengine.warm_up(full=serving.compile_warmup == "full").add_done_callback(_warmed_up)
         server.aengine = aengine
         front.serve(build_app(aengine, server_config))
-    except Exception as e:  # noqa: BLE001 - reported in one line, exit 2
+    except Exception as e:  # noqa: BLE001 - exit 2; a bad model or flag in one line
+        if not isinstance(e, (ValueError, OSError)):
+            traceback.print_exc()
         print(f"jaxserve serve: error: {e}", file=sys.stderr)
         front.failed(str(e))
         failure.append(e)

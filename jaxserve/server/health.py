@@ -1,9 +1,8 @@
 """Health, in the shape orchestrators expect. /health/live: 200 while the process and its engine
 loop are up. /health/ready (and /health): 200 only while requests are served at once, otherwise
-503 with the reason (AsyncEngine.readiness: starting, warming up, stalled, draining, dead); both
-bodies say how many warm-up shapes are still compiling. `StartingApp` is what the socket serves
-from the first moment, before the engine exists (live, and ready's "starting"), and then the
-app."""
+503 with the reason (AsyncEngine.readiness: warming up, stalled, draining, dead); its body says
+how many warm-up shapes are still compiling. `StartingApp` is what the socket serves from the
+first moment, before the engine exists (live, and ready's "starting"), and then the app."""
 
 from __future__ import annotations
 
