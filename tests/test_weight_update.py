@@ -5,6 +5,8 @@ requests finish or fail by the caller's choice; sleep / wake_up round trips."""
 
 from __future__ import annotations
 
+import asyncio
+
 import jax
 import numpy as np
 import pytest
@@ -195,3 +197,29 @@ def test_sleep_and_wake_up_give_the_same_outputs(llm):
     tokens = generate(llm)[0].outputs[0].token_ids
     assert _compiles == [] and llm.engine.compilations == compilations
     assert [tokens] == fresh_tokens(sd)
+
+
+def test_async_engine_updates_between_steps(llm):
+    from jaxserve.engine.async_engine import AsyncEngine
+
+    engine, sd = llm.engine, perturbed(8)
+    version, prompt = engine.weights_version, {"prompt_token_ids": engine.tokenize(PROMPT)[1]}
+    server = AsyncEngine(engine)
+
+    async def run():
+        params = SamplingParams(max_tokens=12, temperature=0)
+        group = await server.add([prompt] * 2, params)
+        await server.update_weights(sd)  # in_flight="finish": the group ends on the old weights
+        old = [out async for _, out in group if out.finished]
+        group = await server.add([prompt], GREEDY)
+        new = [out async for _, out in group if out.finished]
+        return old, new
+
+    try:
+        old, new = asyncio.run(run())
+    finally:
+        server.shutdown()
+    assert [o.weights_version for o in old] == [version, version]
+    assert all(len(o.outputs[0].token_ids) == 12 for o in old)
+    assert new[0].weights_version == version + 1
+    assert [new[0].outputs[0].token_ids] == fresh_tokens(sd)

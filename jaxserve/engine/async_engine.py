@@ -205,6 +205,12 @@ class AsyncEngine:
         self.start()
         return await self._call(("call", fn))
 
+    async def update_weights(self, weights, in_flight: str = "finish") -> None:
+        """LLMEngine.update_weights on the loop thread between steps (docs/rl.md): requests
+        queued after it run under the new weights; the outputs of those it finished or failed
+        reach their groups."""
+        await self.call(lambda engine: self._dispatch(engine.update_weights(weights, in_flight)))
+
     async def _call(self, command: tuple) -> Any:
         if not self.alive or self._stop.is_set():
             raise EngineDead(f"the engine loop is not running ({self.last_error!r})")
