@@ -223,3 +223,20 @@ def test_async_engine_updates_between_steps(llm):
     assert all(len(o.outputs[0].token_ids) == 12 for o in old)
     assert new[0].weights_version == version + 1
     assert [new[0].outputs[0].token_ids] == fresh_tokens(sd)
+
+
+@pytest.mark.parametrize("options", [dict(scan_layers="on"), dict(quantization="int8")])
+def test_update_goes_through_scanned_layers_and_quantization(options):
+    """The scanned layout (layers stacked on device) and int8 weights, as a fresh load makes
+    them, without compiling."""
+    sd, base = perturbed(11), tiny_loaded()
+    llm = LLM.from_engine(LLMEngine(EngineConfig.from_options(**OPTIONS, **options), base))
+    generate(llm)
+    compilations = llm.engine.compilations
+    del _compiles[:]
+    llm.update_weights(sd)
+    tokens = generate(llm)[0].outputs[0].token_ids
+    assert _compiles == [] and llm.engine.compilations == compilations
+    fresh = LLM.from_engine(LLMEngine(EngineConfig.from_options(**OPTIONS, **options), LoadedModel(
+        base.config, params_from_hf_state_dict(base.config, sd), base.tokenizer, "f", "t")))
+    assert tokens == generate(fresh)[0].outputs[0].token_ids
