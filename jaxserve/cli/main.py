@@ -37,6 +37,7 @@ def run(argv: list[str] | None = None) -> None:
     if name not in SUBCOMMANDS:
         print(f"jaxserve: unknown subcommand {name!r}\n\n{_usage()}", file=sys.stderr)
         sys.exit(2)
+    _leave_out_an_absent_tpu()
     _define_common_flags()
     module = importlib.import_module(SUBCOMMANDS[name][0])
     from absl import app
@@ -47,6 +48,34 @@ def run(argv: list[str] | None = None) -> None:
         logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
 
     app.run(_with_extras(name, module.main), argv=[f"jaxserve {name}"] + argv[2:])
+
+
+def _leave_out_an_absent_tpu() -> None:
+    """With libtpu installed (the test extra, `jaxserve compile --topology`) JAX probes a TPU in
+    every process, and on a host without one libtpu prints errors (`E0000 ... unexpected worker
+    hostname`). Unless JAX_PLATFORMS (or JAX_FORCE_TPU_INIT) says otherwise, a host whose PCI
+    bus shows no TPU chip runs on its GPU or CPU. Compiling for a TPU topology needs libtpu's
+    compiler only, not the TPU platform."""
+    import importlib.util
+    import os
+
+    if ("JAX_PLATFORMS" in os.environ or "JAX_FORCE_TPU_INIT" in os.environ
+            or importlib.util.find_spec("libtpu") is None):
+        return
+    try:  # JAX's own test for attached TPU chips (cloud_tpu_init's)
+        from jax._src import hardware_utils
+
+        if hardware_utils.num_available_tpu_chips_and_device_id()[0]:
+            return
+        cuda = hardware_utils.has_visible_nvidia_gpu() and any(
+            importlib.util.find_spec(p) for p in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+    except (ImportError, AttributeError, OSError):  # a JAX without it: leave JAX to choose
+        return
+    import jax
+
+    platforms = "cuda,cpu" if cuda else "cpu"
+    os.environ["JAX_PLATFORMS"] = platforms  # for child processes; JAX read it at import
+    jax.config.update("jax_platforms", platforms)
 
 
 def _define_common_flags() -> None:
