@@ -93,14 +93,15 @@ class JaxserveLM(TemplateLM):
     def apply_chat_template(self, chat_history: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:
         """The model's template; without a generation prompt the last message is left open (a
-        prefilled answer the model continues), as transformers' continue_final_message does."""
-        text = self.tokenizer.apply_chat_template(chat_history,
-                                                  add_generation_prompt=add_generation_prompt)
+        prefilled answer the model continues), as transformers' continue_final_message does
+        (which ends the text at the content stripped of trailing whitespace)."""
         if add_generation_prompt or not chat_history:
-            return text
-        last = str(chat_history[-1].get("content", "")).strip()
-        end = text.rfind(last) if last else -1
-        return text if end < 0 else text[:end + len(last)]
+            return self.tokenizer.apply_chat_template(
+                chat_history, add_generation_prompt=add_generation_prompt)
+        last = {**chat_history[-1], "content": str(chat_history[-1].get("content", "")).rstrip()}
+        return self.tokenizer.apply_chat_template([*chat_history[:-1], last],
+                                                  add_generation_prompt=False,
+                                                  continue_final_message=True)
 
     # --- scoring ---------------------------------------------------------------------------------
 

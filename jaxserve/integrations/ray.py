@@ -35,6 +35,7 @@ import ray  # noqa: E402
 
 from jaxserve.batch_file import (BatchSummary, BatchWriter, LineRunner, Todo,  # noqa: E402
                                  plan_batch)
+from jaxserve.chat import Conversation  # noqa: E402
 from jaxserve.core.sampling_params import SamplingParams  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -265,8 +266,8 @@ class JaxserveProcessor:
         messages = batch["messages"][k] if "messages" in batch else None
         if messages is not None and len(messages):  # Arrow hands back an array of row dicts
             tokenizer = self.llm.get_tokenizer()
-            text = tokenizer.apply_chat_template([dict(m) for m in messages],
-                                                 add_generation_prompt=True)
+            # validated and rendered as LLM.chat and the server do (content parts, None)
+            text = Conversation.validated(messages=[dict(m) for m in messages]).render(tokenizer)
             # the rendered template's markup is special tokens: encoded as written, as LLM.chat
             return {"prompt_token_ids": tokenizer.encode(text, add_special_tokens=False),
                     "prompt": text}
