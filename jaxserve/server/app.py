@@ -230,7 +230,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                                            status=500, type="internal_error").body(),
                                   status_code=500)
 
-    async def read_json(request: Request):
+    async def read_body(request: Request) -> bytes:
         length = request.headers.get("content-length")
         too_big = APIError(f"request body exceeds {config.max_body_bytes} bytes", status=413,
                            code="request_too_large")
@@ -246,7 +246,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         except ClientDisconnect:  # gone, or closed by --read_timeout: no traceback for that
             raise APIError("the client went away before its body arrived", status=499,
                            code="client_closed") from None
-        return parse_body(b"".join(data))
+        return b"".join(data)
 
     async def submit(parsed, salt: str | None) -> RequestGroup:
         try:
@@ -308,15 +308,16 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                            f"{config.max_prompts_per_request} are accepted in one request",
                            param="prompt", code="too_many_prompts")
 
-    def prepare(kind: str, body):
-        """The engine's request from a body: the cheap limits first, then validation,
-        templating and tokenizing (in a worker thread)."""
+    def prepare(kind: str, data: bytes):
+        """The engine's request from a body (in a worker thread): JSON parsed, the cheap
+        limits checked, then validation, templating and tokenizing."""
+        body = parse_body(data)
         count_prompts(body)
         limits.check(body)
         return parse_request(kind, body, ctx)
 
     async def serve(kind: str, request: Request):
-        parsed = await off_loop(prepare, kind, await read_json(request))
+        parsed = await off_loop(prepare, kind, await read_body(request))
         await compile_grammar(parsed)
         group = await submit(parsed, cache_salt(request))
         builder = ResponseBuilder(parsed, ctx)
@@ -339,7 +340,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
             raise _failure(e) from None
 
     def body_schema(name: str) -> dict:
-        """The route's request body in OpenAPI (read by `read_json`, validated by
+        """The route's request body in OpenAPI (read by `read_body`, validated by
         parse_request, not by FastAPI: its errors keep OpenAI's shape)."""
         return {"requestBody": {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{name}"}}}}}
