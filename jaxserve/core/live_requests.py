@@ -132,5 +132,6 @@ class WaitingQueue:
         return self._heap[0][2]
 
     def _push(self, seq: Sequence) -> None:
-        if self._live.policy == "priority":  # keys are unique: seqs are never compared
+        if self._live.policy == "priority":  # (key, seq_id) is one sequence's alone: ties
+            # are a re-added sequence's old entry, the same object (equal, never ordered)
             heapq.heappush(self._heap, (self._live.key(seq), seq.seq_id, seq))
