@@ -28,6 +28,7 @@ from typing import Any, Callable, Protocol
 from jaxserve.config.serving import ServingConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine.commands import Abort, Add, Answered, Call, Command, FailAll, Wake
 from jaxserve.engine.llm_engine import LLMEngine
 
 
@@ -80,7 +81,7 @@ class RequestGroup:
     def abort(self) -> None:
         """Abort every unfinished request of the group (safe to call more than once)."""
         if self.unfinished:
-            self.engine._submit(("abort", self, list(self.unfinished)))
+            self.engine._submit(Abort(self, list(self.unfinished)))
             self.unfinished.clear()
 
     def _deliver(self, item) -> None:  # called on the asyncio loop
@@ -123,7 +124,7 @@ class AsyncEngine:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        self._commands.put(("wake",))
+        self._commands.put(Wake())
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -144,7 +145,7 @@ class AsyncEngine:
                 self._beat, self.warming_up = time.monotonic(), False
 
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(("call", run, future))
+        self._submit(Call(run, future))
         return future
 
     def readiness(self) -> str | None:
@@ -183,7 +184,7 @@ class AsyncEngine:
     def abort_all(self, reason: str) -> None:
         """Fail every live request at once with EngineDead(reason)."""
         self.draining = True
-        self._submit(("fail_all", reason))
+        self._submit(FailAll(reason))
 
     @property
     def alive(self) -> bool:
@@ -197,13 +198,13 @@ class AsyncEngine:
         then."""
         self.start()
         group = RequestGroup(self, f"g{next(self._ids)}", len(prompts))
-        await self._call(("add", group, prompts, params, cache_salt))
+        await self._call(lambda future: Add(group, prompts, params, cache_salt, future))
         return group
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the loop thread (stats, kv_usage...) and return its result."""
         self.start()
-        return await self._call(("call", fn))
+        return await self._call(lambda future: Call(fn, future))
 
     async def update_weights(self, weights, in_flight: str = "finish") -> None:
         """LLMEngine.update_weights on the loop thread between steps (docs/rl.md): requests
@@ -211,16 +212,18 @@ class AsyncEngine:
         reach their groups."""
         await self.call(lambda engine: self._dispatch(engine.update_weights(weights, in_flight)))
 
-    async def _call(self, command: tuple) -> Any:
+    async def _call(self, make: Callable[[concurrent.futures.Future], Command]) -> Any:
+        """Submit make(future) and await the loop's answer."""
         if not self.alive or self._stop.is_set():
             raise EngineDead(f"the engine loop is not running ({self.last_error!r})")
-        if self.draining and command[0] == "add":
-            raise EngineDead("the server is shutting down")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._submit(command + (future,))
+        command = make(future)
+        if self.draining and isinstance(command, Add):
+            raise EngineDead("the server is shutting down")
+        self._submit(command)
         return await asyncio.wrap_future(future)
 
-    def _submit(self, command: tuple) -> None:
+    def _submit(self, command: Command) -> None:
         self._commands.put(command)
 
     # ---- the loop thread
@@ -259,31 +262,30 @@ class AsyncEngine:
         if not self._stop.is_set() and engine.has_unfinished():
             self._dispatch(engine.step())
 
-    def _execute(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "wake":
-            return
-        if kind == "abort":
-            group, rids = command[1:]
-            self._backlogged -= len(group.backlog)
-            group.backlog.clear()
-            for rid in rids:
-                self._abort(rid)
-            return
-        if kind == "fail_all":
-            self._fail_all(EngineDead(command[1]))
-            return
-        future: concurrent.futures.Future = command[-1]
-        if not future.set_running_or_notify_cancel():
+    def _execute(self, command: Command) -> None:
+        match command:
+            case Wake():
+                return
+            case Abort(group, rids):
+                self._backlogged -= len(group.backlog)
+                group.backlog.clear()
+                for rid in rids:
+                    self._abort(rid)
+                return
+            case FailAll(reason):
+                self._fail_all(EngineDead(reason))
+                return
+        if not command.future.set_running_or_notify_cancel():
             return
         try:
-            if kind == "call":
-                future.set_result(command[1](self.engine))
-            elif kind == "add":
-                self._add(*command[1:5])
-                future.set_result(None)
+            match command:
+                case Call(fn, future):
+                    future.set_result(fn(self.engine))
+                case Add(group, prompts, params, cache_salt, future):
+                    self._add(group, prompts, params, cache_salt)
+                    future.set_result(None)
         except BaseException as e:  # handed to the awaiting handler
-            future.set_exception(e)
+            command.future.set_exception(e)
 
     def _add(self, group: RequestGroup, prompts: list[dict], params: SamplingParams,
              cache_salt: str | None) -> None:
@@ -390,5 +392,5 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if command[0] in ("add", "call") and command[-1].set_running_or_notify_cancel():
-                command[-1].set_exception(EngineDead(repr(error)))
+            if isinstance(command, Answered) and command.future.set_running_or_notify_cancel():
+                command.future.set_exception(EngineDead(repr(error)))
