@@ -2,8 +2,9 @@
 process's devices; process 0 schedules and runs the front ends, and sends each device call's
 (small) inputs to the others, so that every process runs the same jitted step on its shards.
 
-Messages go with `multihost_utils.broadcast_one_to_all` (a collective of every process): a fixed
-header (kind, payload bytes), then the pickled payload as bytes. Peers are trusted (they are
+Messages (Step, Sample, Copy, Reset, Stop: one dataclass each) go with
+`multihost_utils.broadcast_one_to_all` (a collective of every process): a fixed header (the
+message's bytes), then the pickled message. Peers are trusted (they are
 the same deployment).
 
 A peer that dies or never joins ends the run with a clear error within `timeout_s` (JAX's
@@ -17,6 +18,7 @@ defaults are 300 s to join and a 100 s heartbeat, and both end in a C++ abort):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import sys
@@ -25,8 +27,43 @@ import threading
 import jax
 import numpy as np
 
+from typing import Any
+
 TIMEOUT_S = 60
-STEP, COPY, RESET, STOP, SAMPLE = 1, 2, 3, 4, 5  # message kinds
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """ModelRunner.dispatch's arguments; feeds: whether it feeds on the previous step's samples."""
+    batch: Any  # StepBatch
+    copies: Any  # (src, dst) page arrays, or None
+    feeds: bool
+    controls: Any  # LogitControls, or None
+    sample: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """The deferred sampling of the latest step (logit controls): ModelRunner.sample's."""
+    sampling: Any  # SamplingMetadata
+    controls: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """Copy-on-write page copies outside a step."""
+    src: Any
+    dst: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Reset:
+    """A zeroed KV pool (after a failed step consumed the donated one)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Process 0 is done: `follow` returns."""
 
 
 class PeerLostError(RuntimeError):
@@ -63,7 +100,7 @@ def _not_joined(address: str, num_processes: int, process_id: int, timeout_s: in
 
 
 class Channel:
-    """Process 0 sends (kind, payload); every other process receives them in the same order."""
+    """Process 0 sends messages; every other process receives them in the same order."""
 
     def __init__(self):
         from jax.experimental import multihost_utils
@@ -79,33 +116,31 @@ class Channel:
                 f"process {jax.process_index()} of {jax.process_count()}: a broadcast to the "
                 f"other processes failed, so one of them died or left ({e})") from e
 
-    def send(self, kind: int, payload=None) -> None:
-        data = np.frombuffer(pickle.dumps(payload), np.uint8)
-        self._broadcast(np.array([kind, data.size], np.int64))
+    def send(self, message: Step | Sample | Copy | Reset | Stop) -> None:
+        data = np.frombuffer(pickle.dumps(message), np.uint8)
+        self._broadcast(np.array([data.size], np.int64))
         self._broadcast(data)
 
-    def receive(self):
-        kind, size = (int(x) for x in self._broadcast(np.zeros(2, np.int64)))
-        data = self._broadcast(np.zeros(size, np.uint8))
-        return kind, pickle.loads(data.tobytes())
+    def receive(self) -> Step | Sample | Copy | Reset | Stop:
+        size = int(self._broadcast(np.zeros(1, np.int64))[0])
+        return pickle.loads(self._broadcast(np.zeros(size, np.uint8)).tobytes())
 
 
 def follow(runner, channel: Channel) -> int:
     """A process other than 0: run what process 0 runs, until it stops; returns the steps run."""
     out, steps = None, 0
     while True:
-        kind, payload = channel.receive()
-        if kind == STEP:
-            batch, copies, feeds, controls, sample = payload
-            out = runner.dispatch(batch, copies, out if feeds else None, controls, sample)
-            steps += 1
-        elif kind == SAMPLE:  # the deferred sampling of the latest step (logit controls)
-            runner.sample(out, *payload)
-        elif kind == COPY:
-            runner.copy_pages(*payload)
-        elif kind == RESET:
-            runner.reset_pool()
-        elif kind == STOP:
-            return steps
-        else:
-            raise RuntimeError(f"unknown message kind {kind} from process 0")
+        match channel.receive():
+            case Step(batch, copies, feeds, controls, sample):
+                out = runner.dispatch(batch, copies, out if feeds else None, controls, sample)
+                steps += 1
+            case Sample(sampling, controls):
+                runner.sample(out, sampling, controls)
+            case Copy(src, dst):
+                runner.copy_pages(src, dst)
+            case Reset():
+                runner.reset_pool()
+            case Stop():
+                return steps
+            case message:
+                raise RuntimeError(f"unknown message {message!r} from process 0")

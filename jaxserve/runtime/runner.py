@@ -35,10 +35,10 @@ from jaxserve.runtime.batch import StepBatch, build_batch, warmup_batches, warmu
 from jaxserve.runtime import custom_model, distributed, param_update, sharding
 from jaxserve.runtime.params import JNP_DTYPES, device_params
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.logit_controls import LogitControls, apply_controls, no_controls
+from jaxserve.runtime.logit_controls import LogitControls, no_controls
 from jaxserve.runtime.precompile import Precompiler
-from jaxserve.runtime.sampling import (FILTERED, GREEDY, RANDOM, XLA, SamplingMetadata,
-                                       sample)
+from jaxserve.runtime.sampling import (FILTERED, GREEDY, RANDOM, RAW_LOGPROBS, XLA,
+                                       SamplingMetadata, log_softmax, sample)
 from jaxserve.weights.named_update import NamedUpdate
 
 @dataclasses.dataclass
@@ -86,9 +86,9 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
                           batch.token_ids)
     pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn)
     # The sample rows' logits stay on the device for _sample_rows.
-    out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg)}
+    out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg, backend)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
-        logprobs = jax.nn.log_softmax(llama.logits(params, hidden, cfg), axis=-1)
+        logprobs = log_softmax(llama.logits(params, hidden, cfg, backend), backend)
         target = jnp.take_along_axis(logprobs, batch.prompt_targets[:, None], axis=-1)[:, 0]
         top_lp, top_ids = jax.lax.top_k(logprobs, max(batch.prompt_logprobs, 1))
         k = batch.prompt_logprobs
@@ -96,16 +96,14 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, bac
     return pool, out
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "feed_size"))
+@functools.partial(jax.jit, static_argnames=("backend", "feed_size", "logprobs_mode"))
 def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
-                 backend: Backend, feed_size: int):
+                 backend: Backend, feed_size: int, logprobs_mode: str = RAW_LOGPROBS):
     """A step's sampling, its own small jitted call chained after the step on the device: the
     sampling modes and logit controls multiply only its compiles, not the model step's. Returns
     (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
     (the ids padded to feed_size)."""
-    if controls is not None:
-        logits = apply_controls(logits, controls)
-    sampled = sample(logits, sampling, backend)
+    sampled = sample(logits, sampling, backend, controls, logprobs_mode)
     return sampled, jnp.zeros(feed_size, jnp.int32).at[:sampled[0].shape[0]].set(sampled[0])
 
 
@@ -153,12 +151,13 @@ class ModelRunner:
                  backend: Backend = XLA, quantization: str = "none",
                  max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None,
                  scan_layers: bool = False, expert_parallel: bool = False,
-                 fingerprint: str | None = None):
+                 fingerprint: str | None = None, logprobs_mode: str = RAW_LOGPROBS):
         """mesh: this runner's ("dp", "tp") devices, one row (sharding.replica_mesh); default
         the first device. scan_layers: the layers' weights stacked and run by lax.scan, the pool
         one cache of every layer's pages (model/layer_scan.py). expert_parallel: a mixture of
         experts' experts spread over the tp devices (sharding.place_params). fingerprint: the
-        weights' (LoadedModel.fingerprint), which keeps int8 KV's calibration on disk."""
+        weights' (LoadedModel.fingerprint), which keeps int8 KV's calibration on disk.
+        logprobs_mode: what sampled logprobs are of (runtime/sampling.py)."""
         _use_compilation_cache()
         self.cfg, self.scan_layers = cfg, scan_layers
         self.mesh = mesh or sharding.make_mesh(1)
@@ -175,6 +174,7 @@ class ModelRunner:
             self.params["layers"] = layer_scan.group_layers(self.params["layers"], cfg,
                                                             layer_scan.stack_on_device)
         self.num_pages, self.page_size, self.backend = num_pages, page_size, backend
+        self.logprobs_mode = logprobs_mode
         self.channel = None
         self.reset_pool()
         # Process 0 of several sends its device calls to the others (distributed.follow).
@@ -199,7 +199,7 @@ class ModelRunner:
         if self.channel is not None:
             if num_pages not in (None, self.num_pages):
                 raise ValueError("the pool's size is fixed when several processes serve")
-            self.channel.send(distributed.RESET)
+            self.channel.send(distributed.Reset())
         self.num_pages = num_pages or self.num_pages
         self.pool = None  # the old pool's buffers go before the new ones are allocated
         if getattr(self, "_zeros", (None,))[0] != self.num_pages:  # kept: no compile again
@@ -284,8 +284,8 @@ class ModelRunner:
         (runtime/logit_controls.py); with sample=False the caller launches it later
         (`sample`), once the controls are known."""
         if self.channel is not None:  # process 0 of several: the others run the same calls
-            self.channel.send(distributed.STEP, (batch, copies, after is not None,
-                                                 controls if sample else None, sample))
+            self.channel.send(distributed.Step(batch, copies, after is not None,
+                                               controls if sample else None, sample))
         if copies is not None:
             self._copy_local(*copies)
         self._compiled(_signature(batch))
@@ -301,18 +301,18 @@ class ModelRunner:
         It is always the latest step's (the next one feeds on it): other processes apply it
         to theirs."""
         if self.channel is not None:
-            self.channel.send(distributed.SAMPLE, (sampling, controls))
+            self.channel.send(distributed.Sample(sampling, controls))
         self._sample_local(out, sampling, controls)
 
     def _sample_local(self, out: dict, sampling: SamplingMetadata, controls) -> None:
         self._compiled(("sample", _signature((sampling, controls))))
-        out["sampled"], out["feed"] = _sample_rows(out["logits"], sampling, controls,
-                                                   backend=self.backend,
-                                                   feed_size=self._no_feed.shape[0])
+        out["sampled"], out["feed"] = _sample_rows(
+            out["logits"], sampling, controls, backend=self.backend,
+            feed_size=self._no_feed.shape[0], logprobs_mode=self.logprobs_mode)
 
     def copy_pages(self, src, dst) -> None:
         if self.channel is not None:
-            self.channel.send(distributed.COPY, (src, dst))
+            self.channel.send(distributed.Copy(src, dst))
         self._copy_local(src, dst)
 
     def _copy_local(self, src, dst) -> None:
@@ -326,7 +326,7 @@ class ModelRunner:
     def stop_followers(self) -> None:
         """Process 0 of several: the other processes' `follow` returns."""
         if self.channel is not None:
-            self.channel.send(distributed.STOP)
+            self.channel.send(distributed.Stop())
 
     @staticmethod
     def fetch(out, num_rows: int) -> StepOutput:
@@ -402,7 +402,7 @@ class ModelRunner:
         logits = self._precompiler.wait(step_key)  # what step_key's step gives it
         logits = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
         _sample_rows.lower(logits, sampling, controls, backend=self.backend,
-                           feed_size=self._no_feed.shape[0]).compile()
+                           feed_size=len(self._no_feed), logprobs_mode=self.logprobs_mode).compile()
 
     def _compile_copies(self, pool, zeros: np.ndarray) -> None:
         _copy_pages.lower(pool, zeros, zeros, self._scanned_layers).compile()
