@@ -59,6 +59,9 @@ class Backend:
     # for prefill chunks deep into a long context (measured: docs/performance-history.md); the
     # scheduler weighs a chunk's context by it (SchedulerConfig.prefill_keys_per_token).
     attention_cost: float = 1.0
+    # Reductions in an order that no batch shape changes (model/batch_invariant.py): see
+    # batch_invariant().
+    batch_invariant: bool = False
 
 
 def pool_layout(backend: Backend, num_kv_heads: int, head_dim: int, dtype, *,
@@ -88,6 +91,19 @@ def get(name: str) -> Backend:
         _, family, *interpret = name.split("-")
         return pallas.backend(family, interpret=bool(interpret))
     raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(NAMES)}")
+
+
+def batch_invariant(backend: Backend) -> Backend:
+    """The backend under LoadConfig.batch_invariant: attention token by token in jnp
+    (xla.invariant_attention, on the head-major pools of cpu and xla), the model's per-token
+    parts (norms, matmuls, rope, activations) and the logsumexps in fixed row tiles. Other
+    backends are refused: their kernels' orders are not made fixed here."""
+    if backend.name not in ("cpu", "xla"):
+        raise ValueError(f"batch_invariant is guaranteed on the cpu and xla backends only, not "
+                         f"{backend.name!r}; choose attention_backend='xla' (or 'cpu')")
+    from jaxserve.backends import xla
+
+    return dataclasses.replace(backend, attention=xla.invariant_attention, batch_invariant=True)
 
 
 def resolve_dtype(dtype: str) -> str:

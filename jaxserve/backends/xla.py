@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxserve.backends import Backend
+from jaxserve.model.batch_invariant import per_token_attention
 from jaxserve.model.quantize import widen_factors
 
 _MASKED = -1e30  # finite, so fully masked padding rows give finite (discarded) outputs
@@ -200,6 +201,19 @@ def attention(q, cache, md, *, sm_scale: float, window: int | None = None,
             pages_per_block=PREFILL_PAGES_PER_BLOCK, rows_per_chunk=PREFILL_ROWS_PER_CHUNK,
             sm_scale=sm_scale, window=window, soft_cap=soft_cap, sinks=sinks))
     return jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+
+
+def invariant_attention(q, cache, md, *, sm_scale: float, window: int | None = None,
+                        soft_cap: float | None = None, sinks=None):
+    """attention's batch-invariant form (model/batch_invariant.py): every token, decode or
+    prefill, attends as a decode row of its own position, blocks of DECODE_PAGES_PER_BLOCK pages
+    from position 0."""
+    def row(q1, table, length, pos):
+        return _rows_attention_block(q1, cache, table, length, pos,
+                                     pages_per_block=DECODE_PAGES_PER_BLOCK, sm_scale=sm_scale,
+                                     window=window, soft_cap=soft_cap, sinks=sinks)
+
+    return per_token_attention(row, q, md)
 
 
 def pack_params(params: dict) -> dict:

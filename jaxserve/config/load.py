@@ -12,6 +12,9 @@ PALLAS_KERNELS = ("auto", "tpu", "gpu")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "int8", "bf16")
 SCAN_LAYERS = ("auto", "on", "off")
+# vLLM's names: logprobs of the model's logits, or of those the sampler drew from (after logit
+# controls and temperature); *_logits return the logits themselves.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +40,15 @@ class LoadConfig:
     scan_layers: str = option("auto", "Run the layers by lax.scan over their stacked weights "
                               "(one layer body compiled: faster compiles); auto: on for TPU "
                               "only (docs/serving.md).", choices=SCAN_LAYERS)
+    # runtime/sampling.py; docs/rl.md.
+    logprobs_mode: str = option("raw_logprobs", "Returned logprobs: raw_logprobs (the model's, "
+                                "before logit controls and temperature), processed_logprobs "
+                                "(of the distribution sampled), raw_logits, processed_logits.",
+                                choices=LOGPROBS_MODES)
+    # model/batch_invariant.py; docs/rl.md.
+    batch_invariant: bool = option(False, "A request's tokens and logprobs bitwise the same "
+                                   "whatever else is in its batch, its row, chunking and prefix "
+                                   "hits (cpu and xla backends; slower).")
 
     def __post_init__(self):
         check_choices(self)

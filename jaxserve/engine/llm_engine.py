@@ -84,6 +84,8 @@ class LLMEngine:
             kv_cache_dtype=resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype),
             pallas_kernels=load.pallas_kernels, head_dim=loaded.config.head_dim,
             page_size=cache.page_size, tensor_parallel_size=parallel.tensor_parallel_size))
+        if load.batch_invariant:  # reductions in a fixed order (model/batch_invariant.py)
+            self.backend = backend = backends.batch_invariant(backend)
         self.resolved = resolved = ResolvedConfig.of(
             config, loaded.config, dtype=dtype, backend=backend.name,
             attention_cost=backend.attention_cost, platform=mesh.devices.flat[0].platform)
@@ -112,7 +114,8 @@ class LLMEngine:
                                       huge_pages=load.huge_pages, mesh=mesh,
                                       scan_layers=resolved.scan_layers,
                                       expert_parallel=parallel.enable_expert_parallel,
-                                      fingerprint=loaded.fingerprint)
+                                      fingerprint=loaded.fingerprint,
+                                      logprobs_mode=load.logprobs_mode)
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # Speculation's one owner (Speculator.speculation), which the scheduler asks for drafts.
         self.speculator = Speculator(config, resolved, self.buckets, draft,

@@ -34,6 +34,7 @@ import numpy as np
 from jaxserve.config import ModelConfig
 from jaxserve.core import kv_groups
 from jaxserve.model import attention, layer_scan, moe
+from jaxserve.model.batch_invariant import by_row_tiles
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVCache, KVPool
 from jaxserve.model.quantize import Int8Weight
@@ -119,15 +120,12 @@ def _gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
 
 
-def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: AttentionMetadata,
-                  rope, window, x, cache: KVCache, lp, sum_shards):
-    """One layer of `forward` (x f[T, H] -> (x, cache)); also kv_smoothing's calibration."""
-    t = x.shape[0]
-    d = cfg.head_dim
+def _qkv(cfg: ModelConfig, lp, x, rope):
+    """x f[T, H] -> q f[T, Hq, D], k, v f[T, Hkv, D], keys and queries rotated: per token."""
+    t, d = x.shape[0], cfg.head_dim
     hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
     eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
-    h = rms_norm(x, lp["attn_norm"], eps, offset)
-    qkv = matmul(h, lp["w_qkv"])
+    qkv = matmul(rms_norm(x, lp["attn_norm"], eps, offset), lp["w_qkv"])
     if cfg.attention_bias:
         qkv = qkv + lp["b_qkv"]
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
@@ -135,12 +133,14 @@ def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: Att
     if cfg.qk_norm:
         q, k = rms_norm(q, lp["q_norm"], eps, offset), rms_norm(k, lp["k_norm"], eps, offset)
     cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    v = v.reshape(t, cfg.num_kv_heads, d)
-    cache = attention.write(backend, cache, k, v, md.slot_mapping)
-    o = attention.attend(backend, q, cache, md, sm_scale=cfg.attention_scale, window=window,
-                         soft_cap=cfg.attn_logit_softcapping, sinks=lp.get("sinks"))
-    o = sum_shards(matmul(o.reshape(t, hq), lp["wo"]))
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(t, cfg.num_kv_heads, d)
+
+
+def _out_mlp(cfg: ModelConfig, lp, x, o, sum_shards):
+    """The attention output o f[T, Hq, D] projected and added to x f[T, H], then the MLP:
+    per token (a mixture's routing aside)."""
+    eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
+    o = sum_shards(matmul(o.reshape(o.shape[0], -1), lp["wo"]))
     if "bo" in lp:  # the output projection's bias (gpt-oss), once after the sum over devices
         o = o + lp["bo"]
     if cfg.sandwich_norms:
@@ -155,7 +155,26 @@ def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: Att
         o = sum_shards(matmul(act(gate) * up, lp["w_down"]))
     if cfg.sandwich_norms:
         o = rms_norm(o, lp["post_mlp_norm"], eps, offset)
-    return x + o, cache
+    return x + o
+
+
+def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: AttentionMetadata,
+                  rope, window, x, cache: KVCache, lp, sum_shards):
+    """One layer of `forward` (x f[T, H] -> (x, cache)); also kv_smoothing's calibration. On a
+    batch-invariant backend the per-token parts run in fixed row tiles, whole (transcendentals
+    included: a vector loop's tail may round differently), model/batch_invariant.py; a
+    tile is one call of the backend's matmul."""
+    if getattr(backend, "batch_invariant", False):
+        q, k, v = by_row_tiles(lambda a: _qkv(cfg, lp, *a), (x, rope))
+    else:
+        q, k, v = _qkv(cfg, lp, x, rope)
+    cache = attention.write(backend, cache, k, v, md.slot_mapping)
+    o = attention.attend(backend, q, cache, md, sm_scale=cfg.attention_scale, window=window,
+                         soft_cap=cfg.attn_logit_softcapping, sinks=lp.get("sinks"))
+    if getattr(backend, "batch_invariant", False):
+        return by_row_tiles(lambda a: _out_mlp(cfg, lp, *a, sum_shards),
+                            (x, o)), cache
+    return _out_mlp(cfg, lp, x, o, sum_shards), cache
 
 
 def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=None, *,
@@ -166,20 +185,28 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=N
     cfg counts that device's heads and MLP columns, and sum_shards(x) adds the partial outputs
     of the row-parallel projections (wo, w_down) across devices; None: one device."""
     sum_shards = sum_shards or (lambda x: x)
+    def final_norm(x):
+        norm = lambda a: rms_norm(a, params["final_norm"], cfg.rms_norm_eps,  # noqa: E731
+                                  cfg.norm_weight_offset)
+        return by_row_tiles(norm, x) if getattr(backend, "batch_invariant", False) else norm(x)
+
     x = embed(params, token_ids)
     if cfg.embed_scale:  # sqrt(hidden) rounded to the model dtype first, as Gemma's reference
         x = x * jnp.asarray(cfg.hidden_size ** 0.5, x.dtype)
-    rope = rope_tables(md.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    tables = rope_tables
+    if getattr(backend, "batch_invariant", False):  # cos and sin in fixed row tiles
+        tables = lambda pos, *a: by_row_tiles(lambda p: rope_tables(p, *a), pos)  # noqa: E731
+    rope = tables(md.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     local_rope = rope
     if cfg.rope_local_theta is not None:  # sliding layers' own base, unscaled (Gemma 3)
-        local_rope = rope_tables(md.positions, cfg.head_dim, cfg.rope_local_theta)
+        local_rope = tables(md.positions, cfg.head_dim, cfg.rope_local_theta)
 
     if layer_scan.is_scanned(params):  # scan_layers: stacked weights, one pool of all pages
         pool, x = layer_scan.run_layers(
             params, pool, x, md, cfg=cfg, rope_of=lambda w: rope if w is None else local_rope,
             layer=lambda md, w, r, x, c, lp: decoder_layer(cfg, backend, md, r, w, x, c, lp,
                                                            sum_shards))
-        return pool, rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.norm_weight_offset)
+        return pool, final_norm(x)
     # Layer i reads and writes slot s of the pool through its group g's pages
     # (core/kv_groups.py); a model of one group: slot i, the plain metadata.
     groups = kv_groups.groups_of(cfg)
@@ -192,14 +219,20 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=N
         x, caches[s] = decoder_layer(cfg, backend, md.for_group(g),
                                      rope if window is None else local_rope, window, x,
                                      caches[s], lp, sum_shards)
-    return KVPool(tuple(caches)), rms_norm(x, params["final_norm"], cfg.rms_norm_eps,
-                                           cfg.norm_weight_offset)
+    return KVPool(tuple(caches)), final_norm(x)
 
 
-def logits(params, hidden, cfg: ModelConfig):
+def logits(params, hidden, cfg: ModelConfig, backend=None):
     """hidden f[R, H] -> f32 logits [R, V], soft-capped where the model is (Gemma 2). A tied
-    model's head is the embedding table unless a separate (e.g. quantized) lm_head was added."""
+    model's head is the embedding table unless a separate (e.g. quantized) lm_head was added.
+    backend: a batch-invariant one multiplies in fixed row tiles."""
     head = params["lm_head"] if "lm_head" in params else params["embed"]
-    out = matmul(hidden, head).astype(jnp.float32)
     cap = cfg.final_logit_softcapping
-    return out if cap is None else cap * jnp.tanh(out / cap)
+
+    def rows(h):
+        out = matmul(h, head).astype(jnp.float32)
+        return out if cap is None else cap * jnp.tanh(out / cap)
+
+    if getattr(backend, "batch_invariant", False):  # fixed row tiles (model/batch_invariant.py)
+        return by_row_tiles(rows, hidden)
+    return rows(hidden)

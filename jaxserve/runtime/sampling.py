@@ -1,8 +1,13 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-row seeds.
+"""On-device sampling: logit controls, greedy, temperature, top-k, top-p, min-p, per-row seeds,
+and the logprobs returned (LoadConfig.logprobs_mode, as vLLM names them).
 
 Each row's randomness comes only from (seed, fork index, position), so a seeded request samples
 the same tokens whatever else shares its batch. Only sampled ids and logprobs leave the device.
-"""
+Logprobs are float32 in the same jitted call: raw_* of the model's logits, processed_* of the
+ones the row was sampled from (after its logit controls, temperature and top-k/top-p/min-p
+masks; a greedy row's are its controlled logits). A batch-invariant backend's logsumexp runs in
+fixed row tiles (model/batch_invariant.py), as the prompt logprobs' does (`log_softmax`), so a
+sampled token's logprob is bitwise the prompt logprob of the same sequence."""
 
 from __future__ import annotations
 
@@ -11,9 +16,12 @@ import jax.numpy as jnp
 
 from jaxserve.backends import Backend
 from jaxserve.backends.xla import BACKEND as XLA
+from jaxserve.model.batch_invariant import by_row_tiles
 from jaxserve.pytree import pytree_dataclass, static_field
+from jaxserve.runtime.logit_controls import LogitControls, apply_controls
 
 GREEDY, RANDOM, FILTERED = "greedy", "random", "filtered"  # static sampling modes
+RAW_LOGPROBS = "raw_logprobs"  # LoadConfig.LOGPROBS_MODES' default
 
 
 @pytree_dataclass
@@ -60,20 +68,40 @@ def _top(logits, num_top: int, backend: Backend):
     return top_logits, top_ids.astype(jnp.int32)
 
 
-def sample(logits, md: SamplingMetadata, backend: Backend = XLA):
+def logsumexp(logits, backend: Backend = XLA):
+    """logits f32[R, V] -> f32[R]; on a batch-invariant backend a row's is the same whatever
+    rows are beside it."""
+    if getattr(backend, "batch_invariant", False):
+        return by_row_tiles(lambda x: jax.nn.logsumexp(x, axis=-1), logits)
+    return jax.nn.logsumexp(logits, axis=-1)
+
+
+def log_softmax(logits, backend: Backend = XLA):
+    """logits f32[R, V] -> logits - logsumexp: the one formula of sampled and prompt logprobs."""
+    return logits - logsumexp(logits, backend)[:, None]
+
+
+def sample(logits, md: SamplingMetadata, backend: Backend = XLA,
+           controls: LogitControls | None = None, logprobs_mode: str = RAW_LOGPROBS):
     """logits f32[R, V] -> (token ids i32[R], chosen logprob f32[R], top ids i32[R, K],
-    top logprobs f32[R, K]). Logprobs are of the model's distribution before filtering; all zeros
-    when md.num_top_logprobs < 0.
+    top logprobs f32[R, K]). The logprobs are of the distribution logprobs_mode names (module
+    docstring); all zeros when md.num_top_logprobs < 0. controls: the rows' logit controls
+    (runtime/logit_controls.py), applied first.
 
     A logprob is logit - logsumexp(logits): the [R, V] log-softmax is never materialised, and the
     greedy choice is the top logit (lowest index among ties, as argmax): the backend's argmax where
     it has one (XLA's CPU top_k is slow over a vocabulary), else top_k, which XLA runs faster
-    than argmax. One top_k serves both the greedy choice and the top logprobs."""
+    than argmax. One top_k serves both the greedy choice and the top logprobs when the logprobs
+    are of the logits it was taken over."""
+    raw = logits
+    if controls is not None:
+        logits = apply_controls(logits, controls)
     num_top = max(md.num_top_logprobs, 0)
     top_logits, top_ids = _top(logits, max(num_top, 1), backend)
     greedy_ids = top_ids[:, 0]
+    processed = logits
     if md.mode == GREEDY:
-        ids, chosen_logit = greedy_ids, top_logits[:, 0]
+        ids = greedy_ids
     else:
         scaled = logits / jnp.maximum(md.temperature, 1e-6)[:, None]
         if md.mode == FILTERED:
@@ -88,8 +116,14 @@ def sample(logits, md: SamplingMetadata, backend: Backend = XLA):
         keys = jax.vmap(row_key)(md.seeds, md.forks, md.positions)
         sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, scaled)
         ids = jnp.where(md.temperature == 0.0, greedy_ids, sampled.astype(jnp.int32))
-        chosen_logit = jnp.take_along_axis(logits, ids[:, None], axis=-1)[:, 0]
+        processed = jnp.where((md.temperature == 0.0)[:, None], logits, scaled)
     if md.num_top_logprobs < 0:
-        return ids, jnp.zeros_like(chosen_logit), top_ids[:, :0], top_logits[:, :0]
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return ids, chosen_logit - lse, top_ids[:, :num_top], top_logits[:, :num_top] - lse[:, None]
+        return ids, jnp.zeros(ids.shape, jnp.float32), top_ids[:, :0], top_logits[:, :0]
+    source = raw if logprobs_mode.startswith("raw") else processed
+    if source is not logits:  # the top logprobs are of other logits than the greedy top_k's
+        top_logits, top_ids = _top(source, max(num_top, 1), backend)
+    chosen = jnp.take_along_axis(source, ids[:, None], axis=-1)[:, 0]
+    if logprobs_mode.endswith("logits"):
+        return ids, chosen, top_ids[:, :num_top], top_logits[:, :num_top]
+    lse = logsumexp(source, backend)
+    return ids, chosen - lse, top_ids[:, :num_top], top_logits[:, :num_top] - lse[:, None]
