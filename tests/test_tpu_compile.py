@@ -265,6 +265,18 @@ JAX_CASES = [  # (path, q dtype, KV dtype, head dim, KV heads, group, page size,
 ]
 
 
+def test_gemma2_heads_of_dim_256_take_our_kernel(device):
+    """Gemma 2's 8 query heads, 4 KV heads of dim 256, bf16: JAX's kernel puts the 4 KV heads in
+    one block, which Mosaic refuses ("The last dim size is not 128 in original base memref"), so
+    it does not apply; ours over the flat pool compile, windows and soft caps included."""
+    assert not jax_kernel.applies(256, BF16, num_q_heads=8, num_kv_heads=4, q_dtype=BF16)
+    assert jax_kernel.applies(256, BF16, num_q_heads=8, num_kv_heads=1, q_dtype=BF16)
+    for path in ("decode", "prefill"):
+        case = Case(path, BF16, BF16, 256, 4, 2, 16, window=4096, soft_cap=50.0)
+        compiled, _ = compile_flat_case(case, device)
+        assert "tpu_custom_call" in compiled.as_text()
+
+
 def test_jax_cases_cover_its_options():
     cols = list(zip(*JAX_CASES))
     assert all(jax_kernel.applies(c[3], c[2], num_q_heads=c[4] * c[5], num_kv_heads=c[4],

@@ -7,7 +7,8 @@ together. Hkv' >= Hkv: JAX's kernel takes only a combined head count that XLA ti
 (`padded_kv_heads`: SmolLM2's 3 KV heads are kept as 4); the padded heads are written never and
 read by zero queries only.
 
-Where it applies (`applies`): float pages (bf16, f32) with a head dim that is a multiple of 128.
+Where it applies (`applies`): float pages (bf16, f32) with a head dim that is a multiple of 128
+(above 128 only with one KV head per head block: Mosaic refuses more).
 Elsewhere the pool stays head-major `[Hkv, N, B, D]` and the kernels of this package serve:
   - int8 pages: ours carry a float32 scale per token and KV head; JAX's kernel takes one scalar
     k_scale and v_scale per call (a static Python float), which cannot hold per-token scales.
@@ -43,6 +44,7 @@ from pallas_kernels.tpu.common import attention_cost, with_cost
 
 # Where no TPU is the target (JAX's reference swapped in by tests), sizes as for this chip.
 _DEFAULT_KIND = "TPU v6 lite"
+_KV_BUFFER_BYTES = 8 * 2 ** 20  # its two KV buffers' bytes at most (block_sizes)
 
 
 def applies(head_dim: int, dtype, *, num_q_heads: int, num_kv_heads: int, q_dtype) -> bool:
@@ -55,7 +57,11 @@ def applies(head_dim: int, dtype, *, num_q_heads: int, num_kv_heads: int, q_dtyp
         return False
     heads = padded_kv_heads(num_kv_heads, dtype)
     q_heads = heads * (num_q_heads // num_kv_heads)
-    block, _ = jax_rpa.get_min_heads_per_blk(q_heads, 2 * heads, q_dtype, dtype)
+    block, combined = jax_rpa.get_min_heads_per_blk(q_heads, 2 * heads, q_dtype, dtype)
+    # Head dim 256 with more than one KV head per block (Gemma 2's 4 KV heads): Mosaic refuses
+    # it, "The last dim size is not 128 in original base memref" (v5e and v6e, jax 0.10.2).
+    if head_dim != 128 and combined > 2:
+        return False
     return block == q_heads or block % 8 == 0
 
 
@@ -106,6 +112,10 @@ def block_sizes(q_dtype, kv_dtype, num_q_heads: int, num_kv_heads: int, head_dim
     pages, queries = (32, 32) if kind.startswith("TPU v4") else (128, 32)
     pages, queries = tuned.TUNED_BLOCK_SIZES.get(" ".join(kind.split()[:2]), {}).get(
         key, (pages, queries))
+    # Its double-buffered KV block within half of v5e's 16 MiB of scoped VMEM: 128 pages of 8
+    # bf16 KV heads of dim 128 (an 8B at TP 1) take 16 MiB and fail to compile there.
+    page_bytes = 2 * page_size * combined * head_dim * jnp.dtype(kv_dtype).itemsize
+    pages = max(1, min(pages, _KV_BUFFER_BYTES // page_bytes))
     return min(pages_per_seq, pages), min(num_tokens, queries)
 
 
