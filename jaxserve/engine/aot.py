@@ -199,10 +199,11 @@ class _Compiler:
                            kv_groups.groups_of(t.model).num_groups)
         return build_batch(plan, b, t.page_size)[0]
 
-    def compile_step(self, batch, pool):
+    def compile_step(self, batch, pool, options: dict | None = None):
         step = abstract.replicated(dataclasses.replace(batch, sampling=None), self.t.mesh)
         with compile_target(self.t.mesh):
-            return self.step.lower(self.params, pool=pool, batch=step, feed=self.feed).compile()
+            return self.step.lower(self.params, pool=pool, batch=step,
+                                   feed=self.feed).compile(options)
 
     def compile_sampling(self, batch, mode: str, controls: bool):
         rows, vocab = batch.logits_indices.shape[0], self.t.model.vocab_size
@@ -285,15 +286,16 @@ def _shallow(target: Target, layers: int) -> Target:
     return dataclasses.replace(target, model=model, scan_layers=False)
 
 
-def _cost_compilers(target: Target) -> tuple[list, float]:
-    """Compilers whose steps' costs give the target's (roofline.extrapolate): a scanned step
-    counts its loop body once, so the first one and two periods of layers, unscanned, and the
-    periods in the model; an unscanned target is costed by its own steps ([], 1)."""
+def _cost_compilers(compiler: _Compiler) -> tuple[list, float]:
+    """Compilers whose steps, compiled with roofline.COST_OPTIONS, give the target's cost
+    (roofline.extrapolate over the periods returned): a scanned step counts its loop body once,
+    so the first one and two periods of layers, unscanned; an unscanned target its own."""
+    target = compiler.t
     if not target.scan_layers:
-        return [], 1.0
+        return [compiler], 1.0
     p, layers = layer_scan.period(target.model), target.model.num_layers
     if 2 * p > layers:
-        return [_Compiler(_shallow(target, layers))] * 2, 1.0
+        return [_Compiler(_shallow(target, layers))], 1.0
     return [_Compiler(_shallow(target, p)), _Compiler(_shallow(target, 2 * p))], layers / p
 
 
@@ -304,15 +306,16 @@ def _jobs(compiler: _Compiler, pool, costers=(), num_pages: int = 0):
     step's again by each of them ("cost 0", "cost 1")."""
     b, sampled = compiler.t.buckets, set()
     groups = kv_groups.groups_of(compiler.t.model).num_groups
-    pools = [c.pool(num_pages) for c in costers]
+    pools = [pool if c is compiler else c.pool(num_pages) for c in costers]
     for batch, _ in warmup_batches(b, compiler.t.page_size, num_groups=groups):
         rows = batch.logits_indices.shape[0]
         what = (f"step of {batch.token_ids.shape[0]} tokens, "
                 f"{batch.attn.page_tables.shape[-2]} rows, {rows} sampled")
-        yield what, "step", lambda batch=batch: (batch, compiler.compile_step(batch, pool))
+        yield what, "step", lambda batch=batch: (batch, compiler.compile_step(batch, pool)), batch
         for i, (c, p) in enumerate(zip(costers, pools)):
             yield (f"{what}, {c.t.model.num_layers} unscanned layers (cost)", f"cost {i}",
-                   lambda batch=batch, c=c, p=p: (batch, c.compile_step(batch, p)))
+                   lambda batch=batch, c=c, p=p: (batch, c.compile_step(
+                       batch, p, roofline.COST_OPTIONS)), batch)
         if rows not in sampled:
             sampled.add(rows)
             for controls in (False, True):  # SAMPLING_VARIANTS of them
@@ -320,9 +323,28 @@ def _jobs(compiler: _Compiler, pool, costers=(), num_pages: int = 0):
                     yield (f"sampling of {rows} rows, mode {mode}"
                            + (", logit controls" if controls else ""), "sampling",
                            lambda batch=batch, mode=mode, controls=controls:
-                           compiler.compile_sampling(batch, mode, controls))
+                           compiler.compile_sampling(batch, mode, controls), None)
     for n in b.copies:
-        yield f"page copy of {n} pages", "copies", lambda n=n: compiler.compile_copies(n, pool)
+        yield (f"page copy of {n} pages", "copies",
+               lambda n=n: compiler.compile_copies(n, pool), None)
+
+
+def cost_report(config: EngineConfig, topology_name: str, num_pages: int,
+                tokens: tuple[int, ...] | None = None) -> dict:
+    """The roofline report (roofline.report) of the step shapes of `tokens` tokens (None: all)
+    over a pool of num_pages pages, without the memory plan or the other executables: the cost
+    compiles alone, as compile_for_topology makes them (a scanned target's 1 and 2 periods)."""
+    target = tpu_target(config, topology_name)
+    compiler = _Compiler(target)
+    costers, periods = _cost_compilers(compiler)
+    batches, costs = {}, {}
+    for _, kind, fn, batch in _jobs(compiler, compiler.pool(num_pages), costers, num_pages):
+        if not kind.startswith("cost") or (tokens and batch.token_ids.shape[0] not in tokens):
+            continue
+        i = len(batches) - (kind != "cost 0")  # a shape's cost compiles follow one another
+        batches[i] = batch
+        costs[kind, i] = roofline.compiled_cost(fn()[1])
+    return roofline.report(target, batches, costs, periods)
 
 
 def _failure(what: str, e: Exception) -> dict:
@@ -353,11 +375,11 @@ def compile_for_topology(config: EngineConfig, topology_name: str, threads: int 
         f"({time.perf_counter() - start:.0f} s)")
     if fits:
         pool = compiler.pool(plan.num_pages)
-        costers, periods = _cost_compilers(target) if cost else ([], 1.0)
+        costers, periods = _cost_compilers(compiler) if cost else ([], 1.0)
         jobs = list(_jobs(compiler, pool, costers, plan.num_pages))
         batches, costs, done = {}, {}, collections.Counter()
         with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as workers:
-            futures = [(what, kind, workers.submit(fn)) for what, kind, fn in jobs]
+            futures = [(what, kind, workers.submit(fn)) for what, kind, fn, _ in jobs]
             for n, (what, kind, future) in enumerate(futures, 1):
                 try:
                     compiled = future.result()
@@ -370,9 +392,8 @@ def compile_for_topology(config: EngineConfig, topology_name: str, threads: int 
                 say(f"[{n}/{len(jobs)}] {what} ({time.perf_counter() - start:.0f} s)")
                 if kind == "step" or kind.startswith("cost"):  # (batch, compiled)
                     batches[done[kind] - 1] = compiled[0]
-                    if cost and (kind != "step" or not target.scan_layers):
-                        costs[kind, done[kind] - 1] = roofline.compiled_cost(compiled[1])
                     if kind != "step":
+                        costs[kind, done[kind] - 1] = roofline.compiled_cost(compiled[1])
                         continue
                     compiled = compiled[1]
                 m = compiled.memory_analysis()
