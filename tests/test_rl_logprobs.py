@@ -7,6 +7,7 @@ others, in other prefill chunks and after a prefix hit, on the cpu and xla backe
 from __future__ import annotations
 
 import functools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -81,3 +82,12 @@ def test_processed_logprobs_are_of_the_distribution_sampled():
     np.testing.assert_allclose(sampled(llm("xla", False), [TARGET])[1],
                                sampled(llm("xla", False, mode="processed_logprobs"),
                                        [TARGET])[1], rtol=0, atol=1e-5)
+
+
+def test_batch_invariant_is_refused_by_name_where_it_is_not_guaranteed():
+    from jaxserve.backends import Backend, batch_invariant, get
+
+    with pytest.raises(ValueError, match="batch_invariant.*'pallas-tpu'"):
+        batch_invariant(Backend(name="pallas-tpu", attention=None))
+    with pytest.raises(ValueError, match="mixture of experts"):
+        batch_invariant(get("xla"), SimpleNamespace(num_experts=4))

@@ -93,7 +93,8 @@ def get(name: str) -> Backend:
     raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(NAMES)}")
 
 
-def batch_invariant(backend: Backend) -> Backend:
+def batch_invariant(backend: Backend, model_config=None, tensor_parallel_size: int = 1
+                    ) -> Backend:
     """The backend under LoadConfig.batch_invariant: attention token by token in jnp
     (xla.invariant_attention, on the head-major pools of cpu and xla), the model's per-token
     parts (norms, matmuls, rope, activations) and the logsumexps in fixed row tiles. Other
@@ -101,6 +102,9 @@ def batch_invariant(backend: Backend) -> Backend:
     if backend.name not in ("cpu", "xla"):
         raise ValueError(f"batch_invariant is guaranteed on the cpu and xla backends only, not "
                          f"{backend.name!r}; choose attention_backend='xla' (or 'cpu')")
+    if getattr(model_config, "num_experts", 0) or tensor_parallel_size > 1:
+        raise ValueError("batch_invariant is not guaranteed for a mixture of experts (tokens "
+                         "routed together) or tensor_parallel_size > 1 (sums across devices)")
     from jaxserve.backends import xla
 
     return dataclasses.replace(backend, attention=xla.invariant_attention, batch_invariant=True)

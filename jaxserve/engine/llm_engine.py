@@ -85,7 +85,8 @@ class LLMEngine:
             pallas_kernels=load.pallas_kernels, head_dim=loaded.config.head_dim,
             page_size=cache.page_size, tensor_parallel_size=parallel.tensor_parallel_size))
         if load.batch_invariant:  # reductions in a fixed order (model/batch_invariant.py)
-            self.backend = backend = backends.batch_invariant(backend)
+            self.backend = backend = backends.batch_invariant(
+                backend, loaded.config, parallel.tensor_parallel_size)
         self.resolved = resolved = ResolvedConfig.of(
             config, loaded.config, dtype=dtype, backend=backend.name,
             attention_cost=backend.attention_cost, platform=mesh.devices.flat[0].platform)
