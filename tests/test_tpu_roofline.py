@@ -89,3 +89,22 @@ def test_step_bytes_are_the_necessary_bytes(model_dir, generation, head_dim, kv,
     if any((generation, head_dim, kv, t) in KNOWN for t in steps):
         pytest.xfail("; ".join(KNOWN[generation, head_dim, kv, t] for t in steps
                                if (generation, head_dim, kv, t) in KNOWN))
+
+
+def test_a_gemma2_shaped_step_compiles_for_v5e(tmp_path):
+    """Gemma 2's attention (8 heads, 4 KV heads of dim 256, a 4096 window every other layer,
+    soft caps), where JAX's kernel failed in Mosaic ("The last dim size is not 128 in original
+    base memref"): the step compiles on our kernels and reads its necessary bytes."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "hidden_size": 1024,
+         "intermediate_size": 4096, "num_hidden_layers": 2, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "head_dim": 256, "vocab_size": 32000,
+         "max_position_embeddings": 8192, "sliding_window": 4096,
+         "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+         "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+         "tie_word_embeddings": True, "eos_token_id": 1}))
+    config = EngineConfig.from_options(model=str(tmp_path), max_model_len=8192, max_num_seqs=8,
+                                       max_num_batched_tokens=PREFILL)
+    (step,) = aot.cost_report(config, "v5e:2x2", 2048, tokens=(DECODE,))["steps"]
+    assert step["pages_per_row"] == 512 and step["unpriced_ops"] == 0
+    assert 0.95 <= step["bytes_ratio"] <= 1.15, step
