@@ -28,13 +28,12 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
 HEADS = {64: (32, 8), 128: (16, 8)}  # head dim -> (query heads, KV heads)
 DECODE, PREFILL = 8, 64  # tokens: 8 rows of one token; 64 tokens in 8 rows
 # Cases that fail today, each with what the report found (strict: a fix must remove them).
-# Measured (head dim 128, 1 layer, T 8): the step's bytes grow by twice the added pool's when
-# the pool grows (4096 -> 8192 pages: +243 MB for +134 MB of K and V), where a standalone s8
-# scatter into the same pool is counted in place; and the f32 scales are copied between
-# layouts around the fused quantize-and-scatter write and the kernel.
-INT8_RELAYOUT = ("int8 pages: XLA counts the fused quantize-and-scatter write of the head-major "
-                 "s8 pool [Hkv, N, B, D] over the whole pool (read and written per layer per "
-                 "step) and copies the f32 scales [Hkv, N, B] between layouts around it")
+# Measured (head dim 128, 8 KV heads, 4096 pages): XLA lays the f32 scales [Hkv, N, B] (2 MB)
+# out with N minor, and for their scatter copies them to heads minor, padded to 128 lanes
+# (33.5 MB), and back: writing one layer's scales alone counts 71 MB; the step's bytes grow
+# with the pool (+243 MB a layer from 4096 to 8192 pages). The s8 pages scatter in place.
+INT8_RELAYOUT = ("int8 pages: the f32 scales [Hkv, N, B] are copied per layer and step to a "
+                 "heads-minor layout padded 16x for their scatter, and back")
 KNOWN = {(g, d, "int8", t): INT8_RELAYOUT for g in ("v5e", "v6e") for d in HEADS
          for t in (DECODE, PREFILL)}
 
