@@ -2,7 +2,9 @@
 
   --topology v6e:2x2   compile for that TPU topology from any x86 machine with libtpu (no TPU,
                        no weights: a config.json alone will do) and print the memory plan per
-                       device; a model that does not fit is refused (exit 1)
+                       device and each step shape's estimated cost beside its roofline
+                       (engine/roofline.py; --cost=false leaves it out); a model that does not
+                       fit is refused (exit 1). A line per executable goes to stderr.
   (no --topology)      build the engine on this host's backend and warm it up, so its compiles
                        land in the persistent compilation cache that `serve`, `generate`,
                        `batch` and `LLM` load from (--cache_dir, or JAX_COMPILATION_CACHE_DIR)
