@@ -329,10 +329,13 @@ def test_heavy_bodies_meet_cheap_limits_before_tokenizing(url, aengine, monkeypa
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"unit": {"enum": ["c", "f"]}}}}}
     big = {"type": "function", "function": {"name": "g", "description": "x" * 1_200_000}}
+    mid = {"type": "function", "function": {"name": "h", "description": "x" * 300_000}}
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     for path, body, param, flag in [
             ("/v1/chat/completions", {**chat, "tools": [tool] * 2000}, "tools", "max_tools"),
             ("/v1/chat/completions", {**chat, "tools": [big] * 3}, "tools", "max_tools_bytes"),
+            ("/v1/chat/completions", {**chat, "tools": [mid] * 3}, "messages",
+             "max_prompt_chars"),  # under 1 MiB of tools, but rendered into the prompt
             ("/v1/completions", {"model": MODEL, "prompt": "word " * 780_000}, "prompt",
              "max_prompt_chars"),
             ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [

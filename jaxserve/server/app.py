@@ -175,6 +175,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     aengine.observers.append(metrics)
     limits = BodyLimits.of(config.max_tools, config.max_tools_bytes, config.max_prompt_chars,
                            ctx.max_model_len)
+    ctx = dataclasses.replace(ctx, max_prompt_chars=limits.max_prompt_chars)
     # A body's validation, chat template, tokenizing and grammar run here, off the event loop
     # (a 3.9 MB prompt froze every stream for seconds). Few threads: each holds the GIL in
     # turn with the loop, so the more there are, the longer the loop waits for it.

@@ -55,6 +55,9 @@ class ProtocolContext:
     max_tokens_limit: int | None = None  # refuse larger max_tokens; None: only the context bounds
     tool_call_parser: str = "auto"  # a name of tool_parsers.PARSERS; auto: from the template
     reasoning_parser: str | None = None  # a name of reasoning.REASONING_PARSERS; None: none
+    # A chat's rendered text (tools included) longer than this is refused before tokenizing;
+    # None: no limit (the server sets --max_prompt_chars's, server/body_limits.py)
+    max_prompt_chars: int | None = None
 
     def __post_init__(self):
         self.tool_parser, self.reasoning  # noqa: B018 - unknown names fail at construction
@@ -148,6 +151,10 @@ def _chat_prompt(request: ChatCompletionRequest, ctx: ProtocolContext,
         text = request.render(ctx.tokenizer, messages)
     except ChatTemplateError as e:
         raise APIError(str(e), param=e.param, code="invalid_value") from None
+    if ctx.max_prompt_chars is not None and len(text) > ctx.max_prompt_chars:
+        raise APIError(f"the chat renders to {len(text)} characters (its tools included); this "
+                       f"server accepts at most {ctx.max_prompt_chars} (--max_prompt_chars)",
+                       param="messages", code="invalid_value")
     ids = ctx.tokenizer.encode(text, add_special_tokens=False)
     return {"prompt_token_ids": ids, "prompt": text}
 
