@@ -46,7 +46,7 @@ def main(argv):
             tally = json.load(f)
         print("fuzz: " + ", ".join(f"{k} {tally.get(k, 0)}" for k in (
             "bodies", "server_errors", "non_json", "hung", "leaked_pages",
-            "worst_loop_hold_s")))
+            "worst_loop_hold_s", "worst_gc_s")))
     else:
         print("fuzz: no tally (the run stopped before its last server test)")
     return done.returncode

@@ -13,6 +13,8 @@ loop was held (what a neighbouring stream would see as a frozen gap).
 from __future__ import annotations
 
 import asyncio
+import gc
+import time
 
 from hypothesis import strategies as st
 
@@ -83,11 +85,22 @@ HEAVY = st.one_of(
 
 
 class LoopLag:
-    """The longest time the event loop it runs on was held past a 10 ms sleep."""
+    """The longest time the event loop it runs on was held past a 10 ms sleep, and (to tell
+    the causes apart) the longest garbage collection of the process, which holds every
+    thread."""
 
     def __init__(self):
         self.worst = 0.0
+        self.worst_gc = 0.0
         self.task = None
+        self._gc_start = None
+        gc.callbacks.append(self._gc)
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            self.worst_gc = max(self.worst_gc, time.perf_counter() - self._gc_start)
 
     def start(self) -> None:
         if self.task is None:  # on the loop: called from a route
