@@ -3,9 +3,10 @@ and the logprobs returned (LoadConfig.logprobs_mode, as vLLM names them).
 
 Each row's randomness comes only from (seed, fork index, position), so a seeded request samples
 the same tokens whatever else shares its batch. Only sampled ids and logprobs leave the device.
-Logprobs are float32 in the same jitted call: raw_* of the model's logits, processed_* of the
-ones the row was sampled from (after its logit controls, temperature and top-k/top-p/min-p
-masks; a greedy row's are its controlled logits). A batch-invariant backend's logsumexp runs in
+Logprobs are float32 in the same jitted call: raw_* of the model's logits (under a grammar's
+mask only: the tokens it forbids are -inf), processed_* of the ones the row was sampled from
+(after its logit controls, temperature and top-k/top-p/min-p masks; a greedy row's are its
+controlled logits). A batch-invariant backend's logsumexp runs in
 fixed row tiles (model/batch_invariant.py), as the prompt logprobs' does (`log_softmax`), so a
 sampled token's logprob is bitwise the prompt logprob of the same sequence."""
 
@@ -18,7 +19,7 @@ from jaxserve.backends import Backend
 from jaxserve.backends.xla import BACKEND as XLA
 from jaxserve.model.batch_invariant import by_row_tiles
 from jaxserve.pytree import pytree_dataclass, static_field
-from jaxserve.runtime.logit_controls import LogitControls, apply_controls
+from jaxserve.runtime.logit_controls import LogitControls, apply_controls, apply_mask
 
 GREEDY, RANDOM, FILTERED = "greedy", "random", "filtered"  # static sampling modes
 RAW_LOGPROBS = "raw_logprobs"  # LoadConfig.LOGPROBS_MODES' default
@@ -96,6 +97,10 @@ def sample(logits, md: SamplingMetadata, backend: Backend = XLA,
     raw = logits
     if controls is not None:
         logits = apply_controls(logits, controls)
+        # raw: the model's logits under the structured-output mask alone, as vLLM's sampler
+        # receives them (the grammar's bitmask applied before it, penalties and bias inside):
+        # a token the grammar forbids is never listed or given a finite logprob.
+        raw = logits if controls.entry_rows.shape[0] == 0 else apply_mask(raw, controls.mask)
     num_top = max(md.num_top_logprobs, 0)
     top_logits, top_ids = _top(logits, max(num_top, 1), backend)
     greedy_ids = top_ids[:, 0]
