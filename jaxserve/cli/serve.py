@@ -4,6 +4,7 @@ ServingConfig's fields (jaxserve/config/serving.py) and the engine's."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -79,7 +80,14 @@ def _build(server: DrainingServer, front: StartingApp, engine_config, serving: S
         if serving.compile_warmup != "none":  # in the background: /health/ready says so
             aengine.warm_up(full=serving.compile_warmup == "full").add_done_callback(_warmed_up)
         server.aengine = aengine
-        front.serve(build_app(aengine, server_config))
+        app = build_app(aengine, server_config)
+        # The engine, the model and the imports live as long as the process: left out of every
+        # later garbage collection, which stops all threads, the event loop's too (a full one
+        # over them held it 0.6 to 2.4 s in the long fuzz). The process's own choice, so here
+        # and not in build_app, which tests and notebooks call many times in one process.
+        gc.collect()
+        gc.freeze()
+        front.serve(app)
     except Exception as e:  # noqa: BLE001 - exit 2; a bad model or flag in one line
         if not isinstance(e, (ValueError, OSError)):
             traceback.print_exc()

@@ -17,7 +17,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import gc
 import logging
 import time
 
@@ -384,9 +383,4 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     async def debug_stats():
         return await aengine.call(lambda e: {**e.stats(), "kv_usage": e.kv_usage()})
 
-    # The engine, the model and the imports are long-lived: left out of every later garbage
-    # collection, which stops all threads, the event loop's too (a full one over them held it
-    # for 0.6 to 2.4 s in the long fuzz).
-    gc.collect()
-    gc.freeze()
     return app
