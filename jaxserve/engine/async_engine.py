@@ -28,6 +28,8 @@ from typing import Any, Callable, Protocol
 from jaxserve.config.serving import ServingConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.core.structured_output import StructuredOutputsParams
+from jaxserve.engine.client import ServedModel
 from jaxserve.engine.commands import Abort, Add, Answered, Call, Command, FailAll, Wake
 from jaxserve.engine.llm_engine import LLMEngine
 
@@ -166,6 +168,20 @@ class AsyncEngine:
             return (f"stalled: the engine loop has not come round for {stuck:.0f} s "
                     f"({len(self._live)} requests live)")
         return None
+
+    @property
+    def served_model(self) -> ServedModel:
+        return self.engine.served_model
+
+    def compile_grammar(self, spec: StructuredOutputsParams):
+        """Admit a structured output's grammar (thread-safe; a server does it in a worker
+        thread before `add`, which then finds it cached). ValueError: why it cannot serve."""
+        return self.engine.compile_grammar(spec)
+
+    async def stats(self, kv_usage: bool = False) -> dict:
+        """The engine's stats(), with its kv_usage() if asked, read on the loop thread."""
+        return await self.call(lambda e: {**e.stats(), **({"kv_usage": e.kv_usage()}
+                                                           if kv_usage else {})})
 
     @property
     def compilations_pending(self) -> int:

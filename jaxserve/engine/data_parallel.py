@@ -81,6 +81,13 @@ class DataParallelEngine:
         self._ids = 0
 
     @property
+    def served_model(self):
+        return self.replicas[0].served_model  # the replicas serve one model
+
+    def compile_grammar(self, spec):
+        return self.grammars.compile(spec)
+
+    @property
     def grammars(self):
         """Structured outputs' grammar compiler, shared by the replicas: a server compiles a
         request's grammar before it is routed, and the replica finds it cached."""

@@ -27,10 +27,11 @@ from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
-from jaxserve.core.structured_output import GrammarCompiler
+from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputsParams
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.engine import memory_plan
+from jaxserve.engine.client import ServedModel
 from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.speculator import Speculator, load_draft
 from jaxserve.engine.startup import StartupTimeline
@@ -161,6 +162,16 @@ class LLMEngine:
         self.startup.built()
 
     # ----------------------------------------------------------------- requests
+    @property
+    def served_model(self) -> ServedModel:
+        """What a front end reads requests for (engine/client.py)."""
+        return ServedModel(self.config.load.model, self.tokenizer, self.max_model_len,
+                           self.model_config.vocab_size, self.config.cache.cache_salt)
+
+    def compile_grammar(self, spec: StructuredOutputsParams):
+        """Admit a structured output's grammar from any thread (see `grammars`)."""
+        return self.grammars.compile(spec)
+
     @property
     def grammars(self) -> GrammarCompiler:
         """Thread-safe: a server admits (compiles, first mask, limits) a request's grammar in a

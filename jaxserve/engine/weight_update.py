@@ -6,7 +6,6 @@ whether the engine is paused or asleep. Outputs carry the runner's weights_versi
 
 from __future__ import annotations
 
-import time
 from typing import Mapping
 
 from jaxserve.config import ModelConfig

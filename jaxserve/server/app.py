@@ -168,7 +168,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     config = config or ServerConfig()
     owned = isinstance(engine, (LLMEngine, DataParallelEngine))
     aengine = AsyncEngine(engine) if owned else engine
-    ctx = ProtocolContext.for_engine(aengine.engine, config.served_model_names,
+    ctx = ProtocolContext.for_engine(aengine, config.served_model_names,
                                      config.max_tokens_limit, config.tool_call_parser,
                                      config.reasoning_parser)
     metrics = ServerMetrics()
@@ -204,7 +204,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         app.add_middleware(AuthMiddleware,
                            keys=config.keys + tuple((k, OPERATOR) for k in config.operator_keys),
                            public=("/metrics",) if config.public_metrics else ())
-    base_salt = aengine.engine.config.cache.cache_salt or ""
+    base_salt = aengine.served_model.cache_salt or ""
 
     def cache_salt(request: Request) -> str | None:
         """The tenant's prefix-cache salt, derived server-side from its name (None: no keys,
@@ -294,7 +294,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         spec = parsed.params.structured_outputs
         if spec is not None:
             try:
-                await off_loop(aengine.engine.grammars.compile, spec)
+                await off_loop(aengine.compile_grammar, spec)
             except ValueError as e:
                 raise APIError(str(e), param=parsed.constraint_field,
                                code="invalid_value") from None
@@ -376,11 +376,11 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
 
     @app.get("/metrics")
     async def prometheus():
-        metrics.set_engine_stats(await aengine.call(lambda e: e.stats()))
+        metrics.set_engine_stats(await aengine.stats())
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/debug/stats")
     async def debug_stats():
-        return await aengine.call(lambda e: {**e.stats(), "kv_usage": e.kv_usage()})
+        return await aengine.stats(kv_usage=True)
 
     return app

@@ -66,9 +66,10 @@ class ProtocolContext:
     def for_engine(cls, engine, model_names: tuple[str, ...] | None = None,
                    max_tokens_limit: int | None = None, tool_call_parser: str = "auto",
                    reasoning_parser: str | None = None) -> "ProtocolContext":
-        return cls(model_names=model_names or (engine.config.load.model,),
-                   tokenizer=engine.tokenizer, max_model_len=engine.max_model_len,
-                   vocab_size=engine.model_config.vocab_size, max_tokens_limit=max_tokens_limit,
+        served = engine.served_model  # engine/client.py's ServedModel
+        return cls(model_names=model_names or (served.name,),
+                   tokenizer=served.tokenizer, max_model_len=served.max_model_len,
+                   vocab_size=served.vocab_size, max_tokens_limit=max_tokens_limit,
                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
 
     @functools.cached_property
