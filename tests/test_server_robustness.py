@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import gc
 import json
 import os
 import re
@@ -56,9 +57,16 @@ def url(aengine):
         LAG.start()
         return {"worst": LAG.worst}
 
-    with serve_app(app) as url:
-        httpx.get(url + "/test/loop_lag")
-        yield url
+    # As `jaxserve serve` does once its app is built (cli/serve.py): what lives as long as the
+    # server is left out of later collections, which hold every thread, the loop's too.
+    gc.collect()
+    gc.freeze()
+    try:
+        with serve_app(app) as url:
+            httpx.get(url + "/test/loop_lag")
+            yield url
+    finally:
+        gc.unfreeze()
 
 
 @pytest.fixture(scope="module")
