@@ -282,7 +282,8 @@ def _shallow(target: Target, layers: int) -> Target:
     """The target with its first `layers` layers, unscanned (the cost report's compiles)."""
     m = target.model
     model = dataclasses.replace(m, num_layers=layers, layer_types=m.layer_types and
-                                m.layer_types[:layers])
+                                m.layer_types[:layers],
+                                mlp_only_layers=tuple(i for i in m.mlp_only_layers if i < layers))
     return dataclasses.replace(target, model=model, scan_layers=False)
 
 
