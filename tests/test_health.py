@@ -83,6 +83,9 @@ def test_ready_turns_503_while_the_engine_loop_is_stuck(aengine, url):
         assert body["status"] == "unavailable" and body["reason"].startswith("stalled: the "
                                                                              "engine loop")
         assert httpx.get(url + "/health/live").status_code == 200  # alive, only stuck
+        for path in ("/debug/stats", "/metrics"):  # read on the loop: a 503 at once, not a hang
+            r = httpx.get(url + path, timeout=10)
+            assert r.status_code == 503 and "stalled" in r.json()["error"]["message"], r.text
         release.set()
         wait_for(lambda: httpx.get(url + "/health/ready").status_code == 200)
     finally:

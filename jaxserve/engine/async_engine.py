@@ -45,6 +45,11 @@ class EngineDead(Exception):
     """The engine loop has stopped."""
 
 
+class EngineStalled(EngineDead):
+    """The engine loop has not come round for stall_timeout seconds: a call on it would not
+    answer now."""
+
+
 class Observer(Protocol):
     def on_finished(self, output: RequestOutput) -> None: ...
 
@@ -163,8 +168,11 @@ class AsyncEngine:
         pending = self.compilations_pending
         if pending and self.ready_after == "all":
             return f"warming up: {pending} step shapes still compiling (ready_after=all)"
+        return self._stalled()
+
+    def _stalled(self) -> str | None:
         stuck = time.monotonic() - self._beat
-        if stuck > self.stall_timeout:
+        if stuck > self.stall_timeout and not self.warming_up:
             return (f"stalled: the engine loop has not come round for {stuck:.0f} s "
                     f"({len(self._live)} requests live)")
         return None
@@ -179,7 +187,10 @@ class AsyncEngine:
         return self.engine.compile_grammar(spec)
 
     async def stats(self, kv_usage: bool = False) -> dict:
-        """The engine's stats(), with its kv_usage() if asked, read on the loop thread."""
+        """The engine's stats(), with its kv_usage() if asked, read on the loop thread;
+        EngineStalled at once if that loop is stalled (it would not answer)."""
+        if (stalled := self._stalled()) is not None:
+            raise EngineStalled(stalled)
         return await self.call(lambda e: {**e.stats(), **({"kv_usage": e.kv_usage()}
                                                            if kv_usage else {})})
 

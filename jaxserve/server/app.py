@@ -218,6 +218,10 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         headers = {"Retry-After": "1"} if e.status == 503 else None
         return StrictJSONResponse(e.body(), status_code=e.status, headers=headers)
 
+    @app.exception_handler(EngineDead)  # /metrics and /debug, which read the engine's stats
+    async def engine_dead(request, e: EngineDead):
+        return await api_error(request, _failure(e))
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e: StarletteHTTPException):
         kind = "not_found" if e.status_code == 404 else "invalid_request_error"
