@@ -173,8 +173,8 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                                      config.reasoning_parser)
     metrics = ServerMetrics()
     aengine.observers.append(metrics)
-    limits = BodyLimits.of(config.max_tools, config.max_tools_bytes, config.max_prompt_chars,
-                           ctx.max_model_len)
+    limits = BodyLimits.of(config.max_prompts_per_request, config.max_tools,
+                           config.max_tools_bytes, config.max_prompt_chars, ctx.max_model_len)
     ctx = dataclasses.replace(ctx, max_prompt_chars=limits.max_prompt_chars)
     # A body's validation, chat template, tokenizing and grammar run here, off the event loop
     # (a 3.9 MB prompt froze every stream for seconds). Few threads: each holds the GIL in
@@ -303,21 +303,10 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                 raise APIError(str(e), param=parsed.constraint_field,
                                code="invalid_value") from None
 
-    def count_prompts(body) -> None:
-        """Before anything reads the prompts: one body may hold max_prompts_per_request."""
-        prompt = body.get("prompt") if isinstance(body, dict) else None
-        count = len(prompt) if isinstance(prompt, list) and prompt \
-            and not isinstance(prompt[0], int) else 1  # a list of ints is one prompt
-        if count > config.max_prompts_per_request:
-            raise APIError(f"'prompt' holds {count} prompts; at most max_prompts_per_request="
-                           f"{config.max_prompts_per_request} are accepted in one request",
-                           param="prompt", code="too_many_prompts")
-
     def prepare(kind: str, data: bytes):
         """The engine's request from a body (in a worker thread): JSON parsed, the cheap
         limits checked, then validation, templating and tokenizing."""
         body = parse_body(data)
-        count_prompts(body)
         limits.check(body)
         return parse_request(kind, body, ctx)
 

@@ -1,6 +1,6 @@
 """Cheap size limits on a request body, checked on the parsed JSON before anything validates,
-renders, tokenizes or compiles it: how many tools a chat offers, their size as JSON, and the
-prompt's characters. Each refusal is a 400 naming the field and the flag that sets the limit.
+renders, tokenizes or compiles it: how many prompts a completion holds, how many tools a chat
+offers, their size as JSON, and the prompt's characters. Each refusal is a 400 naming the field and the flag that sets the limit.
 (2000 tools, or 1.2 MB descriptions, or a 3.9 MB prompt cost seconds to render and tokenize
 before the context check refused them.)"""
 
@@ -17,14 +17,15 @@ CHARS_PER_TOKEN = 32  # max_prompt_chars' default per token of context: far abov
 
 @dataclasses.dataclass(frozen=True)
 class BodyLimits:
+    max_prompts: int  # ServerConfig.max_prompts_per_request
     max_tools: int
     max_tools_bytes: int
     max_prompt_chars: int
 
     @classmethod
-    def of(cls, max_tools: int, max_tools_bytes: int, max_prompt_chars: int | None,
-           max_model_len: int) -> "BodyLimits":
-        return cls(max_tools, max_tools_bytes,
+    def of(cls, max_prompts: int, max_tools: int, max_tools_bytes: int,
+           max_prompt_chars: int | None, max_model_len: int) -> "BodyLimits":
+        return cls(max_prompts, max_tools, max_tools_bytes,
                    max_prompt_chars or CHARS_PER_TOKEN * max_model_len)
 
     def check(self, body: Any) -> None:
@@ -32,6 +33,13 @@ class BodyLimits:
         request models to name what is wrong."""
         if not isinstance(body, dict):
             return
+        prompt = body.get("prompt")
+        count = len(prompt) if isinstance(prompt, list) and prompt \
+            and not isinstance(prompt[0], int) else 1  # a list of ints is one prompt
+        if count > self.max_prompts:
+            raise APIError(f"'prompt' holds {count} prompts; at most max_prompts_per_request="
+                           f"{self.max_prompts} are accepted in one request",
+                           param="prompt", code="too_many_prompts")
         tools = body.get("tools")
         if isinstance(tools, list):
             if len(tools) > self.max_tools:
