@@ -6,9 +6,9 @@ the same tokens whatever else shares its batch. Only sampled ids and logprobs le
 Logprobs are float32 in the same jitted call: raw_* of the model's logits (under a grammar's
 mask only: the tokens it forbids are -inf), processed_* of the ones the row was sampled from
 (after its logit controls, temperature and top-k/top-p/min-p masks; a greedy row's are its
-controlled logits). A batch-invariant backend's logsumexp runs in
-fixed row tiles (model/batch_invariant.py), as the prompt logprobs' does (`log_softmax`), so a
-sampled token's logprob is bitwise the prompt logprob of the same sequence."""
+controlled logits). A batch-invariant backend's logsumexp runs in fixed row tiles
+(model/batch_invariant.py), as the prompt logprobs' does (`log_softmax`), so a sampled token's
+logprob is bitwise the prompt logprob of the same sequence."""
 
 from __future__ import annotations
 
