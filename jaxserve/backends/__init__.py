@@ -110,18 +110,19 @@ def batch_invariant(backend: Backend, model_config=None, tensor_parallel_size: i
     return dataclasses.replace(backend, attention=xla.invariant_attention, batch_invariant=True)
 
 
-def resolve_dtype(dtype: str) -> str:
+def resolve_dtype(dtype: str, platform: str | None = None) -> str:
     """"auto" -> bfloat16 on GPU and TPU (half the bytes per weight and KV slot; the kernels keep
-    softmax statistics in float32), float32 on CPU (where f32 matmuls are the fast path)."""
+    softmax statistics in float32), float32 on CPU (where f32 matmuls are the fast path).
+    platform: the one to serve on (default this process's, jax.default_backend())."""
     if dtype != "auto":
         return dtype
-    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    return "float32" if (platform or jax.default_backend()) == "cpu" else "bfloat16"
 
 
 def resolve(name: str, dtype: str = "float32", quantization: str = "none", *,
             kv_cache_dtype: str | None = None, pallas_kernels: str = "auto",
             head_dim: int | None = None, page_size: int | None = None,
-            tensor_parallel_size: int = 1) -> str:
+            tensor_parallel_size: int = 1, platform: str | None = None) -> str:
     """"auto" -> the Pallas kernels compiled for this device on TPU and GPU (on a GPU when the
     Triton kernels take the model's head dim and page size, else xla, logged); on CPU, the C++
     kernels for a float32 pool where they have a vector path (their portable fallback is far
@@ -129,12 +130,13 @@ def resolve(name: str, dtype: str = "float32", quantization: str = "none", *,
     machine: "cpu" may be asked for on any CPU; "pallas" on a CPU runs in interpret mode (for
     tests and debugging; logged), with the family `pallas_kernels` names (tpu by default).
     Interpret mode is never chosen on an accelerator. kv_cache_dtype: the pool's pages (None:
-    dtype)."""
+    dtype). platform: the one to serve on (default this process's; `jaxserve compile` resolves
+    for a TPU topology from any host)."""
     from jaxserve.backends import cpu
     from jaxserve.backends.cpu import kernels
 
     kv = kv_cache_dtype or dtype
-    platform = jax.default_backend()
+    platform = platform or jax.default_backend()
     on_cpu = platform == "cpu"
     device_family = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}.get(platform)
     if pallas_kernels not in ("auto", "tpu", "gpu"):

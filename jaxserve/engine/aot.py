@@ -33,10 +33,10 @@ import numpy as np
 
 from jaxserve import backends
 from jaxserve.config import DEFAULT_MEMORY_UTILIZATION, EngineConfig, ModelConfig
-from jaxserve.config.resolved import resolve_scan_layers
 from jaxserve.core import kv_groups
 from jaxserve.model import layer_scan
 from jaxserve.engine import memory_plan, roofline
+from jaxserve.engine.assembly import PROBE_PAGES, Assembly
 from jaxserve.engine.memory_plan import GIB, MARGIN, MemoryPlan
 from jaxserve.runtime import abstract, sharding
 from jaxserve.runtime.batch import build_batch, warmup_batches, warmup_plan
@@ -49,7 +49,6 @@ from jaxserve.weights.model_config import read_model_config
 
 # Sampling calls warm-up compiles per sample-row count: 3 modes, without and with logit controls.
 SAMPLING_VARIANTS = 6
-PROBE_PAGES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,59 +120,32 @@ class CompileReport:
                 f"GiB ({t.topology.hbm_bytes_per_device / GIB:.0f} GiB HBM)")
 
 
-def options_of(config: EngineConfig) -> dict:
-    """The config's flat options (EngineConfig.from_options's names)."""
-    if hasattr(config, "options"):
-        return config.options()
-    return dataclasses.asdict(config)
-
-
-def _tpu_backend(o: dict) -> backends.Backend:
-    """The attention backend a TPU would resolve: auto and pallas -> the Pallas TPU kernels."""
-    if o["attention_backend"] in ("auto", "pallas"):
-        if o["pallas_kernels"] not in ("auto", "tpu"):
-            raise ValueError(f"pallas_kernels={o['pallas_kernels']!r} does not run on a TPU")
-        return backends.get("pallas-tpu")
-    if o["attention_backend"] == "xla":
-        return backends.get("xla")
-    raise ValueError(f"attention_backend={o['attention_backend']!r} does not run on a TPU "
-                     "(auto, pallas or xla)")
-
-
 def tpu_target(config: EngineConfig, topology_name: str) -> Target:
-    """The engine's configuration resolved for a TPU topology; ValueError for what the engine
-    would refuse there."""
-    o = options_of(config)
-    model = read_model_config(o["model"])
-    tp = o["tensor_parallel_size"]
-    if o["quantization"] not in ("none", "int8"):
-        raise ValueError(f"quantization={o['quantization']!r} runs on the CPU backend; on a "
+    """The engine's configuration resolved for a TPU topology as a TPU host would resolve it
+    (assembly.py); ValueError for what the engine would refuse there."""
+    load, parallel = config.load, config.parallel
+    model = read_model_config(load.model)
+    tp = parallel.tensor_parallel_size
+    if load.quantization not in ("none", "int8"):
+        raise ValueError(f"quantization={load.quantization!r} runs on the CPU backend; on a "
                          "TPU use none or int8 (dtype bfloat16 is the default there)")
-    sharding.check_fits(model, tp, o["quantization"], o.get("enable_expert_parallel", False))
-    spec = o["speculative_config"]
-    if spec is not None and spec["method"] == "draft":
+    sharding.check_fits(model, tp, load.quantization, parallel.enable_expert_parallel)
+    spec = config.speculative
+    if spec is not None and spec.method == "draft":
         raise ValueError("jaxserve compile does not compile a draft model's calls yet; use "
                          "speculative method ngram or none")
     topology = tpu_topology(topology_name)
-    need = tp * o["data_parallel_size"]
+    need = tp * parallel.data_parallel_size
     if need > len(topology.devices):
         raise ValueError(f"tensor_parallel_size {tp} x data_parallel_size "
-                         f"{o['data_parallel_size']} needs {need} devices; {topology_name} "
+                         f"{parallel.data_parallel_size} needs {need} devices; {topology_name} "
                          f"has {len(topology.devices)}")
     mesh = sharding.replica_mesh(sharding.make_mesh(tp, devices=topology.devices), 0)
-    dtype = "bfloat16" if o["dtype"] == "auto" else o["dtype"]
-    kv_dtype = dtype if o["kv_cache_dtype"] == "auto" else o["kv_cache_dtype"]
-    backend = _tpu_backend(o)
-    max_model_len = min(o["max_model_len"] or model.max_position_embeddings,
-                        model.max_position_embeddings)
-    spec_tokens = spec["num_speculative_tokens"] if spec else 0
-    buckets = Buckets.for_engine(o["max_num_seqs"], o["max_num_batched_tokens"],
-                                 math.ceil(max_model_len / o["page_size"]),
-                                 query_block=backend.query_block, packed=backend.packed,
-                                 spec_tokens=spec_tokens)
-    return Target(model, topology, mesh, backend, buckets, dtype, kv_dtype, o["page_size"],
-                  max_model_len, resolve_scan_layers(o["scan_layers"], "tpu"),
-                  o.get("enable_expert_parallel", False))
+    assembly = Assembly.of(config, model, "tpu")
+    r = assembly.resolved
+    return Target(model, topology, mesh, assembly.backend, assembly.buckets, r.dtype,
+                  r.kv_cache_dtype, config.cache.page_size, r.max_model_len, r.scan_layers,
+                  parallel.enable_expert_parallel)
 
 
 class _Compiler:
@@ -235,12 +207,12 @@ def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> Me
     again (copies) a pool whose head_dim is below the 128 lanes of a vector register, every step.
     So the largest step is compiled again with a larger pool, and where it grew, each page is
     charged its share of the growth too (the warm-up's compiles at the planned size check it)."""
-    t, b, o = target, target.buckets, options_of(config)
+    t, b, cache = target, target.buckets, config.cache
     weights = abstract.bytes_per_device(compiler.params)
     page_bytes = abstract.bytes_per_device(compiler.pool(1))
     hbm = t.topology.hbm_bytes_per_device
-    budget = o["memory_budget_bytes"] or int(
-        (o["memory_utilization"] or DEFAULT_MEMORY_UTILIZATION) * hbm)
+    budget = cache.memory_budget_bytes or int(
+        (cache.memory_utilization or DEFAULT_MEMORY_UTILIZATION) * hbm)
     margin = int(MARGIN * budget)
     plan = functools.partial(MemoryPlan, budget_bytes=budget, weight_bytes=weights,
                              margin_bytes=margin, page_bytes=page_bytes, page_size=t.page_size,
@@ -264,14 +236,15 @@ def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> Me
                * int(sampling.memory_analysis().generated_code_size_in_bytes))
     rest = budget - weights - runtime - margin
     num_pages = (rest - activation) // page_bytes
-    if o["num_pages"] is not None or o["kv_cache_bytes"] is not None:
-        num_pages = o["num_pages"] or o["kv_cache_bytes"] // page_bytes
+    sized = cache.num_pages is not None or cache.kv_cache_bytes is not None
+    if sized:
+        num_pages = cache.num_pages or cache.kv_cache_bytes // page_bytes
     if num_pages > PROBE_PAGES:
         # An eighth of the size: at the full size such copies may not compile at all.
         size = max(PROBE_PAGES + 1, num_pages // 8)
         grown = _step_bytes(compiler.compile_step(compiler.batch(shape), compiler.pool(size)))
         per_page = max(0, grown - _step_bytes(compiled[0])) / (size - PROBE_PAGES)
-        if per_page and o["num_pages"] is None and o["kv_cache_bytes"] is None:
+        if per_page and not sized:
             num_pages = int((rest - activation) // (page_bytes + per_page))
         activation += math.ceil(per_page * max(0, num_pages - PROBE_PAGES))
     return plan(activation_peak_bytes=activation, runtime_bytes=runtime,

@@ -10,7 +10,6 @@ import dataclasses
 import gc
 import itertools
 import logging
-import math
 import os
 import threading
 import time
@@ -20,8 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxserve import backends
-from jaxserve.config import EngineConfig, ModelConfig, ResolvedConfig, kv_slot_bytes
-from jaxserve.config.resolved import resolve_kv_cache_dtype
+from jaxserve.config import EngineConfig, ModelConfig, kv_slot_bytes
 from jaxserve.core import kv_groups
 from jaxserve.core.limits import RequestRejected
 from jaxserve.core.output_processor import OutputProcessor
@@ -31,6 +29,7 @@ from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputsPa
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.engine import memory_plan
+from jaxserve.engine.assembly import PROBE_PAGES, Assembly
 from jaxserve.engine.client import ServedModel
 from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.speculator import Speculator, load_draft
@@ -38,7 +37,6 @@ from jaxserve.engine.startup import StartupTimeline
 from jaxserve.engine.step_pipeline import StepPipeline
 from jaxserve.engine.weight_update import WeightUpdates
 from jaxserve.runtime import memory, sharding
-from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.params import JNP_DTYPES
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
@@ -46,7 +44,6 @@ from jaxserve.weights import LoadedModel, load_model
 
 Prompt = str | list[int] | dict
 log = logging.getLogger("jaxserve.engine")
-PROBE_PAGES = 2
 # Warm-up's compile threads: XLA compiles (and loads from the persistent cache) with the GIL
 # released, so threads overlap; a background warm-up is ready once the steps of at most
 # READY_TOKENS tokens are compiled (docs/serving.md: start-up).
@@ -79,24 +76,13 @@ class LLMEngine:
             mesh = sharding.replica_mesh(sharding.make_mesh(parallel.tensor_parallel_size), 0)
         self.tokenizer = loaded.tokenizer
         draft = load_draft(config, loaded, draft_loaded, dtype=dtype)
-        # The backend is chosen here, once, and passed down as an object.
-        self.backend = backend = backends.get(backends.resolve(
-            load.attention_backend, dtype, load.quantization,
-            kv_cache_dtype=resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype),
-            pallas_kernels=load.pallas_kernels, head_dim=loaded.config.head_dim,
-            page_size=cache.page_size, tensor_parallel_size=parallel.tensor_parallel_size))
-        if load.batch_invariant:  # reductions in a fixed order (model/batch_invariant.py)
-            self.backend = backend = backends.batch_invariant(
-                backend, loaded.config, parallel.tensor_parallel_size)
-        self.resolved = resolved = ResolvedConfig.of(
-            config, loaded.config, dtype=dtype, backend=backend.name,
-            attention_cost=backend.attention_cost, platform=mesh.devices.flat[0].platform)
+        # The backend, resolved config and buckets are decided once (assembly.py, as
+        # `jaxserve compile` decides them for a TPU) and passed down as objects.
+        assembly = Assembly.of(config, loaded.config, mesh.devices.flat[0].platform)
+        self.backend = backend = assembly.backend
+        self.resolved = resolved = assembly.resolved
+        self.buckets = assembly.buckets
         self.max_model_len = resolved.max_model_len
-        self.buckets = Buckets.for_engine(
-            config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-            math.ceil(self.max_model_len / cache.page_size),
-            query_block=backend.query_block, packed=backend.packed,
-            spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0)
         budget = memory_plan.budget(cache, parallel, jax.default_backend())
         if budget is not None:
             # An engine dropped just before (a notebook's previous LLM) may still hold its pool
