@@ -75,7 +75,7 @@ def _build(server: DrainingServer, front: StartingApp, engine_config, serving: S
         from jaxserve.server import AsyncEngine, build_app
 
         aengine = AsyncEngine(make_engine(engine_config), stall_timeout=serving.stall_timeout,
-                              ready_after=serving.ready_after)
+                              ready_after=serving.ready_after, max_waiting=serving.max_waiting)
         aengine.start()  # uvicorn runs no lifespan (StartingApp): the loop starts here
         if serving.compile_warmup != "none":  # in the background: /health/ready says so
             aengine.warm_up(full=serving.compile_warmup == "full").add_done_callback(_warmed_up)

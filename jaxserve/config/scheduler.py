@@ -32,8 +32,6 @@ class SchedulerConfig:
     scheduling_policy: str = option("fcfs", "Queue order.", choices=PRIORITY_POLICIES)
     async_scheduling: bool = option(
         True, "Launch the next decode step before reading back this one's tokens.")
-    # Front ends refuse new requests beyond this queue length.
-    max_waiting: int | None = option(None, "Refuse new requests beyond this many waiting.")
 
     def __post_init__(self):
         check_choices(self)
@@ -45,9 +43,7 @@ class SchedulerConfig:
              f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
              f"({self.max_num_seqs}) so every running sequence can decode each step"),
             (self.prefill_keys_per_token is None or self.prefill_keys_per_token >= 0,
-             f"prefill_keys_per_token must be >= 0 or None, got {self.prefill_keys_per_token}"),
-            (self.max_waiting is None or self.max_waiting >= 0,
-             f"max_waiting must be >= 0, got {self.max_waiting}"))
+             f"prefill_keys_per_token must be >= 0 or None, got {self.prefill_keys_per_token}"))
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

@@ -56,6 +56,9 @@ class ServingConfig:
     read_timeout: float = option(
         30.0, "Seconds a client has to send a request's headers and body (from the connection "
         "or the previous response); then 408 and the connection is closed.")
+    max_waiting: int | None = option(
+        None, "Refuse new requests (503, retry later) beyond this many waiting in the engine; "
+        "a request of more prompts than that can never wait (400).")
     max_prompts_per_request: int = option(
         256, "Most prompts one /v1/completions body may hold (more: a 400); `jaxserve batch` "
         "runs larger sets.")
@@ -79,6 +82,8 @@ class ServingConfig:
             (self.max_body_bytes >= 1, f"max_body_bytes must be >= 1, got {self.max_body_bytes}"),
             (self.stall_timeout > 0, f"stall_timeout must be > 0, got {self.stall_timeout}"),
             (self.read_timeout > 0, f"read_timeout must be > 0, got {self.read_timeout}"),
+            (self.max_waiting is None or self.max_waiting >= 0,
+             f"max_waiting must be >= 0, got {self.max_waiting}"),
             (self.max_prompts_per_request >= 1,
              f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}"),
             (self.max_tools >= 1, f"max_tools must be >= 1, got {self.max_tools}"),

@@ -38,7 +38,7 @@ log = logging.getLogger("jaxserve.engine")
 
 
 class EngineOverloaded(Exception):
-    """The waiting queue is at its configured limit (SchedulerConfig.max_waiting)."""
+    """The waiting queue is at its configured limit (ServingConfig.max_waiting)."""
 
 
 class EngineDead(Exception):
@@ -98,10 +98,11 @@ class RequestGroup:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, *, idle_wait_s: float = 0.05,
                  stall_timeout: float = ServingConfig.stall_timeout,
-                 ready_after: str = ServingConfig.ready_after):
-        """stall_timeout, ready_after: ServingConfig's (readiness())."""
+                 ready_after: str = ServingConfig.ready_after,
+                 max_waiting: int | None = ServingConfig.max_waiting):
+        """stall_timeout, ready_after (readiness()), max_waiting (add()): ServingConfig's."""
         self.engine = engine
-        self.max_waiting = engine.config.scheduler.max_waiting
+        self.max_waiting = max_waiting
         config = engine.config
         # a group's prompts in the engine at once: what the engine can run at once
         self.group_quota = config.scheduler.max_num_seqs * config.parallel.data_parallel_size
