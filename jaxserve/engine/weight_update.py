@@ -13,6 +13,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.step_pipeline import StepPipeline
+from jaxserve.runtime.param_update import check_tree
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.weights import numpy_dtype
 from jaxserve.weights.named_update import NamedUpdate, convert_named
@@ -62,6 +63,8 @@ class WeightUpdates:
             raise ValueError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
         like = self.runner.params_like()
         tree = isinstance(weights, Mapping) and set(weights) == set(like)
+        if tree:  # checked before the requests in flight are settled
+            check_tree(weights, like)
         update = weights if tree or isinstance(weights, NamedUpdate) else convert_named(
             self.model, weights, self.dtype)
         outputs = self._settle(in_flight)
