@@ -180,7 +180,10 @@ def test_sleep_and_wake_up(url, aengine, tmp_path):
     assert on_loop(aengine, lambda e: e.runner.memory_stats()["kv_pool_bytes"]) == 0
     r = httpx.post(url + "/v1/completions", json=BODY, headers=AUTH)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_asleep"
+    r = httpx.get(url + "/health/ready")
+    assert r.status_code == 503 and r.json()["reason"].startswith("asleep"), r.text
     assert httpx.post(url + "/wake_up", headers=AUTH).json() == {"is_sleeping": False}
+    assert httpx.get(url + "/health/ready").status_code == 200
     assert text(url) == before
     sd = perturbed(27)
     assert httpx.post(url + "/sleep?level=2", headers=AUTH).status_code == 200

@@ -123,8 +123,8 @@ class AsyncEngine:
 
     def readiness(self) -> str | None:
         """None when serving; otherwise why not: dead (with the cause), draining, warming up
-        (with ready_after="all", until every warm-up shape is compiled), stalled. Reads no
-        engine state that the loop thread writes, so it answers while the loop is stuck."""
+        (with ready_after="all", until every warm-up shape is compiled), asleep (sleep()),
+        stalled. Reads no engine state but flags, so it answers while the loop is stuck."""
         if not self.alive:
             return f"dead: {self.last_error!r}"
         if self.draining:
@@ -134,6 +134,8 @@ class AsyncEngine:
         pending = self.compilations_pending
         if pending and self.ready_after == "all":
             return f"warming up: {pending} step shapes still compiling (ready_after=all)"
+        if self.is_sleeping:
+            return "asleep: sleep() released the KV pool or the weights (wake_up, update_weights)"
         return self._stalled()
 
     def _stalled(self) -> str | None:
