@@ -14,6 +14,7 @@ import gc
 import time
 
 import jax
+import numpy as np
 
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.llm import LLM
@@ -54,6 +55,20 @@ def main() -> None:
           f"{' '.join(f'{t * 1e3:.0f}' for t in times)} ms; best {min(times) * 1e3:.0f} ms; "
           f"compilations after: {llm.engine.compilations - compilations}; same greedy tokens: "
           f"{after.outputs[0].token_ids == before}; weights_version {after.weights_version}")
+    # The engine's own layout (params_like): device arrays as a JAX trainer holds them (used
+    # without a copy), and the same on the host (placed on the shardings).
+    for form, copy in (("device arrays", lambda x: x + 0), ("host numpy", np.array)):
+        tree = jax.tree_util.tree_map(copy, llm.engine.runner.params)
+        jax.block_until_ready(tree)
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            llm.update_weights(tree)
+            times.append(time.perf_counter() - t0)
+        del tree
+        same = llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == before
+        print(f"update_weights (engine layout, {form}): "
+              f"{' '.join(f'{t * 1e3:.1f}' for t in times)} ms; same greedy tokens: {same}")
     stats = llm.stats()
     print(f"KV pool {stats['kv_pool_bytes'] / MIB:.1f} MiB, weights "
           f"{stats['weight_bytes'] / MIB:.1f} MiB")

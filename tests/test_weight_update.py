@@ -240,3 +240,63 @@ def test_update_goes_through_scanned_layers_and_quantization(options):
     fresh = LLM.from_engine(LLMEngine(EngineConfig.from_options(**OPTIONS, **options), LoadedModel(
         base.config, params_from_hf_state_dict(base.config, sd), base.tokenizer, "f", "t")))
     assert tokens == generate(fresh)[0].outputs[0].token_ids
+
+
+DP_PROMPTS = [PROMPT, "another prompt", "a third one, longer than the others", "four"]
+DATA_PARALLEL = """
+import json, os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+sys.path.insert(0, "tests")
+from test_weight_update import DP_PROMPTS as prompts, OPTIONS, GREEDY, perturbed
+from jaxserve.config import EngineConfig
+from jaxserve.core.sampling_params import SamplingParams
+from jaxserve.engine import make_engine
+from jaxserve.llm import LLM
+from tiny_model import tiny_loaded
+
+engine = make_engine(EngineConfig.from_options(**OPTIONS, attention_backend="xla",
+                                               data_parallel_size=2), tiny_loaded())
+llm = LLM.from_engine(engine)
+tokens = lambda: [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+before, sd = tokens(), perturbed(31)
+for i, p in enumerate(prompts):
+    engine.add_request(p, SamplingParams(max_tokens=30, temperature=0), request_id=f"r{i}")
+engine.step()
+engine.pause()
+paused_refused = False
+try:
+    engine.update_weights(sd)
+except ValueError:
+    paused_refused = engine.weights_version == 0
+aborted = engine.update_weights(sd, in_flight="abort")
+engine.resume()
+after = tokens()
+engine.sleep(1)
+asleep = engine.is_sleeping and all(r.runner.pool is None for r in engine.replicas)
+engine.wake_up()
+print(json.dumps({"before": before, "after": after, "again": tokens(), "asleep": asleep,
+                  "paused_refused": paused_refused, "unfinished": engine.has_unfinished(),
+                  "replicas_used": [n > 0 for n in engine.router.requests],
+                  "aborted": sorted(o.request_id for o in aborted if o.finished),
+                  "versions": [r.weights_version for r in engine.replicas]}))
+"""
+
+
+def test_data_parallel_engine_updates_pauses_and_sleeps_every_replica():
+    """DataParallelEngine's RolloutControl on 2 virtual CPU devices (in a subprocess: the
+    device count is read when JAX starts)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", DATA_PARALLEL], capture_output=True, text=True,
+                          cwd=root, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["replicas_used"] == [True, True] and got["versions"] == [1, 1]
+    assert got["paused_refused"] and got["asleep"] and not got["unfinished"]
+    assert got["aborted"] == ["r0", "r1", "r2", "r3"]
+    assert got["after"] == fresh_tokens(perturbed(31), DP_PROMPTS)
+    assert got["after"] != got["before"] and got["again"] == got["after"]

@@ -37,6 +37,11 @@ class ServingConfig:
     operator_key: tuple[str, ...] = option(
         (), "A key for /metrics and /debug (they show every tenant's traffic): with more than "
         "one tenant, tenants' keys get 403 there; repeat for several.")
+    enable_weight_updates: bool = option(
+        False, "Serve /update_weights (weights from a safetensors or orbax path on the server), "
+        "/pause, /resume, /sleep, /wake_up and their states (docs/rl.md). They need a key "
+        "(an operator key with several tenants): without --api_key, --api_key_file, "
+        "JAXSERVE_API_KEY or --operator_key the server refuses to start.")
     shutdown_timeout: float = option(
         30.0, "On SIGINT/SIGTERM: stop accepting, let live requests finish for this many "
         "seconds, then fail the rest with errors and exit 0. A second signal exits at once.")

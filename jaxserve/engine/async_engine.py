@@ -10,13 +10,13 @@ prompts in the engine as it can run at once (max_num_seqs): the rest wait in its
 go in as its earlier ones finish, so a request that arrives later queues behind that many of a
 huge group's prompts, not behind all of them. `readiness()` says why it should
 not get traffic now: dead, draining, warming up, or stalled (the loop has not come round for
-`stall_timeout` seconds: a step or a command holding it).
+`stall_timeout` seconds: a step or a command holding it). Weight updates, pause / resume and
+sleep / wake_up (docs/rl.md) are commands too, run between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import itertools
 import logging
@@ -30,8 +30,13 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.engine.client import ServedModel
-from jaxserve.engine.commands import Abort, Add, Answered, Call, Command, FailAll, Wake
+from jaxserve.engine.commands import (Abort, Add, Answered, Call, Command, EngineControl,
+                                      FailAll, Pause, Sleep, UpdateWeights, Wake, WakeUp,
+                                      WeightsUpdated)
 from jaxserve.engine.llm_engine import LLMEngine
+from jaxserve.engine.request_group import RequestGroup
+from jaxserve.engine.weight_files import read_update
+from jaxserve.weights import numpy_dtype
 
 
 log = logging.getLogger("jaxserve.engine")
@@ -54,45 +59,6 @@ class Observer(Protocol):
     def on_finished(self, output: RequestOutput) -> None: ...
 
     def on_aborted(self, prompt_tokens: int, generation_tokens: int) -> None: ...
-
-
-class RequestGroup:
-    """The engine requests of one API call; async-iterates (prompt index, RequestOutput)."""
-
-    def __init__(self, engine: "AsyncEngine", group_id: str, size: int):
-        self.engine = engine
-        self.id = group_id
-        self.size = size
-        self.request_ids = [f"{group_id}-{i}" for i in range(size)]
-        self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.unfinished = set(self.request_ids)
-        self.backlog: collections.deque = collections.deque()  # loop thread: (index, prompt)
-        self.params, self.cache_salt = None, None  # the backlog's, set by AsyncEngine._add
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestOutput]:
-        if not self.unfinished and self.queue.empty():
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.unfinished.clear()
-            raise item
-        index, out = item
-        if out.finished:
-            self.unfinished.discard(out.request_id)
-        return index, out
-
-    def abort(self) -> None:
-        """Abort every unfinished request of the group (safe to call more than once)."""
-        if self.unfinished:
-            self.engine._submit(Abort(self, list(self.unfinished)))
-            self.unfinished.clear()
-
-    def _deliver(self, item) -> None:  # called on the asyncio loop
-        self.queue.put_nowait(item)
 
 
 class AsyncEngine:
@@ -158,8 +124,8 @@ class AsyncEngine:
 
     def readiness(self) -> str | None:
         """None when serving; otherwise why not: dead (with the cause), draining, warming up
-        (with ready_after="all", until every warm-up shape is compiled), stalled. Reads no
-        engine state that the loop thread writes, so it answers while the loop is stuck."""
+        (with ready_after="all", until every warm-up shape is compiled), asleep (sleep()),
+        stalled. Reads no engine state but flags, so it answers while the loop is stuck."""
         if not self.alive:
             return f"dead: {self.last_error!r}"
         if self.draining:
@@ -169,6 +135,8 @@ class AsyncEngine:
         pending = self.compilations_pending
         if pending and self.ready_after == "all":
             return f"warming up: {pending} step shapes still compiling (ready_after=all)"
+        if self.is_sleeping:
+            return "asleep: sleep() released the KV pool or the weights (wake_up, update_weights)"
         return self._stalled()
 
     def _stalled(self) -> str | None:
@@ -224,24 +192,57 @@ class AsyncEngine:
         """Queue the prompts as one group. Raises ValueError (RequestRejected) if the engine can
         never run one of them, EngineOverloaded if the waiting queue is full; nothing is queued
         then."""
-        self.start()
         group = RequestGroup(self, f"g{next(self._ids)}", len(prompts))
         await self._call(lambda future: Add(group, prompts, params, cache_salt, future))
         return group
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run fn(engine) on the loop thread (stats, kv_usage...) and return its result."""
-        self.start()
         return await self._call(lambda future: Call(fn, future))
 
-    async def update_weights(self, weights, in_flight: str = "finish") -> None:
-        """LLMEngine.update_weights on the loop thread between steps (docs/rl.md): requests
-        queued after it run under the new weights; the outputs of those it finished or failed
-        reach their groups."""
-        await self.call(lambda engine: self._dispatch(engine.update_weights(weights, in_flight)))
+    # ---- weights and memory (engine/client.RolloutControl, docs/rl.md), between steps
+    async def update_weights(self, weights, in_flight: str = "finish") -> WeightsUpdated:
+        """The engine's update_weights on the loop thread between steps: requests queued after
+        it run under the new weights; the outputs of those it finished or failed reach their
+        groups. Returns the new weights_version and how many requests were in flight."""
+        return await self._call(lambda future: UpdateWeights(weights, in_flight, future))
+
+    async def update_weights_from(self, path: str, in_flight: str = "finish") -> WeightsUpdated:
+        """update_weights from a safetensors or orbax path on this machine (weight_files.py),
+        read in a worker thread while the loop runs on. ValueError naming the path or the
+        weight; nothing changes then."""
+        like, num_layers, dtype = await self.call(
+            lambda engine: (engine.params_like(), engine.model_config.num_layers,
+                            numpy_dtype(engine.resolved.dtype)))
+        weights = await asyncio.to_thread(read_update, path, like, num_layers, dtype)
+        return await self.update_weights(weights, in_flight)
+
+    async def pause(self) -> None:
+        """No engine step starts until resume(); requests stay queued and live."""
+        await self._call(lambda future: Pause(True, future))
+
+    async def resume(self) -> None:
+        await self._call(lambda future: Pause(False, future))
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free the KV pool (level 1) and the weights too (level 2); ValueError while requests
+        are unfinished."""
+        await self._call(lambda future: Sleep(level, future))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(lambda future: WakeUp(tags, future))
+
+    @property
+    def is_paused(self) -> bool:  # (a flag the loop thread writes: read as it is)
+        return self.engine.is_paused
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
 
     async def _call(self, make: Callable[[concurrent.futures.Future], Command]) -> Any:
-        """Submit make(future) and await the loop's answer."""
+        """Submit make(future) and await the loop's answer (the loop started if need be)."""
+        self.start()
         if not self.alive or self._stop.is_set():
             raise EngineDead(f"the engine loop is not running ({self.last_error!r})")
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -276,8 +277,8 @@ class AsyncEngine:
         """Apply the queued commands, then run one engine step if anything is unfinished."""
         engine = self.engine
         self._beat = time.monotonic()
-        try:
-            command = (self._commands.get_nowait() if engine.has_unfinished()
+        try:  # paused, it waits for a command as when idle
+            command = (self._commands.get_nowait() if self._busy()
                        else self._commands.get(timeout=self.idle_wait_s))
         except queue.Empty:
             command = None
@@ -287,8 +288,11 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
-        if not self._stop.is_set() and engine.has_unfinished():
+        if not self._stop.is_set() and self._busy():
             self._dispatch(engine.step())
+
+    def _busy(self) -> bool:
+        return self.engine.has_unfinished() and not self.engine.is_paused
 
     def _execute(self, command: Command) -> None:
         match command:
@@ -312,6 +316,13 @@ class AsyncEngine:
                 case Add(group, prompts, params, cache_salt, future):
                     self._add(group, prompts, params, cache_salt)
                     future.set_result(None)
+                case UpdateWeights(weights, in_flight, future):
+                    outputs = self.engine.update_weights(weights, in_flight)
+                    self._dispatch(outputs)
+                    future.set_result(WeightsUpdated(self.engine.weights_version, len(
+                        {o.request_id for o in outputs if o.finished})))
+                case EngineControl(future=future):
+                    future.set_result(command.run(self.engine))
         except BaseException as e:  # handed to the awaiting handler
             command.future.set_exception(e)
 

@@ -1,7 +1,8 @@
 """What a front end may know of an engine: `ServedModel` (the model it reads requests for) and
 `EngineClient`, the calls the server makes. `AsyncEngine` implements it over an `LLMEngine` or a
 `DataParallelEngine` (both give `served_model` and `compile_grammar`), so the server reads
-nothing else of the engine (vLLM's engine-core client plays this part)."""
+nothing else of the engine (vLLM's engine-core client plays this part). `RolloutControl` is
+what a reinforcement-learning loop calls on either engine (docs/rl.md)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import concurrent.futures
 import dataclasses
 from typing import Any, Protocol
 
+from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
@@ -51,3 +53,32 @@ class EngineClient(Protocol):
                   cache_salt: str | None = None) -> Any: ...
 
     async def stats(self, kv_usage: bool = False) -> dict: ...
+
+
+class RolloutControl(Protocol):
+    """Weights replaced in place, steps held, memory given back (docs/rl.md): LLMEngine's, and
+    DataParallelEngine's over every replica. Not thread-safe: AsyncEngine runs them on its loop
+    thread."""
+
+    @property
+    def weights_version(self) -> int: ...
+
+    @property
+    def is_paused(self) -> bool: ...
+
+    @property
+    def is_sleeping(self) -> bool: ...
+
+    def update_weights(self, weights, in_flight: str = "finish") -> list[RequestOutput]: ...
+
+    def params_like(self) -> dict: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def sleep(self, level: int = 1) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+    def reset_prefix_cache(self) -> None: ...

@@ -17,7 +17,7 @@ class Wake:
 @dataclasses.dataclass(frozen=True)
 class Abort:
     """Abort these requests of a group, and drop its backlog."""
-    group: Any  # async_engine.RequestGroup
+    group: Any  # request_group.RequestGroup
     request_ids: list[str]
 
 
@@ -38,12 +38,67 @@ class Call:
 class Add:
     """Queue a group's prompts (one SamplingParams); the future is set once they are taken
     (None) or refused (the exception)."""
-    group: Any  # async_engine.RequestGroup
+    group: Any  # request_group.RequestGroup
     prompts: list[dict]
     params: Any  # SamplingParams
     cache_salt: str | None
     future: concurrent.futures.Future
 
 
-Command = Wake | Abort | FailAll | Call | Add
-Answered = (Call, Add)  # the commands that carry a future
+@dataclasses.dataclass(frozen=True)
+class WeightsUpdated:
+    """UpdateWeights' answer."""
+    weights_version: int  # the new one
+    settled: int  # requests in flight that it finished or failed first
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateWeights:
+    """engine.update_weights(weights, in_flight) between steps; the future holds WeightsUpdated.
+    The outputs of the requests it finished or failed go to their groups."""
+    weights: Any  # (name, array) pairs, a mapping, a NamedUpdate or a params_like() tree
+    in_flight: str
+    future: concurrent.futures.Future
+
+
+class EngineControl:
+    """A call on the engine's RolloutControl (engine/client.py) that returns nothing: `run`."""
+    future: concurrent.futures.Future
+
+    def run(self, engine) -> None:
+        raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Pause(EngineControl):
+    """engine.pause() (paused=True) or resume()."""
+    paused: bool
+    future: concurrent.futures.Future
+
+    def run(self, engine) -> None:
+        (engine.pause if self.paused else engine.resume)()
+
+
+@dataclasses.dataclass(frozen=True)
+class Sleep(EngineControl):
+    """engine.sleep(level)."""
+    level: int
+    future: concurrent.futures.Future
+
+    def run(self, engine) -> None:
+        engine.sleep(self.level)
+
+
+@dataclasses.dataclass(frozen=True)
+class WakeUp(EngineControl):
+    """engine.wake_up(tags)."""
+    tags: list[str] | None
+    future: concurrent.futures.Future
+
+    def run(self, engine) -> None:
+        engine.wake_up(self.tags)
+
+
+Command = Wake | Abort | FailAll | Call | Add | UpdateWeights | Pause | Sleep | WakeUp
+# the commands that carry a future
+Answered = (Call, Add, UpdateWeights, EngineControl)

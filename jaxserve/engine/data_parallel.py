@@ -12,6 +12,7 @@ unfinished requests, then fewest routed tokens, then the lowest index).
 from __future__ import annotations
 
 import collections
+from typing import Mapping
 
 from jaxserve import backends
 from jaxserve.config import EngineConfig
@@ -19,7 +20,8 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
 from jaxserve.runtime import distributed, sharding
-from jaxserve.weights import LoadedModel, load_model
+from jaxserve.weights import LoadedModel, load_model, numpy_dtype
+from jaxserve.weights.named_update import convert_named
 
 _RECENT_FIRST_PAGES = 4096  # first pages whose replica the router remembers
 # Stats that describe one device of a replica (the same on every replica): not summed.
@@ -75,7 +77,7 @@ class DataParallelEngine:
         self.max_model_len, self.backend, self.num_pages = (first.max_model_len, first.backend,
                                                             first.num_pages)
         for replica in self.replicas[1:]:  # one grammar cache (the same tokenizer and vocab)
-            replica._grammars = first.grammars
+            replica.share_grammars(first)
         self.router = Router(self.replicas, config.cache.page_size, config.scheduler.max_num_seqs)
         self._owner: dict[str, int] = {}  # unfinished request id -> replica
         self._ids = 0
@@ -138,6 +140,67 @@ class DataParallelEngine:
             if out.finished:
                 self._owner.pop(out.request_id, None)
         return results
+
+    # ---- weights and memory (engine/client.RolloutControl, docs/rl.md): every replica
+    def update_weights(self, weights, in_flight: str = "finish") -> list[RequestOutput]:
+        """LLMEngine.update_weights on every replica. Names are converted once; with "finish"
+        the replicas run their requests to the end together first, their devices overlapping."""
+        first = self.replicas[0]
+        if not (isinstance(weights, Mapping) and set(weights) == set(first.params_like())):
+            weights = convert_named(self.model_config, weights,
+                                    numpy_dtype(self.resolved.dtype))
+        outputs = []
+        if in_flight == "finish" and self.has_unfinished():
+            if self.is_paused:  # refused before any replica changes
+                raise ValueError("paused with requests unfinished: resume() first, or update "
+                                 "with in_flight='abort'")
+            while self.has_unfinished():
+                outputs += self.step()
+        for replica in self.replicas:
+            outputs += replica.update_weights(weights, in_flight)
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    def params_like(self) -> dict:
+        """Replica 0's (the others' differ in their devices only: a tree placed for replica 0
+        is copied to the others)."""
+        return self.replicas[0].params_like()
+
+    @property
+    def weights_version(self) -> int:
+        return self.replicas[0].weights_version
+
+    @property
+    def is_paused(self) -> bool:
+        return self.replicas[0].is_paused
+
+    @property
+    def is_sleeping(self) -> bool:
+        return any(r.is_sleeping for r in self.replicas)
+
+    def pause(self) -> None:
+        for replica in self.replicas:
+            replica.pause()
+
+    def resume(self) -> None:
+        for replica in self.replicas:
+            replica.resume()
+
+    def sleep(self, level: int = 1) -> None:
+        if self.has_unfinished():  # checked for all before any replica sleeps
+            raise ValueError("sleep with requests unfinished: let them finish or abort them first")
+        for replica in self.replicas:
+            replica.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        for replica in self.replicas:
+            replica.wake_up(tags)
+
+    def reset_prefix_cache(self) -> None:
+        for replica in self.replicas:
+            replica.reset_prefix_cache()
 
     def stop_followers(self) -> None:
         """The replicas' (data parallelism runs in one process: each has none to stop)."""

@@ -169,6 +169,12 @@ class LLMEngine:
                                                  self._eos_token_ids)
         return self._grammars
 
+    def share_grammars(self, other: "LLMEngine") -> None:
+        """Use `other`'s grammar compiler and its cache (a data-parallel front's replicas: one
+        tokenizer and vocabulary)."""
+        with self._grammars_lock:
+            self._grammars = other.grammars
+
     def check_params(self, params: SamplingParams):
         """ValueError unless the model can honour params: logit_bias ids within the vocabulary,
         a structured output the matcher can serve (GrammarCompiler.compile: valid, matches
@@ -261,6 +267,15 @@ class LLMEngine:
     @property
     def weights_version(self) -> int:
         return self.runner.weights_version
+
+    @property
+    def is_paused(self) -> bool:
+        return self.weights.paused
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Whether sleep() released the pool or the weights and they are not back yet."""
+        return self.weights.asleep
 
     def pause(self) -> None:
         """No new step starts until resume() (requests stay where they are)."""

@@ -13,9 +13,10 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.scheduler import Scheduler
 from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.step_pipeline import StepPipeline
+from jaxserve.runtime.param_update import check_tree
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.weights import numpy_dtype
-from jaxserve.weights.named_update import convert_named
+from jaxserve.weights.named_update import NamedUpdate, convert_named
 
 IN_FLIGHT = ("finish", "abort")
 ABORTED = "aborted by update_weights(in_flight='abort'): the weights changed"
@@ -39,6 +40,11 @@ class WeightUpdates:
     def pause(self, paused: bool) -> None:
         self.paused = paused
 
+    @property
+    def asleep(self) -> bool:
+        """Whether sleep() released the pool or the weights, and they are not back yet."""
+        return self.pool_released or self.weights_released
+
     def check_awake(self) -> None:
         """EngineAsleep, naming what to call, when the pool or the weights are released."""
         if self.weights_released:
@@ -49,14 +55,18 @@ class WeightUpdates:
 
     def update(self, weights, in_flight: str = "finish") -> list[RequestOutput]:
         """Replace the weights: (name, array) pairs (or a mapping) in the checkpoint's Hugging
-        Face names and layout, or a tree like the runner's params_like(). The requests in the
+        Face names and layout, a NamedUpdate already converted (a data-parallel front converts
+        once for its replicas), or a tree like the runner's params_like(). The requests in the
         engine first finish under the old weights (in_flight="finish") or fail
         ("abort"); returns the outputs that produced, under the old version."""
         if in_flight not in IN_FLIGHT:
             raise ValueError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
         like = self.runner.params_like()
         tree = isinstance(weights, Mapping) and set(weights) == set(like)
-        update = weights if tree else convert_named(self.model, weights, self.dtype)
+        if tree:  # checked before the requests in flight are settled
+            check_tree(weights, like)
+        update = weights if tree or isinstance(weights, NamedUpdate) else convert_named(
+            self.model, weights, self.dtype)
         outputs = self._settle(in_flight)
         self.runner.update_params(update)
         self.weights_released = False

@@ -61,10 +61,9 @@ def from_units(update: NamedUpdate, current: dict | None, like: dict, cfg: Model
     return new
 
 
-def from_tree(tree, like) -> tuple[dict, set[int]]:
-    """A tree in the step's layout, checked against `like` (abstract's) -> (params, ids of the
-    caller's arrays kept). A device array of the same shape, dtype and sharding is used as it
-    is; another is put on the sharding (a host array in the dtype)."""
+def check_tree(tree, like) -> None:
+    """ValueError unless `tree` has the structure and shapes of `like` (abstract's); nothing
+    is placed, so an update can be refused before anything changes."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     want, want_def = jax.tree_util.tree_flatten_with_path(like)
     if treedef != want_def:
@@ -72,11 +71,20 @@ def from_tree(tree, like) -> tuple[dict, set[int]]:
         wanted = {jax.tree_util.keystr(p) for p, _ in want}
         raise ValueError(f"the weights' tree differs from params_like(): missing "
                          f"{sorted(wanted - paths)[:5]}, unexpected {sorted(paths - wanted)[:5]}")
-    out, lent = [], set()
     for (path, x), (_, w) in zip(leaves, want):
         if tuple(getattr(x, "shape", ())) != tuple(w.shape):
             raise ValueError(f"weight {jax.tree_util.keystr(path)}: shape "
                              f"{getattr(x, 'shape', None)} != {w.shape}")
+
+
+def from_tree(tree, like) -> tuple[dict, set[int]]:
+    """A tree in the step's layout, checked against `like` (abstract's) -> (params, ids of the
+    caller's arrays kept). A device array of the same shape, dtype and sharding is used as it
+    is; another is put on the sharding (a host array in the dtype)."""
+    check_tree(tree, like)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    out, lent = [], set()
+    for (path, x), w in zip(leaves, jax.tree_util.tree_leaves(like)):
         if isinstance(x, jax.Array) and x.dtype == w.dtype:
             x = x if x.sharding == w.sharding else jax.device_put(x, w.sharding)
             lent.add(id(x))  # (device_put may alias the caller's buffer)

@@ -29,6 +29,7 @@ from starlette.requests import ClientDisconnect
 from jaxserve.config.serving import ProtocolConfig, ServingConfig
 from jaxserve.engine import DataParallelEngine, LLMEngine
 from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
+from jaxserve.engine.weight_update import EngineAsleep
 from jaxserve.server.auth import OPERATOR, AuthMiddleware, resolve_api_keys
 from jaxserve.server.body_limits import BodyLimits
 from jaxserve.server.health import add_health_routes
@@ -39,6 +40,7 @@ from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.requests import openapi_schemas
 from jaxserve.server.responses import ResponseBuilder
 from jaxserve.server.tool_parsers import PARSERS
+from jaxserve.server.weight_routes import add_weight_routes
 
 log = logging.getLogger("jaxserve.server")
 
@@ -72,6 +74,8 @@ class ServerConfig:
     # tool_parsers.PARSERS ("auto": from the chat template) and reasoning.REASONING_PARSERS.
     tool_call_parser: str = ProtocolConfig.tool_call_parser
     reasoning_parser: str | None = None
+    # The weight and memory endpoints of weight_routes.py (RL trainers'): behind a key only.
+    enable_weight_updates: bool = ServingConfig.enable_weight_updates
 
     @classmethod
     def of(cls, serving: ServingConfig, protocol: ProtocolConfig = ProtocolConfig(),
@@ -89,7 +93,8 @@ class ServerConfig:
                    max_tokens_limit=context["max_tokens_limit"],
                    served_model_names=context["model_names"],
                    tool_call_parser=context["tool_call_parser"],
-                   reasoning_parser=context["reasoning_parser"])
+                   reasoning_parser=context["reasoning_parser"],
+                   enable_weight_updates=serving.enable_weight_updates)
 
     def __post_init__(self):
         if self.tool_call_parser != "auto" and self.tool_call_parser not in PARSERS:
@@ -102,6 +107,10 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        if self.enable_weight_updates and not (self.keys or self.operator_keys):
+            raise ValueError("enable_weight_updates lets a caller replace the model's weights: "
+                             "it needs an API key (--api_key, --api_key_file, JAXSERVE_API_KEY "
+                             "or --operator_key); refusing to start without one")
         seen: dict[str, str] = {}
         for key, tenant in self.keys + tuple((k, OPERATOR) for k in self.operator_keys):
             if not key or not tenant:
@@ -261,6 +270,8 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                            code="overloaded") from None
         except EngineDead as e:
             raise APIError(str(e), status=503, type="server_error", code="engine_dead") from None
+        except EngineAsleep as e:  # /sleep released the pool or the weights
+            raise APIError(str(e), status=503, type="server_error", code="engine_asleep") from None
         except ValueError as e:  # RequestRejected: can never run under this configuration
             raise APIError(str(e), code="invalid_value") from None
 
@@ -366,6 +377,8 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
              "max_model_len": ctx.max_model_len} for name in ctx.model_names]}
 
     add_health_routes(app, aengine)
+    if config.enable_weight_updates:
+        add_weight_routes(app, aengine, read_body)
 
     @app.get("/metrics")
     async def prometheus():

@@ -9,6 +9,7 @@ import hmac
 
 from jaxserve.server.json_io import StrictJSONResponse
 from jaxserve.server.protocol import APIError
+from jaxserve.server.weight_routes import PATHS as WEIGHT_PATHS
 
 # The tenant of an operator key: holds a space, which no tenant of a key file or flag can.
 OPERATOR = "operator key"
@@ -53,10 +54,11 @@ def resolve_api_keys(flag_keys: list[str] | None, key_file: str | None,
 class AuthMiddleware:
     """Pure ASGI (streams and disconnects pass through untouched). Puts the key's tenant in
     scope["state"]["tenant"]. With more than one tenant, /metrics and /debug (every tenant's
-    traffic) answer 403 to all but an operator key."""
+    traffic) answer 403 to all but an operator key, and so do the weight endpoints
+    (weight_routes.py: they change what every tenant is served)."""
 
-    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json", "/metrics")
-    OPERATOR_ONLY = ("/debug", "/metrics")
+    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json", "/metrics", *WEIGHT_PATHS)
+    OPERATOR_ONLY = ("/debug", "/metrics", *WEIGHT_PATHS)
 
     def __init__(self, app, keys: tuple[tuple[str, str], ...], public: tuple[str, ...] = ()):
         self.app = app
@@ -87,8 +89,8 @@ class AuthMiddleware:
                 await response(scope, receive, send)
                 return
             if tenant != OPERATOR and scope["path"].startswith(self.operator_only):
-                err = APIError(f"{scope['path']} shows every tenant's traffic: it needs an "
-                               "operator key (--operator_key)", status=403,
+                err = APIError(f"{scope['path']} shows or changes every tenant's traffic: it "
+                               "needs an operator key (--operator_key)", status=403,
                                type="permission_error", code="operator_key_required")
                 await StrictJSONResponse(err.body(), status_code=403)(scope, receive, send)
                 return
