@@ -136,36 +136,31 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    # ---- reinforcement learning (docs/rl.md): the engine's own methods, where it has them
+    # ---- reinforcement learning (docs/rl.md): the engine's RolloutControl (engine/client.py),
+    # LLMEngine's or DataParallelEngine's over every replica
     def update_weights(self, weights) -> None:
         """Replace the weights in place, without compiling: (name, array) pairs or a mapping in
         the checkpoint's Hugging Face names and layout (numpy, JAX or torch; whole layers, or
         all), or a tree like params_like(). The prefix cache is forgotten."""
-        self._rl("update_weights")(weights)
+        self.engine.update_weights(weights)
 
     def params_like(self) -> dict:
         """The engine's params as jax.ShapeDtypeStruct: structure, shapes, dtypes, shardings."""
-        return self._rl("params_like")()
+        return self.engine.params_like()
 
     def pause(self) -> None:
-        self._rl("pause")()
+        self.engine.pause()
 
     def resume(self) -> None:
-        self._rl("resume")()
+        self.engine.resume()
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV pool (level 1) and the weights too (level 2)."""
-        self._rl("sleep")(level)
+        self.engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """The KV pool again; level 2's weights come back by update_weights."""
-        self._rl("wake_up")(tags)
+        self.engine.wake_up(tags)
 
     def reset_prefix_cache(self) -> None:
-        self._rl("reset_prefix_cache")()
-
-    def _rl(self, name: str):
-        method = getattr(self.engine, name, None)
-        if method is None:  # a data-parallel front
-            raise NotImplementedError(f"{name} is not built for {type(self.engine).__name__} yet")
-        return method
+        self.engine.reset_prefix_cache()
