@@ -10,8 +10,8 @@ auth.py protects PATHS). vLLM's names where it has them, SGLang's for a load fro
 
 The path is read on the server (AsyncEngine.update_weights_from: safetensors, a jaxserve orbax
 checkpoint or an orbax checkpoint of params_like(), in a worker thread), then the engine loop
-swaps the weights between steps. A bad path, a wrong shape or a refused call is a 400 naming it, and the
-old weights keep serving."""
+swaps the weights between steps. A bad path, a wrong shape or a refused call is a 400 naming
+it, and the old weights keep serving."""
 
 from __future__ import annotations
 
