@@ -110,6 +110,7 @@ class AsyncEngine:
         self.idle_wait_s = idle_wait_s
         self.stall_timeout, self.ready_after = stall_timeout, ready_after
         self._beat = time.monotonic()  # the loop's last round (idle, it comes round every wait)
+        self.max_round_s = 0.0  # the loop's longest round (commands and step): every stream waits
         self.last_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, tuple[RequestGroup, int]] = {}  # loop thread only
@@ -192,7 +193,8 @@ class AsyncEngine:
         if (stalled := self._stalled()) is not None:
             raise EngineStalled(stalled)
         return await self.call(lambda e: {**e.stats(), **({"kv_usage": e.kv_usage()}
-                                                           if kv_usage else {})})
+                                                           if kv_usage else {}),
+                                          "engine_loop_max_round_s": round(self.max_round_s, 4)})
 
     @property
     def compilations_pending(self) -> int:
@@ -280,14 +282,28 @@ class AsyncEngine:
                        else self._commands.get(timeout=self.idle_wait_s))
         except queue.Empty:
             command = None
+        t0, compilations = time.perf_counter(), engine.compilations
         while command is not None:
             self._execute(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
+        t1 = time.perf_counter()
         if not self._stop.is_set() and engine.has_unfinished():
             self._dispatch(engine.step())
+        self._timed_round(t0, t1, compilations)
+
+    def _timed_round(self, t0: float, t1: float, compilations: int) -> None:
+        """Keeps the longest round; one of a second or more (every stream froze that long) is
+        logged with what it held: commands, the step, compilations."""
+        took = time.perf_counter() - t0
+        self.max_round_s = max(self.max_round_s, took)
+        if took >= 1.0:
+            log.warning("engine loop round took %.2f s: commands %.2f s, step %.2f s, %d "
+                        "compilations; %d waiting", took, t1 - t0,
+                        took - (t1 - t0), self.engine.compilations - compilations,
+                        self.engine.num_waiting)
 
     def _execute(self, command: Command) -> None:
         match command:
