@@ -282,7 +282,7 @@ class AsyncEngine:
                        else self._commands.get(timeout=self.idle_wait_s))
         except queue.Empty:
             command = None
-        t0, compilations = time.perf_counter(), engine.compilations
+        t0, compilations, warming = time.perf_counter(), engine.compilations, self.warming_up
         while command is not None:
             self._execute(command)
             try:
@@ -292,7 +292,8 @@ class AsyncEngine:
         t1 = time.perf_counter()
         if not self._stop.is_set() and engine.has_unfinished():
             self._dispatch(engine.step())
-        self._timed_round(t0, t1, compilations)
+        if not warming:  # the warm-up's own round holds no request
+            self._timed_round(t0, t1, compilations)
 
     def _timed_round(self, t0: float, t1: float, compilations: int) -> None:
         """Keeps the longest round; one of a second or more (every stream froze that long) is
