@@ -1,6 +1,5 @@
 """Hypothesis strategies for the hostile bodies of issue 54, used by the server's fuzz
-(tests/test_server_robustness.py), and `LoopLag`, which measures how long the server's event
-loop was held (what a neighbouring stream would see as a frozen gap).
+(tests/test_server_robustness.py).
 
   MANY_PROMPTS   row 1: one completion body of many prompts (the client may go away at once)
   FORCED_REFS    row 2: forced tool calls whose parameters use $defs / $ref, as
@@ -11,10 +10,6 @@ loop was held (what a neighbouring stream would see as a frozen gap).
 """
 
 from __future__ import annotations
-
-import asyncio
-import gc
-import time
 
 from hypothesis import strategies as st
 
@@ -83,32 +78,3 @@ HEAVY = st.one_of(
         else {"prompt": "w" * chars})},
         st.sampled_from([10, 8192, 8193, 3_900_000]), st.booleans()))
 
-
-class LoopLag:
-    """The longest time the event loop it runs on was held past a 10 ms sleep, and (to tell
-    the causes apart) the longest garbage collection of the process, which holds every
-    thread."""
-
-    def __init__(self):
-        self.worst = 0.0
-        self.worst_gc = 0.0
-        self.task = None
-        self._gc_start = None
-        gc.callbacks.append(self._gc)
-
-    def _gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        elif self._gc_start is not None:
-            self.worst_gc = max(self.worst_gc, time.perf_counter() - self._gc_start)
-
-    def start(self) -> None:
-        if self.task is None:  # on the loop: called from a route
-            self.task = asyncio.ensure_future(self._watch())
-
-    async def _watch(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            t = loop.time()
-            await asyncio.sleep(0.01)
-            self.worst = max(self.worst, loop.time() - t - 0.01)

@@ -134,3 +134,25 @@ def test_ready_before_every_shape_is_compiled():
         assert report["compilations"] == 1 + 6
     finally:
         aengine.shutdown()
+
+
+def test_a_full_warm_up_leaves_no_sampling_call_to_compile_on_a_request():
+    """Top logprobs counts, penalties and logit_bias each compiled their sampling call on first
+    use, in the step: every stream froze one to three seconds (the long fuzz's neighbour).
+    After warmup(full=True) a request of each compiles nothing (penalties over longer texts
+    still compile their larger entry bucket on first use)."""
+    engine = LLMEngine(EngineConfig.from_options(**OPTIONS), tiny_loaded())
+    engine.warmup(full=True)
+    before = engine.compilations
+    kinds = [dict(temperature=0, logprobs=0), dict(temperature=0.7, logprobs=3),
+             dict(temperature=0.7, top_k=5, logprobs=20), dict(temperature=0, logit_bias={7: 5}),
+             dict(temperature=0.7, presence_penalty=0.5, logprobs=1),
+             dict(temperature=0.7, top_p=0.9, repetition_penalty=1.2, logit_bias={3: -100},
+                  logprobs=5)]
+    for i, kind in enumerate(kinds):
+        for prompt in ([5, 6, 7], [8, 9]):  # one row, then two; penalties' entries: 16 at most
+            engine.add_request({"prompt_token_ids": prompt},
+                               SamplingParams(max_tokens=3, seed=i, **kind))
+        while engine.has_unfinished():
+            engine.step()
+    assert engine.compilations == before

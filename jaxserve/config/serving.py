@@ -49,8 +49,9 @@ class ServingConfig:
     compile_warmup: str = option(
         "default", "Compile step shapes before taking traffic (/health/ready answers 503 "
         "meanwhile): default = every shape of a packed backend (cpu), the pure decode and "
-        "prefill buckets of the others; full = every bucket combination; none = compile on "
-        "first use.", choices=COMPILE_WARMUPS)
+        "prefill buckets of the others; full = every bucket combination, and the sampling "
+        "calls of top logprobs, penalties and logit_bias; none = compile on first use.",
+        choices=COMPILE_WARMUPS)
     ready_after: str = option(
         "start", "When /health/ready turns 200: start = once the first shapes are compiled (the "
         "rest compile in the background while requests are served, the first ones slower); "

@@ -23,13 +23,14 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 from jaxserve.config.serving import ServingConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
-from jaxserve.engine.client import ServedModel
+from jaxserve.engine.client import (EngineDead, EngineOverloaded, EngineStalled, Observer,
+                                    ServedModel)
 from jaxserve.engine.commands import (Abort, Add, Answered, Call, Command, EngineControl,
                                       FailAll, Pause, Sleep, UpdateWeights, Wake, WakeUp,
                                       WeightsUpdated)
@@ -40,25 +41,6 @@ from jaxserve.weights import numpy_dtype
 
 
 log = logging.getLogger("jaxserve.engine")
-
-
-class EngineOverloaded(Exception):
-    """The waiting queue is at its configured limit (ServingConfig.max_waiting)."""
-
-
-class EngineDead(Exception):
-    """The engine loop has stopped."""
-
-
-class EngineStalled(EngineDead):
-    """The engine loop has not come round for stall_timeout seconds: a call on it would not
-    answer now."""
-
-
-class Observer(Protocol):
-    def on_finished(self, output: RequestOutput) -> None: ...
-
-    def on_aborted(self, prompt_tokens: int, generation_tokens: int) -> None: ...
 
 
 class AsyncEngine:
@@ -77,6 +59,7 @@ class AsyncEngine:
         self.idle_wait_s = idle_wait_s
         self.stall_timeout, self.ready_after = stall_timeout, ready_after
         self._beat = time.monotonic()  # the loop's last round (idle, it comes round every wait)
+        self.max_round_s = 0.0  # the loop's longest round (commands and step): every stream waits
         self.last_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, tuple[RequestGroup, int]] = {}  # loop thread only
@@ -161,7 +144,8 @@ class AsyncEngine:
         if (stalled := self._stalled()) is not None:
             raise EngineStalled(stalled)
         return await self.call(lambda e: {**e.stats(), **({"kv_usage": e.kv_usage()}
-                                                           if kv_usage else {})})
+                                                           if kv_usage else {}),
+                                          "engine_loop_max_round_s": round(self.max_round_s, 4)})
 
     @property
     def compilations_pending(self) -> int:
@@ -282,14 +266,29 @@ class AsyncEngine:
                        else self._commands.get(timeout=self.idle_wait_s))
         except queue.Empty:
             command = None
+        t0, compilations, warming = time.perf_counter(), engine.compilations, self.warming_up
         while command is not None:
             self._execute(command)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 command = None
+        t1 = time.perf_counter()
         if not self._stop.is_set() and self._busy():
             self._dispatch(engine.step())
+        if not warming:  # the warm-up's own round holds no request
+            self._timed_round(t0, t1, compilations)
+
+    def _timed_round(self, t0: float, t1: float, compilations: int) -> None:
+        """Keeps the longest round; one of a second or more (every stream froze that long) is
+        logged with what it held: commands, the step, compilations."""
+        took = time.perf_counter() - t0
+        self.max_round_s = max(self.max_round_s, took)
+        if took >= 1.0:
+            log.warning("engine loop round took %.2f s: commands %.2f s, step %.2f s, %d "
+                        "compilations; %d waiting", took, t1 - t0,
+                        took - (t1 - t0), self.engine.compilations - compilations,
+                        self.engine.num_waiting)
 
     def _busy(self) -> bool:
         return self.engine.has_unfinished() and not self.engine.is_paused

@@ -2,7 +2,8 @@
 `EngineClient`, the calls the server makes. `AsyncEngine` implements it over an `LLMEngine` or a
 `DataParallelEngine` (both give `served_model` and `compile_grammar`), so the server reads
 nothing else of the engine (vLLM's engine-core client plays this part). `RolloutControl` is
-what a reinforcement-learning loop calls on either engine (docs/rl.md)."""
+what a reinforcement-learning loop calls on either engine (docs/rl.md). The loop's refusals
+(EngineOverloaded, EngineDead, EngineStalled) are the errors a front end maps to answers."""
 
 from __future__ import annotations
 
@@ -24,6 +25,25 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     cache_salt: str | None  # the engine's prefix-cache salt (CacheConfig.cache_salt)
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is at its configured limit (ServingConfig.max_waiting)."""
+
+
+class EngineDead(Exception):
+    """The engine loop has stopped."""
+
+
+class EngineStalled(EngineDead):
+    """The engine loop has not come round for stall_timeout seconds: a call on it would not
+    answer now."""
+
+
+class Observer(Protocol):
+    def on_finished(self, output: RequestOutput) -> None: ...
+
+    def on_aborted(self, prompt_tokens: int, generation_tokens: int) -> None: ...
 
 
 class EngineClient(Protocol):

@@ -214,6 +214,10 @@ class DataParallelEngine:
     def compilations_pending(self) -> int:
         return sum(r.compilations_pending for r in self.replicas)
 
+    @property
+    def compilations(self) -> int:
+        return sum(r.compilations for r in self.replicas)
+
     def kv_usage(self) -> dict:
         return _summed([r.kv_usage() for r in self.replicas])
 

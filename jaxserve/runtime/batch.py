@@ -12,6 +12,7 @@ back to back and only the total is padded, so a step of 141 decode rows and 883 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -23,6 +24,7 @@ from jaxserve.core.step_plan import ScheduledChunk, StepPlan
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.pytree import pytree_dataclass, static_field
 from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.logit_controls import MIN_ENTRIES, no_controls
 from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata
 
 
@@ -212,3 +214,24 @@ def warmup_batches(buckets: Buckets, page_size: int, full: bool = False, num_gro
             if r not in sizes:
                 sizes.add(r)
                 yield batch, rows
+
+
+def warmup_samplings(sampling: SamplingMetadata, rows: int, buckets: Buckets, vocab_size: int,
+                     full: bool = False):
+    """(what, sampling, controls) of each sampling call warm-up compiles for a step of `rows`
+    sample rows: each sampling mode, without logit controls and with masks only (structured
+    outputs). With full, also each top-logprobs bucket and penalties / logit_bias of the first
+    entry bucket, which otherwise compile on first use, inside a step: one to three seconds on
+    a CPU with every stream waiting (larger entry buckets still do)."""
+    controls_of = {"": None, ", logit controls": no_controls(rows, vocab_size)}
+    top_counts = (sampling.num_top_logprobs,)
+    if full:
+        controls_of[", penalties or logit_bias"] = no_controls(rows, vocab_size, MIN_ENTRIES)
+        top_counts += tuple(k for k in (0,) + buckets.logprobs if k not in top_counts)
+    for top in top_counts:
+        for named, controls in controls_of.items():
+            for mode in (GREEDY, RANDOM, FILTERED):
+                what = f"sampling of {rows} rows, mode {mode}{named}" + (
+                    f", top {top} logprobs" if top >= 0 else "")
+                yield (what, dataclasses.replace(sampling, mode=mode, num_top_logprobs=top),
+                       controls)

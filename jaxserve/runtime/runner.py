@@ -31,14 +31,14 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import layer_scan, llama
 from jaxserve.model.kv_cache import KVPool, groups_of
 from jaxserve.runtime import memory
-from jaxserve.runtime.batch import StepBatch, build_batch, warmup_batches, warmup_plan
+from jaxserve.runtime.batch import (StepBatch, build_batch, warmup_batches, warmup_plan,
+                                    warmup_samplings)
 from jaxserve.runtime import custom_model, distributed, param_update, sharding
 from jaxserve.runtime.params import JNP_DTYPES, device_params
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.logit_controls import LogitControls, no_controls
+from jaxserve.runtime.logit_controls import LogitControls
 from jaxserve.runtime.precompile import Precompiler
-from jaxserve.runtime.sampling import (FILTERED, GREEDY, RANDOM, RAW_LOGPROBS, XLA,
-                                       SamplingMetadata, log_softmax, sample)
+from jaxserve.runtime.sampling import RAW_LOGPROBS, XLA, SamplingMetadata, log_softmax, sample
 from jaxserve.weights.named_update import NamedUpdate
 
 @dataclasses.dataclass
@@ -367,9 +367,8 @@ class ModelRunner:
     def _warmup_jobs(self, buckets: Buckets, full: bool):
         """(key, what, compile, tokens) of each executable warm-up compiles, on the real
         arguments' types (so the jitted functions' caches keep them): each step shape, after the
-        first step of each sample-row count its sampling call in each sampling mode, without
-        logit controls and with masks only (structured outputs; penalties and logit_bias
-        compile their entry bucket on first use, about a second), and the page copies."""
+        first step of each sample-row count its sampling calls (warmup_samplings), and the page
+        copies."""
         pool, sampled = self.pool, set()
         for batch, _ in warmup_batches(buckets, self.page_size, full, self._groups):
             key, step = _signature(batch), dataclasses.replace(batch, sampling=None)
@@ -379,14 +378,10 @@ class ModelRunner:
             if rows in sampled:
                 continue
             sampled.add(rows)
-            for controls in (None, no_controls(rows, self.cfg.vocab_size)):
-                for mode in (GREEDY, RANDOM, FILTERED):
-                    sampling = dataclasses.replace(batch.sampling, mode=mode)
-                    what = f"sampling of {rows} rows, mode {mode}" + (
-                        ", logit controls" if controls else "")
-                    yield (("sample", _signature((sampling, controls))), what,
-                           functools.partial(self._compile_sampling, key, sampling, controls),
-                           tokens)
+            for what, sampling, controls in warmup_samplings(batch.sampling, rows, buckets,
+                                                             self.cfg.vocab_size, full):
+                yield (("sample", _signature((sampling, controls))), what,
+                       functools.partial(self._compile_sampling, key, sampling, controls), tokens)
         for n in buckets.copies:  # copy-on-write: forks and prefix hits mid-page only, last
             yield (("copies", n), f"page copy of {n} pages",
                    functools.partial(self._compile_copies, pool, np.zeros(n, np.int32)),

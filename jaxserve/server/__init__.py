@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP serving: async engine loop, request translation, the FastAPI app."""
 
-from jaxserve.engine.async_engine import AsyncEngine, EngineOverloaded
+from jaxserve.engine.async_engine import AsyncEngine
+from jaxserve.engine.client import EngineOverloaded
 from jaxserve.server.app import ServerConfig, build_app
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
 

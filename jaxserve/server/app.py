@@ -28,12 +28,14 @@ from starlette.requests import ClientDisconnect
 
 from jaxserve.config.serving import ProtocolConfig, ServingConfig
 from jaxserve.engine import DataParallelEngine, LLMEngine
-from jaxserve.engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, RequestGroup
+from jaxserve.engine.async_engine import AsyncEngine, RequestGroup
+from jaxserve.engine.client import EngineDead, EngineOverloaded
 from jaxserve.engine.weight_update import EngineAsleep
 from jaxserve.server.auth import OPERATOR, AuthMiddleware, resolve_api_keys
 from jaxserve.server.body_limits import BodyLimits
 from jaxserve.server.health import add_health_routes
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
+from jaxserve.server.loop_watch import LoopWatch, StartWatch
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
 from jaxserve.server.reasoning import REASONING_PARSERS
@@ -213,6 +215,8 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         app.add_middleware(AuthMiddleware,
                            keys=config.keys + tuple((k, OPERATOR) for k in config.operator_keys),
                            public=("/metrics",) if config.public_metrics else ())
+    loop_watch = LoopWatch()  # how long the event loop was held: /debug/stats
+    app.add_middleware(StartWatch, watch=loop_watch)  # outermost: any request starts it
     base_salt = aengine.served_model.cache_salt or ""
 
     def cache_salt(request: Request) -> str | None:
@@ -387,6 +391,6 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
 
     @app.get("/debug/stats")
     async def debug_stats():
-        return await aengine.stats(kv_usage=True)
+        return {**await aengine.stats(kv_usage=True), **loop_watch.stats()}
 
     return app
