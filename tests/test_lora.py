@@ -13,7 +13,7 @@ import functools
 import numpy as np
 import pytest
 
-from hf_families import TINY, seeded_model, transformers_greedy
+from hf_families import TINY, seeded_model, tp_greedy, transformers_greedy
 
 pytest.importorskip("peft")
 
@@ -255,3 +255,37 @@ def test_adapter_of_another_base_is_refused(root):
     llm = _engine("llama", "xla", root)
     with pytest.raises(ValueError, match="layer 2 of a base model with 2 layers"):
         _generate(llm, _prompts(1), _request("other", path, int_id=77))
+
+
+_TP_SCRIPT = """
+import json, sys
+from jaxserve import LLM, LoRARequest, SamplingParams
+llm = LLM(sys.argv[1], attention_backend="xla", tensor_parallel_size=2, page_size=8,
+          max_num_batched_tokens=16, max_num_seqs=8, num_pages=24, enable_lora=True,
+          max_loras=2, max_lora_rank=16, scan_layers="off")
+loras = [None if p is None else LoRARequest(*p) for p in json.loads(sys.argv[3])]
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[2])],
+                    SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False,
+                    lora_request=loras)
+print(json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+
+
+def test_tensor_parallel_2_matches_peft(root):
+    """Tensor parallelism 2 (two virtual CPU devices, its own process): the adapters sharded as
+    their projections, base and three adapters in one batch over two slots give PEFT's tokens."""
+    from jaxserve.weights.random_init import numbered_tokenizer
+
+    base, _, adapters = _family("llama", root)
+    directory = f"{root}/llama-base"
+    base.save_pretrained(directory)
+    numbered_tokenizer(TINY["vocab_size"], TINY["eos_token_id"]).save(directory)
+    names = [None, "attn", "all-rs", "mlp"]
+    prompts = _prompts(len(names), seed=6)
+    loras = [None if n is None else [n, adapters[n][0].lora_int_id, adapters[n][0].lora_path]
+             for n in names]
+    import json
+
+    got = tp_greedy(_TP_SCRIPT, directory, json.dumps(prompts), json.dumps(loras))
+    for name, prompt, tokens in zip(names, prompts, got):
+        assert tokens == _reference(base if name is None else adapters[name][1], prompt)[0], name

@@ -53,7 +53,6 @@ class EngineConfig:
     def _check_lora(self) -> None:
         """What LoRA serving does not combine with yet, refused by name."""
         unsupported = {"speculative decoding": self.speculative is not None,
-                       "tensor_parallel_size > 1": self.parallel.tensor_parallel_size > 1,
                        "num_processes > 1": self.parallel.num_processes > 1,
                        "batch_invariant": self.load.batch_invariant,
                        "scan_layers=on": self.load.scan_layers == "on"}

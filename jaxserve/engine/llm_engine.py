@@ -100,7 +100,8 @@ class LLMEngine:
             query_block=backend.query_block, packed=backend.packed,
             spec_tokens=config.speculative.num_speculative_tokens if config.speculative else 0)
         # LoRA adapters (engine/lora.py): their slots in every step, None: the plain step.
-        self.lora = LoRAAdapters.of(config.lora, loaded.config, resolved.scan_layers)
+        self.lora = LoRAAdapters.of(config.lora, loaded.config, resolved.scan_layers,
+                                    parallel.tensor_parallel_size)
         if self.lora is not None:
             self.buckets = dataclasses.replace(self.buckets, lora=True)
         budget = memory_plan.budget(cache, parallel, jax.default_backend())

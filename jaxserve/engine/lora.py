@@ -24,7 +24,8 @@ class LoRAAdapters:
         self._lock = threading.Lock()  # a server reads adapters from worker threads
 
     @classmethod
-    def of(cls, config: LoRAConfig, model: ModelConfig, scan_layers: bool) -> LoRAAdapters | None:
+    def of(cls, config: LoRAConfig, model: ModelConfig, scan_layers: bool,
+           tp: int = 1) -> LoRAAdapters | None:
         """The engine's adapters, None unless enable_lora; what is not served is refused."""
         if not config.enable_lora:
             return None
@@ -32,6 +33,9 @@ class LoRAAdapters:
             raise ValueError("enable_lora is not supported for a registered (custom) model")
         if model.num_experts:
             raise ValueError("enable_lora is not supported for a mixture of experts yet")
+        if model.num_kv_heads % tp:  # the pool repeats KV heads: a k or v delta would too
+            raise ValueError(f"enable_lora under tensor parallelism needs num_kv_heads "
+                             f"({model.num_kv_heads}) divisible by tensor_parallel_size ({tp})")
         if scan_layers:
             raise ValueError("enable_lora runs unrolled layers: set scan_layers='off'")
         return cls(config, model)

@@ -13,6 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxserve.config import ModelConfig
 from jaxserve.model import lora as model_lora
+from jaxserve.runtime import sharding
 
 
 @functools.partial(jax.jit, donate_argnames=("stack",))
@@ -30,10 +31,14 @@ class LoRAStack:
 
     @classmethod
     def zeros(cls, cfg: ModelConfig, num_slots: int, rank: int, dtype, mesh: Mesh) -> LoRAStack:
-        """Empty slots, placing compiled once here rather than at the first adapter's request."""
-        self = cls(jax.jit(functools.partial(model_lora.zeros, cfg, num_slots, rank, dtype),
-                           out_shardings=NamedSharding(mesh, PartitionSpec()))())
-        self.mesh = mesh
+        """Empty slots, on the mesh's devices as their projections are sharded (one slot's
+        arrays alike, without the slot axis); the placing compiled once here rather than at
+        the first adapter's request."""
+        make = functools.partial(model_lora.zeros, cfg, num_slots, rank, dtype)
+        specs = sharding.lora_specs(jax.eval_shape(make))
+        self = cls(jax.jit(make, out_shardings=_named(mesh, specs))())
+        self._slot_shardings = _named(mesh, jax.tree_util.tree_map(
+            lambda p: PartitionSpec(*p[1:]), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
         self.place(0, jax.tree_util.tree_map(lambda x: np.zeros(x.shape[1:], np.float32),
                                              self.stack))
         return self
@@ -42,7 +47,7 @@ class LoRAStack:
         """An adapter's weights (weights/lora.py's LoRAWeights.layers) into slot `slot`. A
         step dispatched before still reads the slot's previous adapter (the arrays it was
         given; the update waits for it)."""
-        layers = jax.device_put(layers, NamedSharding(self.mesh, PartitionSpec()))
+        layers = jax.device_put(layers, self._slot_shardings)
         self.stack = _place(self.stack, np.int32(slot), layers)
 
     @property
@@ -55,6 +60,11 @@ class LoRAStack:
     @classmethod
     def tree_unflatten(cls, _, children):
         return cls(*children)
+
+
+def _named(mesh: Mesh, specs):
+    return jax.tree_util.tree_map(lambda p: NamedSharding(mesh, p), specs,
+                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
 def step_args(lora: LoRAStack | None, slots) -> dict:
