@@ -7,11 +7,11 @@ zero-padded to R = max_lora_rank. A token t of slot s adds x_t @ A[s]^T @ B[s]. 
 an argument of the step beside the params (`Adapters`), so placing an adapter in a slot is an
 update of that slot (`with_slot`), never a compilation.
 
-The delta is computed for every slot and each token keeps its own: (x @ A_flat^T) masked to
-the token's slot's R columns, then @ B_flat, two dense matmuls over S*R columns. Gathering
-each token's A[s] and B[s] instead reads T*R*(in + out) weights per projection, which a prefill
-chunk of a few hundred tokens makes far more than the S*R*(in + out) of the stack
-(docs/lora.md has both measured).
+A step of more tokens than slots computes the delta for every slot and each token keeps its
+own: (x @ A_flat^T) masked to the token's slot's R columns, then @ B_flat, two dense matmuls
+over S*R columns, reading the stack once. A smaller one (decode of a few streams) gathers each
+token's A[s] and B[s]: T*R*(in + out) weights, fewer than the stack's S*R*(in + out) there and
+far more for a prefill chunk of a few hundred tokens (docs/lora.md has both measured).
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ FUSED = {"w_qkv": ("q_proj", "k_proj", "v_proj"), "wo": ("o_proj",),
 
 def delta(x, a, b, slots):
     """x f[T, in], a f[S, R, in], b f[S, R, out], slots i32[T] -> f[T, out]: each token's
-    x @ A[slot]^T @ B[slot] (slot 0's zeros: none)."""
+    x @ A[slot]^T @ B[slot] (slot 0's zeros: none). A step of no more tokens than slots
+    gathers its tokens' adapters; a larger one computes every slot's and masks."""
     s, r, _ = a.shape
+    if x.shape[0] <= s:  # static: each shape compiles one way
+        return jnp.einsum("tr,tro->to", jnp.einsum("ti,tri->tr", x, a[slots]), b[slots])
     shrunk = (x @ a.reshape(s * r, -1).T).reshape(-1, s, r)
     mine = (slots[:, None] == jnp.arange(s, dtype=slots.dtype)).astype(shrunk.dtype)
     return (shrunk * mine[:, :, None]).reshape(-1, s * r) @ b.reshape(s * r, -1)
