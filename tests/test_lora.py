@@ -292,3 +292,39 @@ def test_tensor_parallel_2_matches_peft(root):
     got = tp_greedy(_TP_SCRIPT, directory, json.dumps(prompts), json.dumps(loras))
     for name, prompt, tokens in zip(names, prompts, got):
         assert tokens == _reference(base if name is None else adapters[name][1], prompt)[0], name
+
+
+def test_server_serves_adapters_by_model_name(root):
+    """--lora_modules: each adapter listed in /v1/models with its base as parent and chosen by
+    a request's "model" (PEFT's tokens); an unknown one is a 404 naming it."""
+    import httpx
+    from serving import serve_app
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine.llm_engine import LLMEngine
+    from jaxserve.server import AsyncEngine, ServerConfig, build_app
+
+    base, loaded, adapters = _family("llama", root)
+    modules = tuple(f"{n}={adapters[n][0].lora_path}" for n in ("attn", "mlp"))
+    config = EngineConfig.from_options(
+        model="tiny-llama", attention_backend="xla", page_size=PAGE, max_num_batched_tokens=16,
+        max_num_seqs=4, num_pages=10, enable_lora=True, max_loras=2, max_lora_rank=16,
+        scan_layers="off", lora_modules=modules)
+    aengine = AsyncEngine(LLMEngine(config, loaded))
+    prompt = _prompts(1, seed=7)[0]
+    try:
+        with serve_app(build_app(aengine, ServerConfig())) as url:
+            listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+            assert listed["attn"]["parent"] == listed["mlp"]["parent"] == "tiny-llama"
+            assert "parent" not in listed["tiny-llama"]
+            for name, model in (("attn", adapters["attn"][1]), ("mlp", adapters["mlp"][1]),
+                                ("tiny-llama", base)):
+                body = {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                        "temperature": 0, "ignore_eos": True}
+                text = httpx.post(f"{url}/v1/completions", json=body,
+                                  timeout=120).json()["choices"][0]["text"]
+                assert [int(w[1:]) for w in text.split()] == _reference(model, prompt)[0], name
+            missing = httpx.post(f"{url}/v1/completions", json={**body, "model": "nope"})
+            assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
+    finally:
+        aengine.shutdown()

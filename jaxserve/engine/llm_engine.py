@@ -175,7 +175,8 @@ class LLMEngine:
     def served_model(self) -> ServedModel:
         """What a front end reads requests for (engine/client.py)."""
         return ServedModel(self.config.load.model, self.tokenizer, self.max_model_len,
-                           self.model_config.vocab_size, self.config.cache.cache_salt)
+                           self.model_config.vocab_size, self.config.cache.cache_salt,
+                           tuple(self.lora.modules.values()) if self.lora else ())
 
     def compile_grammar(self, spec: StructuredOutputsParams):
         """Admit a structured output's grammar from any thread (see `grammars`)."""
@@ -213,7 +214,10 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None) -> Request:
         """Queue a request. Raises ValueError (RequestRejected) at once if it can never run.
         cache_salt (default: the engine's) isolates prefix-cache sharing per tenant.
-        lora_request: the LoRA adapter it runs under (enable_lora; read on first use)."""
+        lora_request: the LoRA adapter it runs under (enable_lora; read on first use), or the
+        prompt dict's "lora_request" (how a server's request names one)."""
+        if lora_request is None and isinstance(prompt, dict):
+            lora_request = prompt.get("lora_request")
         if lora_request is not None and self.lora is None:
             raise ValueError("lora_request needs an engine with enable_lora=True")
         self.weights.check_awake()

@@ -22,6 +22,12 @@ class LoRAAdapters:
         self.slots = LoRASlots(config.max_loras)
         self._registered: dict[int, tuple[LoRARequest, LoRAWeights]] = {}
         self._lock = threading.Lock()  # a server reads adapters from worker threads
+        # lora_modules: served by name (ids 1..n), read now so that a bad one fails the start.
+        self.modules = {}
+        for i, module in enumerate(config.lora_modules):
+            name, _, path = module.partition("=")
+            self.modules[name] = LoRARequest(name, i + 1, path)
+            self.register(self.modules[name])
 
     @classmethod
     def of(cls, config: LoRAConfig, model: ModelConfig, scan_layers: bool,
