@@ -65,9 +65,3 @@ class LoRASlots:
         for chunk in plan.chunks:
             chunk.lora_slot = slot_of.get(chunk.seq.request.lora_int_id, 0)
         return loads
-
-    def forget(self, adapter_id: int) -> None:
-        """The adapter was unloaded: its slot (not in use) holds nothing."""
-        for slot, adapter in list(self._adapter_in.items()):
-            if adapter == adapter_id:
-                del self._adapter_in[slot]

@@ -1,7 +1,8 @@
 """The engine's LoRA adapters (one owner): the registered ones, read from their PEFT directories
-on first use and kept on the host (weights/lora.py), the device slots the scheduler assigns
-(core/lora.py's LoRASlots), and the copies into those slots a step needs first (the runner's
-place_adapter: an in-place update, no compilation)."""
+on first use (or at start: lora_modules, served by name) and kept on the host (weights/lora.py),
+their device slots (core/lora.py's LoRASlots: admission asks it, each launched plan is stamped
+with its chunks' slots), and the copies into those slots a step needs first (the runner's
+LoRAStack.place: an in-place update, no compilation)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,3 @@ class LoRAAdapters:
         sequences), and the adapters given a slot copied into it."""
         for slot, adapter_id in self.slots.stamp(plan, running):
             runner.lora.place(slot, self._registered[adapter_id][1].layers)
-
-    def registered(self) -> list[LoRARequest]:
-        with self._lock:
-            return [lora for lora, _ in self._registered.values()]

@@ -50,10 +50,6 @@ class LoRAStack:
         layers = jax.device_put(layers, self._slot_shardings)
         self.stack = _place(self.stack, np.int32(slot), layers)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(x.nbytes for x in jax.tree_util.tree_leaves(self.stack))
-
     def tree_flatten(self):
         return (self.stack,), None
 
