@@ -328,3 +328,38 @@ def test_server_serves_adapters_by_model_name(root):
             assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
     finally:
         aengine.shutdown()
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_the_step_with_adapters_compiles_for_tpu(generation):
+    """The engine step with a LoRA stack (3 slots, rank 16) and per-token slots compiles for a
+    TPU (libtpu's compile-only topology, the Pallas backend, bf16; nothing runs)."""
+    import dataclasses
+
+    import jax
+    from test_accelerator_lowering import CONFIG
+    from tpu_topology import abstract, tpu_device
+
+    from jaxserve import backends
+    from jaxserve.runtime.batch import build_batch, warmup_plan
+    from jaxserve.runtime.buckets import Buckets
+    from jaxserve.runtime.runner import ModelRunner, _jitted_step
+    from jaxserve.weights.random_init import random_model
+
+    device = tpu_device(generation)
+    page = 16
+    runner = ModelRunner(CONFIG, random_model(CONFIG, dtype="bfloat16").params, num_pages=64,
+                         page_size=page, dtype="bfloat16", backend=backends.get("pallas-tpu"),
+                         lora=(3, 16))
+    pages = CONFIG.max_position_embeddings // page
+    buckets = dataclasses.replace(Buckets.for_engine(8, 64, pages, packed=True), lora=True)
+    batch, _, _ = build_batch(warmup_plan(buckets.step_shapes(page)[-1], buckets, page),
+                              buckets, page)
+    on = functools.partial(jax.tree_util.tree_map, lambda x: abstract(np.shape(x), x.dtype, device))
+    compiled = _jitted_step(runner.cfg, runner.backend, runner.mesh).lower(
+        on(runner.params), pool=on(runner.pool),
+        batch=on(dataclasses.replace(batch, sampling=None)),
+        feed=abstract((2 * buckets.seqs[-1],), np.int32, device), lora=on(runner.lora)).compile()
+    assert "tpu_custom_call" in compiled.as_text()  # the Pallas attention, compiled by Mosaic
+    lora_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.lora))
+    assert compiled.memory_analysis().argument_size_in_bytes > lora_bytes > 0
