@@ -6,6 +6,7 @@
 """
 
 from jaxserve.config import EngineConfig, ModelConfig
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import CompletionOutput, RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 
@@ -28,4 +29,4 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "LLMEngine", "register_model", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "EngineConfig", "ModelConfig"]
+           "CompletionOutput", "EngineConfig", "LoRARequest", "ModelConfig"]

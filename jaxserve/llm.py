@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 from jaxserve.chat import Conversation
 from jaxserve.config import EngineConfig
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine, Prompt, make_engine
@@ -33,8 +34,12 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt through the scheduler together; one RequestOutput per prompt, in order.
+        lora_request: the LoRA adapter of every prompt, or one per prompt (None: the base
+        model); the engine needs enable_lora.
         All prompts are validated before any runs, as the server validates them: a bad one raises
         ValueError (TypeError for a parameter that is not SamplingParams) naming its index, and
         runs nothing.
@@ -57,11 +62,19 @@ class LLM:
         tokenized = [self.engine.tokenize(p) for p in prompts]  # raises before anything is queued
         for i, ((_, ids), p) in enumerate(zip(tokenized, params)):
             self._check_context(i, len(ids), p)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        elif len(lora_request) != len(prompts):
+            raise ValueError(f"got {len(lora_request)} lora requests for {len(prompts)} prompts")
+        else:
+            loras = list(lora_request)
         added: list[str] = []
         try:
-            for (text, token_ids), p in zip(tokenized, params):
+            for (text, token_ids), p, lora in zip(tokenized, params, loras):
                 prompt = {"prompt_token_ids": token_ids, "prompt": text}
-                added.append(self.engine.add_request(prompt, p).request_id)
+                # (no lora_request argument for the base: any engine front takes that call)
+                extra = {} if lora is None else {"lora_request": lora}
+                added.append(self.engine.add_request(prompt, p, **extra).request_id)
         except BaseException:
             for rid in added:
                 self.engine.abort(rid)

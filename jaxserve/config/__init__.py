@@ -7,6 +7,7 @@ from jaxserve.config.cache import (DEFAULT_MEMORY_UTILIZATION, KV_CACHE_DTYPES, 
 from jaxserve.config.engine import OPTION_GROUPS, EngineConfig, option_names
 from jaxserve.config.load import (ATTENTION_BACKENDS, DTYPES, PALLAS_KERNELS, QUANTIZATIONS,
                                   LoadConfig)
+from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.model import (LAYER_TYPES, MLP_ACTIVATIONS, ROPE_SCALINGS, ModelConfig,
                                    RopeScaling, kv_heads_per_device)
 from jaxserve.config.parallel import ParallelConfig
@@ -19,6 +20,6 @@ __all__ = ["ATTENTION_BACKENDS", "DEFAULT_MEMORY_UTILIZATION", "DRAFT_QUANTIZATI
            "KV_CACHE_DTYPES", "KV_SCALAR_BYTES", "KV_SCALE_BYTES", "LAYER_TYPES",
            "MAX_SPECULATIVE_TOKENS", "MLP_ACTIVATIONS", "OPTION_GROUPS", "PALLAS_KERNELS",
            "PRIORITY_POLICIES", "QUANTIZATIONS", "ROPE_SCALINGS", "SCHEDULING_POLICIES",
-           "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig", "LoadConfig", "ModelConfig",
-           "ParallelConfig", "ResolvedConfig", "RopeScaling", "SchedulerConfig",
+           "SPECULATIVE_METHODS", "CacheConfig", "EngineConfig", "LoadConfig", "LoRAConfig",
+           "ModelConfig", "ParallelConfig", "ResolvedConfig", "RopeScaling", "SchedulerConfig",
            "SpeculativeConfig", "kv_heads_per_device", "kv_slot_bytes", "option_names"]

@@ -12,6 +12,7 @@ from typing import Any
 
 from jaxserve.config.cache import CacheConfig
 from jaxserve.config.load import LoadConfig
+from jaxserve.config.lora import LoRAConfig
 from jaxserve.config.options import field_names
 from jaxserve.config.parallel import ParallelConfig
 from jaxserve.config.scheduler import SchedulerConfig
@@ -19,7 +20,7 @@ from jaxserve.config.speculative import SpeculativeConfig
 
 # The flat options' sub-configs, by EngineConfig field; their field names are the option names.
 OPTION_GROUPS = {"load": LoadConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                 "parallel": ParallelConfig}
+                 "parallel": ParallelConfig, "lora": LoRAConfig}
 SPECULATIVE_OPTION = "speculative_config"  # a SpeculativeConfig, or a dict of its fields
 _GROUP_OF = {name: group for group, cls in OPTION_GROUPS.items() for name in field_names(cls)}
 assert len(_GROUP_OF) == sum(len(field_names(c)) for c in OPTION_GROUPS.values()), \
@@ -33,6 +34,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
 
     def __post_init__(self):
         for name, cls in (*OPTION_GROUPS.items(), ("speculative", SpeculativeConfig)):
@@ -45,6 +47,18 @@ class EngineConfig:
         if self.parallel.num_processes > 1 and spec is not None and spec.method == "draft":
             raise ValueError("speculative method 'draft' runs its model on process 0 alone; with "
                              "num_processes > 1 use method 'ngram'")
+        if self.lora.enable_lora:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        """What LoRA serving does not combine with yet, refused by name."""
+        unsupported = {"speculative decoding": self.speculative is not None,
+                       "num_processes > 1": self.parallel.num_processes > 1,
+                       "batch_invariant": self.load.batch_invariant,
+                       "scan_layers=on": self.load.scan_layers == "on"}
+        for what, used in unsupported.items():
+            if used:
+                raise ValueError(f"enable_lora is not supported with {what} yet")
 
     @classmethod
     def from_options(cls, **options: Any) -> "EngineConfig":

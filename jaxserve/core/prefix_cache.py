@@ -26,13 +26,16 @@ class PrefixCache:
         self._key_by_page: dict[int, bytes] = {}
         pool.on_evict = self._forget
 
-    def page_key(self, parent: bytes | None, tokens: Seq[int], salt: str | None) -> bytes:
-        """Key of one full page given its parent's key (None for the first page)."""
+    def page_key(self, parent: bytes | None, tokens: Seq[int], salt: str | tuple | None) -> bytes:
+        """Key of one full page given its parent's key (None for the first page). salt: the
+        cache salt, or (cache salt, LoRA adapter key) for a request under an adapter."""
         if len(tokens) != self.page_size:
             raise ValueError(f"only full pages are keyed: {len(tokens)} tokens, page_size {self.page_size}")
         h = hashlib.blake2b(digest_size=16)
         h.update(parent if parent is not None else b"root")
-        for part in (self.model_fingerprint, "" if salt is None else "salt:" + salt):
+        salt, adapter = salt if isinstance(salt, tuple) else (salt, None)
+        parts = (self.model_fingerprint, "" if salt is None else "salt:" + salt)
+        for part in parts if adapter is None else (*parts, "lora:" + adapter):
             data = part.encode()
             h.update(struct.pack("<Q", len(data)))
             h.update(data)

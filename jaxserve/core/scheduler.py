@@ -53,6 +53,7 @@ from jaxserve.config import CacheConfig, SchedulerConfig
 from jaxserve.core.kv_manager import KVManager
 from jaxserve.core.limits import RequestRejected, check_request
 from jaxserve.core.live_requests import LiveRequests, WaitingQueue
+from jaxserve.core.lora import LoRASlots
 from jaxserve.core.page_pool import PagePool
 from jaxserve.core.plans_in_flight import PlansInFlight
 from jaxserve.core.prefix_cache import PrefixCache
@@ -67,11 +68,12 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, cache: CacheConfig, *, num_pages: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], model_fingerprint: str,
                  kv_window: int | None = None, speculation: Speculation | None = None,
-                 prefill_keys_per_token: int = 0, group_windows: tuple | None = None):
+                 prefill_keys_per_token: int = 0, group_windows: tuple | None = None,
+                 lora: LoRASlots | None = None):
         """speculation: speculative decoding's owner (default: none; the engine passes the one
         its Speculator drives). prefill_keys_per_token: resolved (ResolvedConfig); 0: off.
         group_windows: each layer group's window (core/kv_groups.py), replacing kv_window."""
-        self.config = config
+        self.config, self.lora = config, lora
         self.page_size, self.cache_salt = cache.page_size, cache.cache_salt
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -252,7 +254,8 @@ class Scheduler:
         seq = self.waiting.head()
         # Seats, not sequences: a running request not yet forked still needs room for its n.
         seats = self.live.seats
-        if sum(map(seats, self.running)) + seats(seq) > self.config.max_num_seqs:
+        if sum(map(seats, self.running)) + seats(seq) > self.config.max_num_seqs or (
+                self.lora and not self.lora.admits(seq.request, self.running)):  # LoRA slots
             return False
         salt = seq.request.cache_salt if seq.request.cache_salt is not None else self.cache_salt
         hit = self.kv.find_prefix(seq, salt)

@@ -82,7 +82,9 @@ class Request:
     sampling_params: SamplingParams
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     priority: int = 0
-    cache_salt: str | None = None
+    # (salt, LoRA adapter's fingerprint) under an adapter: its pages are its own (PrefixCache)
+    cache_salt: str | tuple[str | None, str] | None = None
+    lora_int_id: int = 0  # the LoRA adapter it runs under (core/lora.py); 0: the base model
     sequences: list[Sequence] = dataclasses.field(default_factory=list)
     prompt_logprobs: list | None = None
     error: str | None = None  # why the request failed (its sequences are FINISHED_ERROR)

@@ -29,6 +29,7 @@ class ScheduledChunk:
     # are still to be proposed (StepPlan.with_drafts gives the plan with them).
     num_drafts: int = 0
     draft_token_ids: list[int] = dataclasses.field(default_factory=list)
+    lora_slot: int = 0  # the device slot of the sequence's LoRA adapter (0: the base model)
 
     @property
     def is_decode(self) -> bool:

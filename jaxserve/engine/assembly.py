@@ -46,4 +46,6 @@ class Assembly:
             math.ceil(resolved.max_model_len / cache.page_size),
             query_block=backend.query_block, packed=backend.packed,
             spec_tokens=spec.num_speculative_tokens if spec else 0)
+        if config.lora.enable_lora:  # every step carries each token's adapter slot
+            buckets = dataclasses.replace(buckets, lora=True)
         return cls(backend, resolved, buckets)

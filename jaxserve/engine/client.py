@@ -25,6 +25,7 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     cache_salt: str | None  # the engine's prefix-cache salt (CacheConfig.cache_salt)
+    lora_modules: tuple = ()  # LoRARequests served by name (LoRAConfig.lora_modules)
 
 
 class EngineOverloaded(Exception):

@@ -22,6 +22,7 @@ from jaxserve import backends
 from jaxserve.config import EngineConfig, ModelConfig, kv_slot_bytes
 from jaxserve.core import kv_groups
 from jaxserve.core.limits import RequestRejected
+from jaxserve.core.lora import LoRARequest
 from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
@@ -31,6 +32,7 @@ from jaxserve.core.sequence import Request
 from jaxserve.engine import memory_plan
 from jaxserve.engine.assembly import PROBE_PAGES, Assembly
 from jaxserve.engine.client import ServedModel
+from jaxserve.engine.lora import LoRAAdapters
 from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.speculator import Speculator, load_draft
 from jaxserve.engine.startup import StartupTimeline
@@ -83,6 +85,9 @@ class LLMEngine:
         self.resolved = resolved = assembly.resolved
         self.buckets = assembly.buckets
         self.max_model_len = resolved.max_model_len
+        # LoRA adapters (engine/lora.py): their slots in every step, None: the plain step.
+        self.lora = LoRAAdapters.of(config.lora, loaded.config, resolved.scan_layers,
+                                    parallel.tensor_parallel_size)
         budget = memory_plan.budget(cache, parallel, jax.default_backend())
         if budget is not None:
             # An engine dropped just before (a notebook's previous LLM) may still hold its pool
@@ -103,7 +108,8 @@ class LLMEngine:
                                       scan_layers=resolved.scan_layers,
                                       expert_parallel=parallel.enable_expert_parallel,
                                       fingerprint=loaded.fingerprint,
-                                      logprobs_mode=load.logprobs_mode)
+                                      logprobs_mode=load.logprobs_mode,
+                                      **(self.lora.runner_options() if self.lora else {}))
         eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         # Speculation's one owner (Speculator.speculation), which the scheduler asks for drafts.
         self.speculator = Speculator(config, resolved, self.buckets, draft,
@@ -128,14 +134,15 @@ class LLMEngine:
                                f"kv-{resolved.kv_cache_dtype}"),
             kv_window=loaded.config.kv_window, speculation=self.speculator.speculation,
             group_windows=kv_groups.groups_of(loaded.config).windows,
-            num_pages=self.num_pages)
+            num_pages=self.num_pages, lora=self.lora.slots if self.lora else None)
         self.outputs = OutputProcessor(self.tokenizer)
         self.requests = RequestTable(self.scheduler, self.outputs)
         self.pipeline = StepPipeline(
             self.buckets, self.scheduler, self.runner, self.speculator, self.outputs,
             self.requests, vocab_size=loaded.config.vocab_size, page_size=cache.page_size,
             async_scheduling=config.scheduler.async_scheduling,
-            grammar_limits=lambda: self._grammars.limits if self._grammars else None)
+            grammar_limits=lambda: self._grammars.limits if self._grammars else None,
+            adapters=self.lora)
         # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -152,7 +159,8 @@ class LLMEngine:
     def served_model(self) -> ServedModel:
         """What a front end reads requests for (engine/client.py)."""
         return ServedModel(self.config.load.model, self.tokenizer, self.max_model_len,
-                           self.model_config.vocab_size, self.config.cache.cache_salt)
+                           self.model_config.vocab_size, self.config.cache.cache_salt,
+                           tuple(self.lora.modules.values()) if self.lora else ())
 
     def compile_grammar(self, spec: StructuredOutputsParams):
         """Admit a structured output's grammar from any thread (see `grammars`)."""
@@ -192,9 +200,16 @@ class LLMEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None) -> Request:
+                    cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Queue a request. Raises ValueError (RequestRejected) at once if it can never run.
-        cache_salt (default: the engine's) isolates prefix-cache sharing per tenant."""
+        cache_salt (default: the engine's) isolates prefix-cache sharing per tenant.
+        lora_request: the LoRA adapter it runs under (enable_lora; read on first use), or the
+        prompt dict's "lora_request" (how a server's request names one)."""
+        if lora_request is None and isinstance(prompt, dict):
+            lora_request = prompt.get("lora_request")
+        if lora_request is not None and self.lora is None:
+            raise ValueError("lora_request needs an engine with enable_lora=True")
         self.weights.check_awake()
         text, ids = self.tokenize(prompt)
         params = dataclasses.replace(params or SamplingParams())
@@ -206,6 +221,8 @@ class LLMEngine:
                           cache_salt=(cache_salt if cache_salt is not None
                                       else self.config.cache.cache_salt))
         request.grammar = grammar
+        if lora_request is not None:
+            self.lora.attach(request, lora_request)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)

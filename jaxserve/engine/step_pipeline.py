@@ -47,11 +47,14 @@ class StepPipeline:
     def __init__(self, buckets: Buckets, scheduler: Scheduler, runner: ModelRunner,
                  speculator: Speculator, outputs: OutputProcessor, requests: RequestTable, *,
                  vocab_size: int, page_size: int, async_scheduling: bool,
-                 grammar_limits: Callable[[], GrammarLimits | None]):
+                 grammar_limits: Callable[[], GrammarLimits | None], adapters=None):
+        """adapters: the engine's LoRA adapters (engine/lora.py), placed in their device slots
+        before the step that first needs them; None: no adapters."""
         self.buckets, self.vocab_size, self.page_size = buckets, vocab_size, page_size
         self.async_scheduling = async_scheduling
         self.scheduler, self.runner, self.speculator = scheduler, runner, speculator
         self.outputs, self.requests, self.grammar_limits = outputs, requests, grammar_limits
+        self.adapters = adapters
         self._in_flight: Launched | None = None  # the step on the device, not yet fetched
         self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
         self.num_steps = 0
@@ -135,6 +138,11 @@ class StepPipeline:
             self._unapplied.append(plan)
             raise StepFailed(f"the draft model's step failed: {e!r}") from e
         self._unapplied.append(plan)
+        if self.adapters is not None:  # each chunk's LoRA slot; adapters new to a slot placed
+            try:
+                self.adapters.place(plan, self.scheduler.running, self.runner)
+            except Exception as e:  # noqa: BLE001
+                raise StepFailed(f"placing a LoRA adapter failed: {e!r}") from e
         try:
             built = self._build(plan, ahead=after is not None)
         except Exception as e:  # noqa: BLE001 - a row's values: fail its request, keep the step

@@ -120,12 +120,16 @@ def _gelu_tanh(x):
     return jax.nn.gelu(x, approximate=True)
 
 
-def _qkv(cfg: ModelConfig, lp, x, rope):
-    """x f[T, H] -> q f[T, Hq, D], k, v f[T, Hkv, D], keys and queries rotated: per token."""
+def _qkv(cfg: ModelConfig, lp, x, rope, lora=None):
+    """x f[T, H] -> q f[T, Hq, D], k, v f[T, Hkv, D], keys and queries rotated: per token.
+    lora: the layer's adapters (model/lora.py), whose deltas each projection adds."""
     t, d = x.shape[0], cfg.head_dim
     hq, hkv = cfg.num_heads * d, cfg.num_kv_heads * d
     eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
-    qkv = matmul(rms_norm(x, lp["attn_norm"], eps, offset), lp["w_qkv"])
+    h = rms_norm(x, lp["attn_norm"], eps, offset)
+    qkv = matmul(h, lp["w_qkv"])
+    if lora is not None:
+        qkv = qkv + lora("w_qkv", h)
     if cfg.attention_bias:
         qkv = qkv + lp["b_qkv"]
     q, k, v = qkv[:, :hq], qkv[:, hq:hq + hkv], qkv[:, hq + hkv:]
@@ -136,11 +140,12 @@ def _qkv(cfg: ModelConfig, lp, x, rope):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.reshape(t, cfg.num_kv_heads, d)
 
 
-def _out_mlp(cfg: ModelConfig, lp, x, o, sum_shards):
+def _out_mlp(cfg: ModelConfig, lp, x, o, sum_shards, lora=None):
     """The attention output o f[T, Hq, D] projected and added to x f[T, H], then the MLP:
     per token (a mixture's routing aside)."""
     eps, offset = cfg.rms_norm_eps, cfg.norm_weight_offset
-    o = sum_shards(matmul(o.reshape(o.shape[0], -1), lp["wo"]))
+    o = o.reshape(o.shape[0], -1)
+    o = sum_shards(matmul(o, lp["wo"]) if lora is None else matmul(o, lp["wo"]) + lora("wo", o))
     if "bo" in lp:  # the output projection's bias (gpt-oss), once after the sum over devices
         o = o + lp["bo"]
     if cfg.sandwich_norms:
@@ -151,35 +156,42 @@ def _out_mlp(cfg: ModelConfig, lp, x, o, sum_shards):
     if "router" in lp:  # a sparse layer of a mixture of experts
         o = moe.sparse_mlp(cfg, h, lp, act, sum_shards)  # summed under expert parallelism
     else:
-        gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
-        o = sum_shards(matmul(act(gate) * up, lp["w_down"]))
+        gate_up = matmul(h, lp["w_gate_up"])
+        if lora is not None:
+            gate_up = gate_up + lora("w_gate_up", h)
+        gate, up = jnp.split(gate_up, 2, axis=-1)
+        a = act(gate) * up
+        o = sum_shards(matmul(a, lp["w_down"]) if lora is None
+                       else matmul(a, lp["w_down"]) + lora("w_down", a))
     if cfg.sandwich_norms:
         o = rms_norm(o, lp["post_mlp_norm"], eps, offset)
     return x + o
 
 
 def decoder_layer(cfg: ModelConfig, backend: attention.AttentionBackend, md: AttentionMetadata,
-                  rope, window, x, cache: KVCache, lp, sum_shards):
+                  rope, window, x, cache: KVCache, lp, sum_shards, lora=None):
     """One layer of `forward` (x f[T, H] -> (x, cache)); also kv_smoothing's calibration. On a
     batch-invariant backend the per-token parts run in fixed row tiles, whole (transcendentals
     included: a vector loop's tail may round differently), model/batch_invariant.py; a
-    tile is one call of the backend's matmul."""
+    tile is one call of the backend's matmul. lora: the layer's adapters (model/lora.py; not
+    with a batch-invariant backend)."""
     if getattr(backend, "batch_invariant", False):
         q, k, v = by_row_tiles(lambda a: _qkv(cfg, lp, *a), (x, rope))
     else:
-        q, k, v = _qkv(cfg, lp, x, rope)
+        q, k, v = _qkv(cfg, lp, x, rope, lora)
     cache = attention.write(backend, cache, k, v, md.slot_mapping)
     o = attention.attend(backend, q, cache, md, sm_scale=cfg.attention_scale, window=window,
                          soft_cap=cfg.attn_logit_softcapping, sinks=lp.get("sinks"))
     if getattr(backend, "batch_invariant", False):
         return by_row_tiles(lambda a: _out_mlp(cfg, lp, *a, sum_shards),
                             (x, o)), cache
-    return _out_mlp(cfg, lp, x, o, sum_shards), cache
+    return _out_mlp(cfg, lp, x, o, sum_shards, lora), cache
 
 
 def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=None, *,
-            cfg: ModelConfig, backend: attention.AttentionBackend):
+            cfg: ModelConfig, backend: attention.AttentionBackend, lora=None):
     """token_ids i32[T] -> (pool with this step's KV written, final hidden states f[T, H]).
+    lora: the step's LoRA adapters (model/lora.py's Adapters; unrolled layers only), None: none.
 
     Under tensor parallelism (jaxserve/runtime/sharding.py) this runs on one device's shards:
     cfg counts that device's heads and MLP columns, and sum_shards(x) adds the partial outputs
@@ -202,6 +214,8 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=N
         local_rope = tables(md.positions, cfg.head_dim, cfg.rope_local_theta)
 
     if layer_scan.is_scanned(params):  # scan_layers: stacked weights, one pool of all pages
+        if lora is not None:
+            raise ValueError("LoRA adapters run on unrolled layers only (scan_layers off)")
         pool, x = layer_scan.run_layers(
             params, pool, x, md, cfg=cfg, rope_of=lambda w: rope if w is None else local_rope,
             layer=lambda md, w, r, x, c, lp: decoder_layer(cfg, backend, md, r, w, x, c, lp,
@@ -218,7 +232,8 @@ def forward(params, pool: KVPool, token_ids, md: AttentionMetadata, sum_shards=N
         g, s = groups.slot_of[i]
         x, caches[s] = decoder_layer(cfg, backend, md.for_group(g),
                                      rope if window is None else local_rope, window, x,
-                                     caches[s], lp, sum_shards)
+                                     caches[s], lp, sum_shards,
+                                     None if lora is None else lora.layer(i))
     return KVPool(tuple(caches)), final_norm(x)
 
 

@@ -37,6 +37,7 @@ class StepBatch:
     sampling: SamplingMetadata
     prompt_targets: jax.Array  # i32[T] next prompt token after each token (for prompt logprobs)
     prompt_logprobs: int = static_field()  # -1: none; k >= 0: return prompt logprobs and top k
+    lora_slots: jax.Array | None = None  # i32[T] each token's LoRA adapter slot (Buckets.lora)
 
 
 def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
@@ -70,6 +71,7 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
     seq_lens = np.zeros(num_rows, np.int32)
     query_start = np.zeros(num_rows + 1, np.int32)
     prompt_targets = np.zeros(t, np.int32)
+    lora_slots = np.zeros(t, np.int32) if buckets.lora else None  # padding: slot 0, the base
     prompt_k = -1
     rows = []  # (flat index of the token whose logits are sampled, sequence)
     offsets = []
@@ -94,6 +96,8 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
             token_ids[first:first + n] = chunk.input_token_ids
         positions[first:first + n] = pos
         token_row[first:first + n] = row
+        if lora_slots is not None:
+            lora_slots[first:first + n] = chunk.lora_slot
         nonlocal prompt_k
         wanted = seq.sampling_params.prompt_logprobs
         if wanted is not None and start < seq.num_prompt_tokens:
@@ -159,7 +163,8 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
             num_top_logprobs=-1 if max_logprobs < 0 else Buckets.fit(buckets.logprobs,
                                                                      max_logprobs)),
         prompt_targets=prompt_targets,
-        prompt_logprobs=-1 if prompt_k < 0 else Buckets.fit((0,) + buckets.logprobs, prompt_k))
+        prompt_logprobs=-1 if prompt_k < 0 else Buckets.fit((0,) + buckets.logprobs, prompt_k),
+        lora_slots=lora_slots)
     return batch, len(rows), offsets
 
 

@@ -39,6 +39,7 @@ class Buckets:
     packed: bool = False  # decode rows packed with the prefill chunks (see the module docstring)
     # Speculative decoding's drafts per sequence: a verification chunk samples at every token.
     spec_tokens: int = 0
+    lora: bool = False  # LoRA adapters served: every step carries each token's adapter slot
 
     @classmethod
     def for_engine(cls, max_num_seqs: int, max_num_batched_tokens: int, max_pages_per_seq: int,

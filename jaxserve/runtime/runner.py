@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 from typing import Callable
 
@@ -36,6 +35,8 @@ from jaxserve.runtime.batch import (StepBatch, build_batch, warmup_batches, warm
 from jaxserve.runtime import custom_model, distributed, param_update, sharding
 from jaxserve.runtime.params import JNP_DTYPES, device_params
 from jaxserve.runtime.buckets import Buckets
+from jaxserve.runtime.compilation_cache import use_compilation_cache
+from jaxserve.runtime.lora_stack import LoRAStack, step_args
 from jaxserve.runtime.logit_controls import LogitControls
 from jaxserve.runtime.precompile import Precompiler
 from jaxserve.runtime.sampling import RAW_LOGPROBS, XLA, SamplingMetadata, log_softmax, sample
@@ -78,13 +79,14 @@ def _model(cfg: ModelConfig, backend: Backend, mesh: Mesh):
     return sharding.tensor_parallel_forward(per_device, mesh)
 
 
-def _step(params, pool: KVPool, batch: StepBatch, feed, *, cfg: ModelConfig, backend: Backend,
-          mesh: Mesh):
+def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: ModelConfig,
+          backend: Backend, mesh: Mesh):
     # Tokens sampled by the previous step (still in flight when this one was planned) come in
     # as `feed`, the previous step's padded sample ids, and go out the same way.
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
-    pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn)
+    pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn,
+                                              **step_args(lora, batch.lora_slots))
     # The sample rows' logits stay on the device for _sample_rows.
     out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg, backend)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
@@ -123,19 +125,6 @@ def release_compiled_steps() -> None:
     jax.clear_caches()
 
 
-def _use_compilation_cache() -> None:
-    """Keep compiled steps on disk across processes (JAX's persistent compilation cache), in
-    $XDG_CACHE_HOME/jaxserve/xla unless JAX_COMPILATION_CACHE_DIR already names a directory:
-    the unrolled model compiles slowly and loads from the cache much faster."""
-    if jax.config.jax_compilation_cache_dir is None:
-        root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-        jax.config.update("jax_compilation_cache_dir", os.path.join(root, "jaxserve", "xla"))
-    # JAX caches only compiles over 1 s by default; the cpu backend's steps compile in under
-    # a second each, so none would be kept.
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-
-
 def _signature(batch) -> tuple:
     """A jitted call's cache key: the model step's is its batch without the sampling metadata
     (sampled in _sample_rows)."""
@@ -151,14 +140,16 @@ class ModelRunner:
                  backend: Backend = XLA, quantization: str = "none",
                  max_sample_rows: int = 512, huge_pages: bool = False, mesh: Mesh | None = None,
                  scan_layers: bool = False, expert_parallel: bool = False,
-                 fingerprint: str | None = None, logprobs_mode: str = RAW_LOGPROBS):
+                 fingerprint: str | None = None, logprobs_mode: str = RAW_LOGPROBS,
+                 lora: tuple[int, int] | None = None):
         """mesh: this runner's ("dp", "tp") devices, one row (sharding.replica_mesh); default
         the first device. scan_layers: the layers' weights stacked and run by lax.scan, the pool
         one cache of every layer's pages (model/layer_scan.py). expert_parallel: a mixture of
         experts' experts spread over the tp devices (sharding.place_params). fingerprint: the
         weights' (LoadedModel.fingerprint), which keeps int8 KV's calibration on disk.
-        logprobs_mode: what sampled logprobs are of (runtime/sampling.py)."""
-        _use_compilation_cache()
+        logprobs_mode: what sampled logprobs are of (runtime/sampling.py). lora: (slots, rank)
+        of a LoRA adapter stack passed to every step (runtime/lora_stack.py); None: none."""
+        use_compilation_cache()
         self.cfg, self.scan_layers = cfg, scan_layers
         self.mesh = mesh or sharding.make_mesh(1)
         self.dtype = JNP_DTYPES[dtype]
@@ -177,6 +168,8 @@ class ModelRunner:
         self.logprobs_mode = logprobs_mode
         self.channel = None
         self.reset_pool()
+        self.lora = LoRAStack.zeros(cfg, *lora, self.dtype, self.mesh) if lora else None
+        self._adapters = {"lora": self.lora} if lora else {}  # the step's argument, if any
         # Process 0 of several sends its device calls to the others (distributed.follow).
         if jax.process_count() > 1 and jax.process_index() == 0:
             self.channel = distributed.Channel()
@@ -291,7 +284,8 @@ class ModelRunner:
         self._compiled(_signature(batch))
         feed = self._no_feed if after is None else after["feed"]
         self.pool, out = self._step(self.params, pool=self.pool,
-                                    batch=dataclasses.replace(batch, sampling=None), feed=feed)
+                                    batch=dataclasses.replace(batch, sampling=None), feed=feed,
+                                    **self._adapters)
         if sample:
             self._sample_local(out, batch.sampling, controls)
         return out
@@ -353,7 +347,7 @@ class ModelRunner:
         batch, _ = self._shape_batch(shape, buckets, prompt_logprobs)
         m = self._step.lower(self.params, pool=self.pool,
                              batch=dataclasses.replace(batch, sampling=None),
-                             feed=self._no_feed).compile().memory_analysis()
+                             feed=self._no_feed, **self._adapters).compile().memory_analysis()
         return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
     def run_shape(self, shape, buckets: Buckets) -> None:
@@ -390,7 +384,8 @@ class ModelRunner:
     # The compiled executables stay in the jitted functions' caches alone (release_compiled_steps
     # frees them): a job returns at most the type of what its step's sampling call receives.
     def _compile_step(self, pool, step: StepBatch) -> jax.ShapeDtypeStruct:
-        compiled = self._step.lower(self.params, pool=pool, batch=step, feed=self._no_feed)
+        compiled = self._step.lower(self.params, pool=pool, batch=step, feed=self._no_feed,
+                                    **self._adapters)
         return compiled.compile().out_info[1]["logits"]
 
     def _compile_sampling(self, step_key, sampling: SamplingMetadata, controls) -> None:

@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxserve.backends import pool_layout
 from jaxserve.config import ModelConfig, kv_heads_per_device
 from jaxserve.core import kv_groups
+from jaxserve.model import lora as model_lora
 from jaxserve.model.quantize import GROUP
 
 AXES = ("dp", "tp")
@@ -239,21 +240,34 @@ def pool_sharding(mesh: Mesh, pool=None):
                                   is_leaf=lambda x: isinstance(x, P))
 
 
+def lora_specs(stack: list[dict]) -> list[dict]:
+    """LoRA adapter stacks (model/lora.py: per layer {module: (A f[S, R, in], B f[S, R, out])})
+    sharded as their projections: a column-parallel one's B on its output columns, a
+    row-parallel one's A on its input rows (its partial deltas join the projection's sum)."""
+    rows = ("o_proj", "down_proj")
+    return [{m: (P(None, None, "tp"), P()) if m in rows else (P(), P(None, None, "tp"))
+             for m in layer} for layer in stack]
+
+
 def tensor_parallel_forward(forward, mesh: Mesh):
     """forward(params, pool, token_ids, md, sum_shards) -> (pool, hidden), the model on one
     device's shards, run on every device of the mesh; returns the same function of the sharded
-    params and pool (sum_shards is the all-reduce over "tp")."""
-    def per_device(params, pool, token_ids, md):
-        return forward(params, pool, token_ids, md, lambda x: jax.lax.psum(x, "tp"))
+    params and pool (sum_shards is the all-reduce over "tp"), and of LoRA adapters if given
+    (model/lora.py's Adapters, sharded by lora_specs)."""
+    def per_device(params, pool, token_ids, md, *lora):
+        extra = {"lora": model_lora.Adapters(*lora)} if lora else {}
+        return forward(params, pool, token_ids, md, lambda x: jax.lax.psum(x, "tp"), **extra)
 
-    def run(params, pool, token_ids, md):
+    def run(params, pool, token_ids, md, lora=None):
         pool_spec = pool_specs(pool)
+        adapters = () if lora is None else (lora.stack, lora.slots)
+        specs = () if lora is None else (lora_specs(lora.stack), P())
         return jax.shard_map(per_device, mesh=mesh,
-                             in_specs=(param_specs(params), pool_spec, P(), P()),
+                             in_specs=(param_specs(params), pool_spec, P(), P(), *specs),
                              out_specs=(pool_spec, P()),
                              # The attention's loops and kernels are not written for JAX's
                              # varying-axis checks; the hidden output is replicated by psum.
-                             check_vma=False)(params, pool, token_ids, md)
+                             check_vma=False)(params, pool, token_ids, md, *adapters)
 
     return run
 

@@ -266,9 +266,14 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                            code="client_closed") from None
         return b"".join(data)
 
+    adapters = {lora.lora_name: lora for lora in aengine.served_model.lora_modules}
+
     async def submit(parsed, salt: str | None) -> RequestGroup:
+        prompts = parsed.prompts
+        if parsed.model in adapters:  # a LoRA adapter's name: its prompts run under it
+            prompts = [{**p, "lora_request": adapters[parsed.model]} for p in prompts]
         try:
-            return await aengine.add(parsed.prompts, parsed.params, cache_salt=salt)
+            return await aengine.add(prompts, parsed.params, cache_salt=salt)
         except EngineOverloaded as e:
             raise APIError(str(e), status=503, type="server_overloaded",
                            code="overloaded") from None
@@ -378,7 +383,9 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         created = int(time.time())
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
-             "max_model_len": ctx.max_model_len} for name in ctx.model_names]}
+             "max_model_len": ctx.max_model_len,
+             **({"parent": ctx.model_names[0], "root": adapters[name].lora_path}
+                if name in adapters else {})} for name in ctx.model_names]}
 
     add_health_routes(app, aengine)
     if config.enable_weight_updates:

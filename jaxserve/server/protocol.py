@@ -67,7 +67,8 @@ class ProtocolContext:
                    max_tokens_limit: int | None = None, tool_call_parser: str = "auto",
                    reasoning_parser: str | None = None) -> "ProtocolContext":
         served = engine.served_model  # engine/client.py's ServedModel
-        return cls(model_names=model_names or (served.name,),
+        adapters = tuple(lora.lora_name for lora in served.lora_modules)  # served by name too
+        return cls(model_names=(model_names or (served.name,)) + adapters,
                    tokenizer=served.tokenizer, max_model_len=served.max_model_len,
                    vocab_size=served.vocab_size, max_tokens_limit=max_tokens_limit,
                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
