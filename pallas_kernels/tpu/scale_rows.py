@@ -69,17 +69,17 @@ def write(rows: jax.Array, page: jax.Array, offset: jax.Array, k_scale: jax.Arra
                                ((0, 0), (0, width - num_kv_heads * stride)))
     values = jnp.where(is_value[None], spread(v_scale), spread(k_scale))  # [T, L]
     mine = used[None] & (lane_slot[None] == offset[:, None])  # [T, L]: lanes token t writes
-    same_page = page[:, None] == page[None, :]  # [T, T]
+    same_page = (page[:, None] == page[None, :]).astype(jnp.float32)  # [T, T]
     # Each lane of a page has at most one writer, so summing over the page's tokens picks its
-    # value: done on the value's four bytes (exact in bfloat16, summed in f32; a NaN scale
-    # stays in its own lane), with a count of writers beside them.
+    # value: done on the value's bits in two 16-bit halves (exact in f32; a NaN scale stays in
+    # its own lane), with a count of writers beside them.
     bits = jax.lax.bitcast_convert_type(values, jnp.uint32)
-    parts = [(bits >> shift) & 0xFF for shift in (24, 16, 8, 0)] + [jnp.ones_like(bits)]
-    parts = jnp.where(jnp.tile(mine, (1, 5)), jnp.concatenate(parts, axis=1), 0)
-    summed = jnp.dot(same_page.astype(jnp.bfloat16), parts.astype(jnp.bfloat16),
-                     preferred_element_type=jnp.float32).astype(jnp.uint32)
-    b3, b2, b1, b0, writers = (summed[:, i * width:(i + 1) * width] for i in range(5))
-    merged = jax.lax.bitcast_convert_type((b3 << 24) | (b2 << 16) | (b1 << 8) | b0, jnp.float32)
+    parts = jnp.concatenate([(bits >> 16).astype(jnp.float32),
+                             (bits & 0xFFFF).astype(jnp.float32), jnp.ones_like(values)], axis=1)
+    summed = jnp.dot(same_page, jnp.where(jnp.tile(mine, (1, 3)), parts, 0.0),
+                     precision=jax.lax.Precision.HIGHEST).astype(jnp.uint32)
+    hi, lo, writers = (summed[:, i * width:(i + 1) * width] for i in range(3))
+    merged = jax.lax.bitcast_convert_type((hi << 16) | lo, jnp.float32)
     new = jnp.where(writers > 0, merged, rows[page])
     # The new rows are made before the scatter starts: fused into it, their read of `rows`
     # would make XLA copy the whole array to write it in place.
