@@ -325,6 +325,31 @@ def test_scale_rows_write_matches_pack():
                                       np.asarray(scale_rows.pack(jnp.asarray(k), jnp.asarray(v))))
 
 
+def test_int8_flat_pool_holds_what_the_head_major_pool_holds():
+    """The engine's write (kv_cache.write_kv) into the TPU backend's int8 pool (flat pages and
+    scale rows) stores the head-major pool's pages and scales, over two steps with several
+    tokens on one page."""
+    from jaxserve import backends
+    from jaxserve.model.kv_cache import KVLayout, write_kv
+
+    heads, head_dim, pages, page_size = 3, 64, 6, 16
+    layout = backends.pool_layout(backends.get("pallas-tpu-interpret"), heads, head_dim,
+                                  jnp.int8, num_q_heads=6, q_dtype=jnp.float32)
+    assert layout.page_major and layout.flat
+    flat = layout.zeros(pages, page_size, head_dim, jnp.int8)
+    head = KVLayout(heads).zeros(pages, page_size, head_dim, jnp.int8)
+    rng = np.random.default_rng(5)
+    for slots in ([16, 17, 18, 40, 33], [19, 41, 80]):
+        k, v = (jnp.asarray(rng.standard_normal((len(slots), heads, head_dim)), jnp.float32)
+                for _ in "kv")
+        slots = jnp.asarray(slots, jnp.int32)
+        flat, head = write_kv(flat, k, v, slots), write_kv(head, k, v, slots)
+    expected = page_major(dict(k_pages=head.k, v_pages=head.v), flat=True)
+    np.testing.assert_array_equal(np.asarray(flat.kv), np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(flat.scales),
+                                  np.asarray(scale_rows.pack(head.k_scale, head.v_scale)))
+
+
 def test_int8_decode_path_on_multi_token_rows():
     """The token-at-a-time kernel reads int8 pages for prefill chunks too."""
     case = quantize_case(ragged_case(16, [(20, 20), (0, 0), (13, 4), (9, 1)], page_size=8,

@@ -106,9 +106,9 @@ class KVLayout:
             shape = (num_pages, page_size) + ((2 * heads * head_dim,) if self.flat
                                               else (2 * heads, head_dim))
             scales = None
-            if quantized:  # each device's rows in its own lanes, as its heads
-                lanes = devices * scale_rows.row_lanes(self.heads, page_size)
-                scales = jnp.ones((num_pages, lanes), jnp.float32)
+            if quantized:  # scales of one (as head-major pools), each device's in its lanes
+                ones = jnp.ones((self.heads, num_pages, page_size), jnp.float32)
+                scales = jnp.tile(scale_rows.pack(ones, ones), (1, devices))
             return PagedKV(jnp.zeros(shape, dtype), scales,
                            num_kv_heads=self.model_heads or self.heads)
         shape = (heads, num_pages, page_size, head_dim)
