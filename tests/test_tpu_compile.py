@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.tpu import TpuBlockSizes, jax_kernel, ragged_paged_attention
+from pallas_kernels.tpu import scale_rows
 from pallas_kernels.tpu.attention import uses_decode_path
 from tpu_topology import TOPOLOGIES, abstract, compile_for, tpu_device
 
@@ -203,20 +204,25 @@ def test_head_major_pool_is_copied_per_call(device, kv_dtype, head_dim):
     TPU array row-major only when its minor dim is whole 128-lane tiles (compiled for v6e:
     [N, B, 8, 64] and [N, B, 6, 64] are relayouted too, [N, B, 384] and [N, B, 512] are not), so
     float pages of head dim 64 are served from the flat page-major pool [N, B, 2 * Hkv * D]
-    (test_flat_page_major_pool_is_not_copied_per_call); int8 pages keep this pool, and their
-    scales f32[Hkv, N, B] are still relayouted (a lane-dense scale layout is not done)."""
+    (test_flat_page_major_pool_is_not_copied_per_call), and int8 pages too, with their scales
+    as lane-dense rows per page (scale_rows.py); the head-major int8 pool serves the other head
+    dims, and its scales f32[Hkv, N, B] are still relayouted."""
     case = Case(kv_dtype=kv_dtype, **dict(MEMORY_CASE, head_dim=head_dim))
     compiled, _ = compile_case(case, device)
     assert pool_copies(compiled, case) == 0
 
 
-# Our kernels over the flat page-major pool f[N, B, 2 * Hkv * D] (float pages; head dims 64 to
-# 256, both paths, windows, soft caps, GQA with 3 KV heads).
+# Our kernels over the flat page-major pool f[N, B, 2 * Hkv * D] (float and int8 pages; head
+# dims 64 to 256, both paths, windows, soft caps, sinks, GQA with 3 KV heads, page sizes 8 to
+# 128: scale rows of one, several or part of a 128-lane tile per head).
 FLAT_CASES = [
     Case("decode", BF16, BF16, 64, 3, 3, 16, pages_per_block=4),
     Case("prefill", F32, BF16, 64, 3, 3, 8, window=100, soft_cap=30.0, sinks=True),
     Case("decode", F32, F32, 128, 2, 4, 32, window=64, soft_cap=50.0, sinks=True),
     Case("prefill", BF16, F32, 256, 1, 8, 16, pages_per_block=1),
+    Case("decode", BF16, I8, 64, 3, 3, 16, window=100, sinks=True),  # int8: + scale rows
+    Case("prefill", F32, I8, 128, 2, 4, 8, soft_cap=30.0, pages_per_block=3),
+    Case("decode", F32, I8, 256, 1, 2, 128, pages_per_block=1),
 ]
 
 
@@ -225,6 +231,10 @@ def compile_flat_case(case: Case, device):
     args["k_pages"] = abstract((case.num_pages, case.page_size,
                                 2 * case.kv_heads * case.head_dim), case.kv_dtype, device)
     args["v_pages"] = None
+    if case.kv_dtype == I8:  # the scales as rows f32[N, L] (scale_rows.py)
+        del args["k_scale"], args["v_scale"]
+        args["kv_scales"] = abstract(
+            (case.num_pages, scale_rows.row_lanes(case.kv_heads, case.page_size)), F32, device)
     attend = functools.partial(
         ragged_paged_attention, sm_scale=case.head_dim ** -0.5, window=case.window,
         soft_cap=case.soft_cap, interpret=False,
@@ -241,17 +251,20 @@ def test_flat_page_major_compiles(device, case):
     assert "tpu_custom_call" in compiled.as_text()
 
 
-def test_flat_page_major_pool_is_not_copied_per_call(device):
+@pytest.mark.parametrize("kv_dtype", [BF16, I8], ids=_NAMES.get)
+def test_flat_page_major_pool_is_not_copied_per_call(device, kv_dtype):
     """SmolLM2's shapes (head dim 64, 3 KV heads) over 4096 pages in the flat page-major pool:
-    bf16[4096, 16, 384] is lane-dense, so XLA keeps it row-major and the kernel reads it in
-    place (the head-major pool of the same bytes is relayouted per call, above)."""
-    case = Case(kv_dtype=BF16, **MEMORY_CASE)
+    [4096, 16, 384] is lane-dense, so XLA keeps it row-major and the kernel reads it in place
+    (the head-major pool of the same bytes is relayouted per call, above); so are int8 pages'
+    scale rows f32[4096, 128], where the head-major f32[3, 4096, 16] were relayouted."""
+    case = Case(kv_dtype=kv_dtype, **MEMORY_CASE)
     compiled, _ = compile_flat_case(case, device)
     text, stats = compiled.as_text(), compiled.memory_analysis()
-    print(f"\n{device.device_kind} flat bf16[4096, 16, 384]: {stats}")
+    print(f"\n{device.device_kind} flat {_NAMES[kv_dtype]}[4096, 16, 384]: {stats}")
     assert "[4096,16,384]" in text
     assert not re.search(r"\[4096,16,384\]\{[^}]*\} copy\(", text)
-    assert stats.argument_size_in_bytes >= 4096 * 16 * 384 * 2
+    assert not re.search(r"\[4096,128\]\{[^}]*\} copy\(", text)
+    assert stats.argument_size_in_bytes >= 4096 * 16 * 384 * jnp.dtype(kv_dtype).itemsize
 
 
 # JAX's kernel over the page-major pool: every value of every option it takes, over both paths

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.tpu import jax_kernel, ragged_paged_attention
+from pallas_kernels.tpu import jax_kernel, ragged_paged_attention, scale_rows
 from pallas_kernels.tpu.common import attention_cost, row_reads
 from tpu_topology import abstract, tpu_device
 
@@ -28,9 +28,11 @@ def _compile(layout, head_dim, kv_heads, dtype, device, *, tokens=T, window=None
         args = (q, kv, *meta)
     elif layout == "flat":
         kv = abstract((N, B, 2 * kv_heads * head_dim), dtype, device)
-        fn = lambda q, kv, *m: ragged_paged_attention(  # noqa: E731
-            q, kv, None, *m, sm_scale=0.1, window=window)
-        args = (q, kv, *meta)
+        scales = None if dtype != jnp.int8 else abstract(
+            (N, scale_rows.row_lanes(kv_heads, B)), jnp.float32, device)
+        fn = lambda q, kv, s, *m: ragged_paged_attention(  # noqa: E731
+            q, kv, None, *m, sm_scale=0.1, window=window, kv_scales=s)
+        args = (q, kv, scales, *meta)
     else:
         k = abstract((kv_heads, N, B, head_dim), dtype, device)
         scale = abstract((kv_heads, N, B), jnp.float32, device)
@@ -46,6 +48,7 @@ def _compile(layout, head_dim, kv_heads, dtype, device, *, tokens=T, window=None
     ("flat", 64, 3, jnp.bfloat16, T, None),  # ours, decode path
     ("flat", 64, 3, jnp.bfloat16, 64, None),  # ours, prefill path (T > S)
     ("head", 128, 2, jnp.int8, T, 128),  # ours, int8 pages with scales, a window
+    ("flat", 64, 3, jnp.int8, 64, None),  # ours, int8 pages with their scale rows, prefill
 ])
 def test_each_kernel_declares_the_pages_it_reads(layout, head_dim, kv_heads, dtype, tokens,
                                                  window):

@@ -79,7 +79,8 @@ def test_the_tpu_backend_chooses_the_layout():
     # JAX's kernel would block 4 of 8 f32 query heads, which Mosaic refuses
     assert layout(tpu, 8, 128, jnp.float32, 1, jnp.float32) == flat(8)
     assert layout(interpreted, 3, 128, jnp.bfloat16) == flat(3)  # JAX's does not interpret
-    assert layout(tpu, 8, 128, jnp.int8) == KVLayout(8)  # per-token scales: head-major
+    assert layout(tpu, 8, 128, jnp.int8) == flat(8)  # ours: pages and their scale rows
+    assert layout(tpu, 2, 32, jnp.int8) == KVLayout(2)  # head-major, scales [Hkv, N, B]
     assert layout(tpu, 2, 32, jnp.bfloat16) == KVLayout(2)  # 2D = 64 lanes: not whole tiles
     assert layout(cpu, 3, 128, jnp.bfloat16) == KVLayout(3)
 

@@ -22,6 +22,7 @@ from attention_cases import (EXTREME_TOL, F64_TOL, RAGGED_SHAPES, TOL, assert_cl
 from pallas_kernels.reference import (ref_paged_decode_attention, ref_ragged_paged_attention,
                                       ref_ragged_paged_attention_f64)
 from pallas_kernels.tpu import TpuBlockSizes, ragged_paged_attention, validate_inputs
+from pallas_kernels.tpu import scale_rows
 from pallas_kernels.tpu.attention import uses_decode_path
 from pallas_kernels.tpu.decode_attention import decode_attention
 from pallas_kernels.tpu.prefill_attention import prefill_attention
@@ -279,6 +280,74 @@ def test_int8_pages_match_float64(path, page_size, group, dtype):
     assert_close(out, dense_f64(case, 0.125), TOL[dtype])
     if path == "prefill":
         np.testing.assert_array_equal(np.asarray(out[-3:], np.float32), 0)  # padding tokens
+
+
+@pytest.mark.parametrize("path,page_size,head_dim,num_kv_heads", [
+    ("decode", 16, 64, 3), ("prefill", 8, 128, 2), ("prefill", 16, 64, 1)])
+def test_int8_page_major_pool_equals_head_major(path, page_size, head_dim, num_kv_heads):
+    """int8 pages in the flat page-major pool with their scales as lane-dense rows per page
+    (kv_scales f32[N, L], scale_rows.pack; NaN scales in garbage slots) give exactly the
+    head-major pool's outputs, and the float64 oracle's."""
+    rows = mixed_rows(page_size, long=3 * page_size + 1)
+    if path == "decode":
+        rows = [(n, 1 if n else 0) for n, _ in rows]
+    case = quantize_case(ragged_case(17, rows, page_size=page_size, num_kv_heads=num_kv_heads,
+                                     group=2, head_dim=head_dim))
+    case["q"] = case["q"][:len(rows)] if path == "decode" else case["q"]
+    assert uses_decode_path(case["q"].shape[0], len(rows)) == (path == "decode")
+    sizes = TpuBlockSizes(block_q=16, pages_per_block=2)
+    out = ragged_paged_attention(
+        case["q"], page_major(case, flat=True), None, case["page_tables"], case["seq_lens"],
+        case["query_start"], sm_scale=0.125, interpret=interpret, block_sizes=sizes,
+        kv_scales=scale_rows.pack(case["k_scale"], case["v_scale"]))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(attend(case, 0.125,
+                                                                     block_sizes=sizes)))
+    assert_close(out, dense_f64(case, 0.125), TOL[jnp.float32])
+
+
+def test_scale_rows_write_matches_pack():
+    """scale_rows.write (the step's write: whole rows, tokens of one page merged) gives what
+    packing head-major scales written slot by slot gives, NaN scales and page sizes whose 2B is
+    not a power of two included."""
+    rng = np.random.default_rng(3)
+    for page_size, heads in ((16, 3), (12, 2), (128, 1)):
+        n = 6
+        k, v = (rng.standard_normal((heads, n, page_size)).astype(np.float32) for _ in "kv")
+        slots = rng.choice(n * page_size, 11, replace=False)
+        nk, nv = (rng.standard_normal((11, heads)).astype(np.float32) for _ in "kv")
+        nk[3, 0] = np.nan
+        rows = scale_rows.write(scale_rows.pack(jnp.asarray(k), jnp.asarray(v)),
+                                jnp.asarray(slots // page_size), jnp.asarray(slots % page_size),
+                                jnp.asarray(nk), jnp.asarray(nv), page_size)
+        k[:, slots // page_size, slots % page_size] = nk.T
+        v[:, slots // page_size, slots % page_size] = nv.T
+        np.testing.assert_array_equal(np.asarray(rows),
+                                      np.asarray(scale_rows.pack(jnp.asarray(k), jnp.asarray(v))))
+
+
+def test_int8_flat_pool_holds_what_the_head_major_pool_holds():
+    """The engine's write (kv_cache.write_kv) into the TPU backend's int8 pool (flat pages and
+    scale rows) stores the head-major pool's pages and scales, over two steps with several
+    tokens on one page."""
+    from jaxserve import backends
+    from jaxserve.model.kv_cache import KVLayout, write_kv
+
+    heads, head_dim, pages, page_size = 3, 64, 6, 16
+    layout = backends.pool_layout(backends.get("pallas-tpu-interpret"), heads, head_dim,
+                                  jnp.int8, num_q_heads=6, q_dtype=jnp.float32)
+    assert layout.page_major and layout.flat
+    flat = layout.zeros(pages, page_size, head_dim, jnp.int8)
+    head = KVLayout(heads).zeros(pages, page_size, head_dim, jnp.int8)
+    rng = np.random.default_rng(5)
+    for slots in ([16, 17, 18, 40, 33], [19, 41, 80]):
+        k, v = (jnp.asarray(rng.standard_normal((len(slots), heads, head_dim)), jnp.float32)
+                for _ in "kv")
+        slots = jnp.asarray(slots, jnp.int32)
+        flat, head = write_kv(flat, k, v, slots), write_kv(head, k, v, slots)
+    expected = page_major(dict(k_pages=head.k, v_pages=head.v), flat=True)
+    np.testing.assert_array_equal(np.asarray(flat.kv), np.asarray(expected))
+    np.testing.assert_array_equal(np.asarray(flat.scales),
+                                  np.asarray(scale_rows.pack(head.k_scale, head.v_scale)))
 
 
 def test_int8_decode_path_on_multi_token_rows():

@@ -27,17 +27,6 @@ MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "max_position_embeddings": 2048, "tie_word_embeddings": False, "eos_token_id": 1}
 HEADS = {64: (32, 8), 128: (16, 8)}  # head dim -> (query heads, KV heads)
 DECODE, PREFILL = 8, 64  # tokens: 8 rows of one token; 64 tokens in 8 rows
-# Cases that fail today, each with what the report found (strict: a fix must remove them).
-# Measured (head dim 128, 8 KV heads, 4096 pages): XLA lays the f32 scales [Hkv, N, B] (2 MB)
-# out with N minor, and for their scatter copies them to heads minor, padded to 128 lanes
-# (33.5 MB), and back: writing one layer's scales alone counts 71 MB; the step's bytes grow
-# with the pool (+243 MB a layer from 4096 to 8192 pages). The s8 pages scatter in place.
-INT8_RELAYOUT = ("int8 pages: the f32 scales [Hkv, N, B] are copied per layer and step to a "
-                 "heads-minor layout padded 16x for their scatter, and back")
-KNOWN = {(g, d, "int8", t): INT8_RELAYOUT for g in ("v5e", "v6e") for d in HEADS
-         for t in (DECODE, PREFILL)}
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     dirs = {}
@@ -77,7 +66,7 @@ CASES = [(g, d, kv) for g in ("v5e", "v6e") for d in (64, 128) for kv in ("auto"
 
 
 @pytest.mark.parametrize("generation,head_dim,kv", CASES)
-def test_step_bytes_are_the_necessary_bytes(model_dir, generation, head_dim, kv, request):
+def test_step_bytes_are_the_necessary_bytes(model_dir, generation, head_dim, kv):
     report = _report(model_dir, head_dim, kv, f"{generation}:2x2")
     steps = {s["tokens"]: s for s in report["steps"]}
     assert set(steps) == {DECODE, PREFILL} and all(s["rows"] == 8 for s in steps.values())
@@ -85,14 +74,7 @@ def test_step_bytes_are_the_necessary_bytes(model_dir, generation, head_dim, kv,
     print(generation, head_dim, kv, ratios, {t: s["seconds_ratio"] for t, s in steps.items()})
     for tokens, step in steps.items():
         assert step["unpriced_ops"] == 0 and step["estimated_seconds"] > 0
-        known = KNOWN.get((generation, head_dim, kv, tokens))
-        if known is not None:
-            assert not 0.95 <= ratios[tokens] <= 1.15, f"fixed: {known}"  # strict
-            continue
         assert 0.95 <= ratios[tokens] <= 1.15, (tokens, step)
-    if any((generation, head_dim, kv, t) in KNOWN for t in steps):
-        pytest.xfail("; ".join(KNOWN[generation, head_dim, kv, t] for t in steps
-                               if (generation, head_dim, kv, t) in KNOWN))
 
 
 def test_a_gemma2_shaped_step_compiles_for_v5e(tmp_path):

@@ -4,7 +4,8 @@ chip, XLA and Mosaic run, nothing executes. Two small configs, one step shape ea
 step of decode rows and prefill chunks (llama shapes with 3 KV heads of dim 128: JAX's kernel
 over the page-major bf16 pool, heads padded to 4, compiled under jax_kernel.compile_target) and
 a Gemma-2-like step (a sliding and a full layer, soft caps, head dim 64) over int8 KV pages (our
-kernels, head-major pool). Each compiled step's per-chip bytes come from its memory analysis."""
+kernels, the flat page-major pool with its scales as rows per page). Each compiled step's
+per-chip bytes come from its memory analysis."""
 
 from __future__ import annotations
 
@@ -59,18 +60,24 @@ def test_the_engine_step_compiles_for_tpu(runners, case, generation):
     shape = buckets.step_shapes(PAGE)[-1]  # the largest: decode rows and prefill chunks
     batch, _, _ = build_batch(warmup_plan(shape, buckets, PAGE), buckets, PAGE)
     step = _jitted_step(runner.cfg, runner.backend, runner.mesh)
-    page_major = isinstance(runner.pool.layers[0], PagedKV)
-    assert page_major == (case == "llama-bf16")  # the backend's layout for each
+    cache = runner.pool.layers[0]
+    assert isinstance(cache, PagedKV)  # JAX's kernel's pool, or ours flat (int8: + scale rows)
+    assert cache.quantized == (case == "gemma2-int8") and (cache.kv.ndim == 3) == cache.quantized
     start = time.perf_counter()
     with jax_kernel.compile_target(device):
         compiled = step.lower(_on(runner.params, device), pool=_on(runner.pool, device),
                               batch=_on(dataclasses.replace(batch, sampling=None), device),
                               feed=abstract((2 * buckets.seqs[-1],), np.int32, device)).compile()
     seconds = time.perf_counter() - start
-    if page_major:  # 3 KV heads kept as 4 (JAX's kernel tiles 8 combined, not 6); no relayout
+    if not cache.quantized:  # 3 KV heads kept as 4 (JAX's kernel tiles 8, not 6); no relayout
         assert runner.pool.layers[0].kv.shape == (64, PAGE, 8, 128)
         assert f"[64,{PAGE},8,128]" in compiled.as_text()
         assert not re.search(rf"\[64,{PAGE},8,128\]\{{[^}}]*\}} copy\(", compiled.as_text())
+    else:  # neither the int8 pages nor their scale rows relaid out in HBM (a copy into VMEM,
+        # S(1), is memory-space assignment prefetching this 64-page pool's 32 KB of rows)
+        for name, shape in (("s8", cache.kv.shape), ("f32", cache.scales.shape)):
+            dims = ",".join(map(str, shape))
+            assert not re.search(rf"{name}\[{dims}\]\{{[^}}S]*\}} copy\(", compiled.as_text())
     memory = compiled.memory_analysis()
     pool_bytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(runner.pool))
     print(f"{case} on {generation}: compiled in {seconds:.1f} s; arguments "

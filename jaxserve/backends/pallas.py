@@ -6,15 +6,14 @@ shape per token bucket) and the engine calls nothing else.
 The TPU family's pool is page-major (kv_cache.PagedKV): [N, B, 2 * Hkv', D], whole multi-head
 pages per DMA, where JAX's own TPU kernel applies (pallas_kernels/tpu/jax_kernel.py: float pages,
 head dim a multiple of 128; compiled, never interpreted); the same bytes as lanes
-[N, B, 2 * Hkv * D] for this package's TPU kernels on other float pages with 2D a multiple of
-128 (head dim 64: one DMA per page and head moves its K and V); head-major [Hkv, N, B, D] for
-int8 pages (a scale per token and head) and other head dims."""
+[N, B, 2 * Hkv * D] for this package's TPU kernels on other pages with 2D a multiple of 128
+(head dim 64: one DMA per page and head moves its K and V; int8 pages with their scales as one
+lane-dense row per page, pallas_kernels/tpu/scale_rows.py); head-major [Hkv, N, B, D] for other
+head dims."""
 
 from __future__ import annotations
 
 import functools
-
-import jax.numpy as jnp
 
 from jaxserve.backends import Backend
 from jaxserve.model.kv_cache import KVLayout, PagedKV
@@ -41,7 +40,8 @@ def backend(family: str, *, interpret: bool) -> Backend:
         if isinstance(cache, PagedKV):  # flat lanes, our TPU kernels (gpu/ takes no PagedKV)
             return ragged_paged_attention(q, cache.kv, None, md.page_tables, md.seq_lens,
                                           md.query_start, sm_scale=sm_scale, interpret=interpret,
-                                          window=window, soft_cap=soft_cap, sinks=sinks)
+                                          window=window, soft_cap=soft_cap, sinks=sinks,
+                                          kv_scales=cache.scales)
         return ragged_paged_attention(q, cache.k, cache.v, md.page_tables, md.seq_lens,
                                       md.query_start, sm_scale=sm_scale, interpret=interpret,
                                       k_scale=cache.k_scale, v_scale=cache.v_scale,
@@ -56,8 +56,8 @@ def backend(family: str, *, interpret: bool) -> Backend:
                 q_dtype=q_dtype):
             return KVLayout(jax_kernel.padded_kv_heads(num_kv_heads, dtype), page_major=True,
                             model_heads=num_kv_heads)
-        if family == "tpu" and jnp.dtype(dtype) != jnp.int8 and (2 * head_dim) % 128 == 0:
-            return KVLayout(num_kv_heads, page_major=True, flat=True)  # ours, same bytes
+        if family == "tpu" and (2 * head_dim) % 128 == 0:  # ours, same bytes (int8: + scale rows)
+            return KVLayout(num_kv_heads, page_major=True, flat=True)
         return KVLayout(num_kv_heads)
 
     name = f"pallas-{family}" + ("-interpret" if interpret else "")

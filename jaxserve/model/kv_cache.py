@@ -11,7 +11,8 @@ attention backends name their KV cache shape: head-major KVCache [Hkv, N, B, D] 
 XLA backends, and the TPU kernels of pallas_kernels/tpu where JAX's does not apply), or
 page-major PagedKV [N, B, 2 * Hkv', D] with K and V interleaved on the head axis, so that one
 DMA moves a whole page of every head (JAX's TPU ragged paged attention), or the same bytes as
-lanes [N, B, 2 * Hkv * D] (our TPU kernels, float pages). Above the model's
+lanes [N, B, 2 * Hkv * D] (our TPU kernels; int8 pages with their scales as rows f32[N, L]).
+Above the model's
 write and attention nothing sees the layout: caches copy their own pages (`copy_pages`) and
 name their head axis (`HEAD_AXIS`, for tensor-parallel sharding)."""
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from jaxserve.core.kv_groups import groups_of  # noqa: F401 (the pool's slots: a group's layers)
 from jaxserve.pytree import pytree_dataclass, static_field
+from pallas_kernels.tpu import scale_rows
 
 
 @pytree_dataclass
@@ -60,21 +62,27 @@ class PagedKV:
     dim flattened into lanes, [N, B, 2 * Hkv' * D] (KVLayout.flat: XLA keeps a TPU array
     row-major only when its minor dim is whole 128-lane tiles, which D = 64 is not). Heads past
     the model's (padding a kernel asks for, KVLayout.heads) are never written and read by no
-    query. Float pages only."""
+    query. Flat int8 pages keep their scales as one lane-dense row per page (`scales`,
+    pallas_kernels/tpu/scale_rows.py: XLA keeps it row-major and the step rewrites whole rows
+    in place, where the head-major f32[Hkv, N, B] was relaid out every layer and step)."""
 
     kv: jax.Array  # f[N, B, 2 * Hkv', D] or f[N, B, 2 * Hkv' * D] (per tensor-parallel shard)
-    num_kv_heads: int = static_field()  # Hkv <= Hkv': the model's heads (per shard)
+    scales: jax.Array | None = None  # f32[N, L] for flat int8 pages (scale_rows.row_lanes)
+    num_kv_heads: int = static_field(default=0)  # Hkv <= Hkv': the model's heads (per shard)
 
-    HEAD_AXIS = 2
-    quantized = False
+    HEAD_AXIS = 2  # of the pages; the scale rows' is their last (their lanes, head by head)
 
     @property
     def page_size(self) -> int:
         return self.kv.shape[1]
 
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
     def copy_pages(self, src, dst) -> "PagedKV":
-        return PagedKV(self.kv.at[dst].set(self.kv[src], mode="promise_in_bounds"),
-                       self.num_kv_heads)
+        return jax.tree_util.tree_map(
+            lambda x: x.at[dst].set(x[src], mode="promise_in_bounds"), self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +100,17 @@ class KVLayout:
         """One layer's zeroed cache over `devices` tensor-parallel shards (heads each)."""
         heads = self.heads * devices
         if self.page_major:
-            if jnp.dtype(dtype) == jnp.int8:
-                raise ValueError("page-major pools hold float pages only")
+            quantized = jnp.dtype(dtype) == jnp.int8
+            if quantized and not self.flat:
+                raise ValueError("int8 page-major pools are flat [N, B, 2 * Hkv * D]")
             shape = (num_pages, page_size) + ((2 * heads * head_dim,) if self.flat
                                               else (2 * heads, head_dim))
-            return PagedKV(jnp.zeros(shape, dtype), self.model_heads or self.heads)
+            scales = None
+            if quantized:  # scales of one (as head-major pools), each device's in its lanes
+                ones = jnp.ones((self.heads, num_pages, page_size), jnp.float32)
+                scales = jnp.tile(scale_rows.pack(ones, ones), (1, devices))
+            return PagedKV(jnp.zeros(shape, dtype), scales,
+                           num_kv_heads=self.model_heads or self.heads)
         shape = (heads, num_pages, page_size, head_dim)
         pages = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         if jnp.dtype(dtype) != jnp.int8:
@@ -153,11 +167,15 @@ def write_kv(cache, k: jax.Array, v: jax.Array, slot_mapping: jax.Array):
     mode = "promise_in_bounds"
     if isinstance(cache, PagedKV):  # [T, Hkv, 2, D] -> heads 0..2Hkv of each slot
         t, hkv, d = k.shape
+        scales = cache.scales
+        if cache.quantized:
+            (k, k_scale), (v, v_scale) = quantize_kv(k), quantize_kv(v)
+            scales = scale_rows.write(scales, page, offset, k_scale, v_scale, b)
         kv = jnp.stack([k, v], axis=2).reshape(t, 2 * hkv, d)
         if cache.kv.ndim == 3:  # flat: heads and head dim in lanes
             kv = kv.reshape(t, 2 * hkv * d)
         return PagedKV(cache.kv.at[page, offset, :kv.shape[1]].set(
-            kv.astype(cache.kv.dtype), mode=mode), hkv)
+            kv.astype(cache.kv.dtype), mode=mode), scales, num_kv_heads=hkv)
     # Adjacent advanced indices after a slice keep their place: the update is [Hkv, T, D].
     if not cache.quantized:
         k, v = k.swapaxes(0, 1), v.swapaxes(0, 1)  # [Hkv, T, D]

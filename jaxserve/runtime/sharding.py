@@ -228,7 +228,8 @@ def pool_specs(pool):
     pages [Hkv', N, B, D] and int8 scales [Hkv', N, B] on axis 0, page-major [N, B, 2Hkv', D]
     on axis 2, each shard holding its heads' K and V); `pool` may be abstract."""
     return type(pool)(tuple(
-        jax.tree_util.tree_map(lambda _, a=cache.HEAD_AXIS: P(*[None] * a, "tp"), cache)
+        jax.tree_util.tree_map(  # int8 scale rows [N, L]: their lanes, head by head
+            lambda x, a=cache.HEAD_AXIS: P(*[None] * min(a, len(x.shape) - 1), "tp"), cache)
         for cache in pool.layers))
 
 

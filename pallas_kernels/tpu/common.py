@@ -57,6 +57,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.tpu import scale_rows
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 LANES = 128
 # Finite "minus infinity" for masked scores and the initial running max: keeps exp(m - m')
@@ -111,12 +113,13 @@ def pool_layout(q, k_pages, v_pages, page_tables, seq_lens, *,
                       table, table.shape[0] // page_tables.shape[0])
 
 
-def pool_operands(k_pages, v_pages, k_scale, v_scale) -> tuple:
+def pool_operands(k_pages, v_pages, k_scale, v_scale, kv_scales=None) -> tuple:
     """The pool as the kernels take it (all left in HBM): (K, V) pages, then for int8 pages their
     scales viewed as f32[Hkv, N, 1, B], so one page's scales are a whole [1, B] block; or, for a
-    page-major pool (v_pages None), (kv f[N, B, 2 * Hkv * D],)."""
+    page-major pool (v_pages None), (kv f[N, B, 2 * Hkv * D],), int8 with its scale rows
+    (kv, kv_scales f32[N, L]: scale_rows.py)."""
     if v_pages is None:
-        return (k_pages,)
+        return (k_pages,) if kv_scales is None else (k_pages, kv_scales)
     if k_scale is None:
         return k_pages, v_pages
     scale_shape = (*k_scale.shape[:2], 1, k_scale.shape[2])
@@ -135,10 +138,14 @@ def kv_scratch(pages_per_block: int, page_size: int, head_dim: int, dtype, *,
                quantized: bool, page_major: bool = False) -> list:
     """Scratch for `pipelined_kv_loop`: K and V buffers [2, pages, B, D], for int8 pages K and V
     scale buffers f32[2, pages, 1, B], and DMA semaphores (one row per buffer, one column per
-    slot); a page-major pool's one buffer [2, pages, B, 2D] holds a head's K and V lanes."""
+    slot); a page-major pool's one buffer [2, pages, B, 2D] holds a head's K and V lanes, int8
+    with a buffer f32[2, pages, 1, W] of the scale rows' tiles holding its scales."""
     if page_major:
-        return [pltpu.VMEM((2, pages_per_block, page_size, 2 * head_dim), dtype),
-                pltpu.SemaphoreType.DMA((1, 2))]
+        bufs = [pltpu.VMEM((2, pages_per_block, page_size, 2 * head_dim), dtype)]
+        if quantized:
+            bufs.append(pltpu.VMEM((2, pages_per_block, 1, scale_rows.window_lanes(page_size)),
+                                   jnp.float32))
+        return bufs + [pltpu.SemaphoreType.DMA((len(bufs), 2))]
     buf = pltpu.VMEM((2, pages_per_block, page_size, head_dim), dtype)
     bufs = [buf, buf]
     if quantized:
@@ -154,6 +161,23 @@ def scale_column(buf, slot) -> jax.Array:
     return jnp.concatenate([buf[slot, i].T for i in range(pages_per_block)], axis=0)
 
 
+def row_scale_columns(buf, slot, first_lane, page_size: int) -> tuple:
+    """(K, V) f32[L, 1] scales of the block in `slot` of buf f32[2, pages, 1, W] (scale-row
+    tiles, scale_rows.py): page i's key scales at lanes first_lane .. + B of its [1, W] tile,
+    its value scales next, each made a column by a select and a lane sum (exact: one lane
+    kept; a NaN in another lane is not summed)."""
+    pages_per_block, width = buf.shape[1], buf.shape[3]
+    lane = jax.lax.broadcasted_iota(jnp.int32, (page_size, width), 1)
+    slot_of_row = jax.lax.broadcasted_iota(jnp.int32, (page_size, width), 0)
+    columns = []
+    for start in (first_lane, first_lane + page_size):
+        pick = lane == start + slot_of_row
+        columns.append(jnp.concatenate([
+            jnp.sum(jnp.where(pick, buf[slot, i], 0.0), axis=1, keepdims=True)
+            for i in range(pages_per_block)], axis=0))
+    return tuple(columns)
+
+
 def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_head, pool, bufs,
                       sems):
     """carry = body(block, k f32[L, D], v f32[L, D], carry) for block < num_blocks, double buffered.
@@ -162,11 +186,16 @@ def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_hea
     pool, bufs: (K, V) or, for int8 pages, (K, V, K scale, V scale) refs in HBM and VMEM
     (`split_refs`); int8 blocks reach body dequantized. A page-major pool (KV,) f[N, B, 2HD]
     gives each page's lanes of kv_head, [B, 2D] (K then V), in one DMA: 2D is a multiple of 128,
-    so the slice is whole lane tiles.
+    so the slice is whole lane tiles; int8, (KV, scale rows f32[N, L]) with a second DMA per page
+    moving the [1, W] tile of its row that holds kv_head's scales.
     """
     pages_per_block, page_size, width = bufs[0].shape[1:]
-    page_major = len(pool) == 1
+    page_major = len(pool[0].shape) == 3
     head_dim = width // 2 if page_major else width
+    if page_major and len(pool) == 2:  # where kv_head's scales sit in the scale rows
+        stride, window = scale_rows.head_stride(page_size), bufs[1].shape[3]
+        tile_start = pl.multiple_of(jax.lax.div(kv_head * stride, window) * window, window)
+        first_lane = kv_head * stride - tile_start
 
     def copies(block, slot):
         entry = first_entry(block)
@@ -177,6 +206,10 @@ def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_hea
                 lanes = pl.ds(pl.multiple_of(kv_head * width, width), width)
                 out.append(pltpu.make_async_copy(pool[0].at[page, :, lanes], bufs[0].at[slot, i],
                                                  sems.at[0, slot]))
+                if len(pool) == 2:
+                    out.append(pltpu.make_async_copy(
+                        pool[1].at[pl.ds(page, 1), pl.ds(tile_start, window)],
+                        bufs[1].at[slot, i], sems.at[1, slot]))
                 continue
             for kind, (hbm, buf) in enumerate(zip(pool, bufs)):
                 out.append(pltpu.make_async_copy(hbm.at[kv_head, page], buf.at[slot, i],
@@ -202,7 +235,11 @@ def pipelined_kv_loop(num_blocks, first_entry, body, carry, *, table_ref, kv_hea
         # multiple of 8, an int8 (32-row tiles) or bf16 (16-row tiles) one need not be.
         if page_major:
             kv = bufs[0][slot].astype(jnp.float32).reshape(pages_per_block * page_size, width)
-            return body(block, kv[:, :head_dim], kv[:, head_dim:], carry)
+            k, v = kv[:, :head_dim], kv[:, head_dim:]
+            if len(pool) == 2:  # int8 * scale in float32, as `dequantize_pages` rounds it
+                k_col, v_col = row_scale_columns(bufs[1], slot, first_lane, page_size)
+                k, v = k * k_col, v * v_col
+            return body(block, k, v, carry)
         k, v = (buf[slot].astype(jnp.float32).reshape(pages_per_block * page_size, head_dim)
                 for buf in bufs[:2])
         if len(bufs) == 4:  # int8 * scale in float32, as `dequantize_pages` rounds it
@@ -289,20 +326,33 @@ def pages_read(table_width: int, page_size: int, pages_per_block: int,
 
 def attention_cost(*, num_tokens: int, num_rows: int, block_q: int, pages_read: int,
                    page_size: int, num_q_heads: int, kv_heads_read: int, head_dim: int,
-                   kv_itemsize: int, q_itemsize: int, scales: bool = False,
+                   kv_itemsize: int, q_itemsize: int, scale_bytes: int = 0,
                    soft_cap: bool = False) -> pl.CostEstimate:
     """What a paged attention kernel reads and computes at the bucket's full context:
-    row_reads pairs each read pages_read pages of kv_heads_read heads (K and V; an int8 page's
-    f32 scales too) and score block_q query tokens of every query head against them (QK and
-    PV: 4 flops a query head, key and lane; an exp, and a tanh with soft_cap, per score)."""
+    row_reads pairs each read pages_read pages of kv_heads_read heads (K and V, and for int8
+    pages scale_bytes per page and head: the DMAs' bytes, not the scales alone) and score block_q
+    query tokens of every query head against them (QK and PV: 4 flops a query head, key and
+    lane; an exp, and a tanh with soft_cap, per score)."""
     pairs = row_reads(num_tokens, num_rows, block_q)
     keys = pairs * pages_read * page_size
     scores = keys * min(block_q, num_tokens) * num_q_heads
-    kv = keys * kv_heads_read * 2 * (head_dim * kv_itemsize + (4 if scales else 0))
+    kv = keys * kv_heads_read * 2 * head_dim * kv_itemsize + (
+        pairs * pages_read * kv_heads_read * scale_bytes)
     io = 2 * num_tokens * num_q_heads * head_dim * q_itemsize + 4 * num_rows * pages_read
     return pl.CostEstimate(flops=int(4 * scores * head_dim),
                            transcendentals=int(scores * (2 if soft_cap else 1)),
                            bytes_accessed=int(kv + io))
+
+
+def scale_bytes_read(page_size: int, *, quantized: bool, page_major: bool) -> int:
+    """Bytes of scales one page and KV head's DMAs move: none for float pages, [1, B] f32 blocks
+    of K and V head-major (in tiles of a 128-lane row: a DMA moves 512 contiguous bytes at
+    least), a [1, W] tile of the page's scale row page-major."""
+    if not quantized:
+        return 0
+    if page_major:
+        return 4 * scale_rows.window_lanes(page_size)
+    return 2 * 4 * max(page_size, LANES)
 
 
 def with_cost(fn, cost: pl.CostEstimate):

@@ -38,7 +38,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.tpu.common import (LANES, attention_cost, finish, init_carry, kv_scratch, masked_scores,
                                        in_window, online_softmax_step, pages_read,
-                                       pipelined_kv_loop,
+                                       pipelined_kv_loop, scale_bytes_read,
                                        pool_layout, pool_operands, resolve_interpret,
                                        sink_operand, split_refs, window_start)
 
@@ -112,7 +112,7 @@ def _rows_per_block(query_start, num_tokens: int, block_q: int):
 
 def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *,
                       sm_scale: float, block_q: int, pages_per_block: int, interpret: bool,
-                      k_scale=None, v_scale=None, window: int | None = None,
+                      k_scale=None, v_scale=None, kv_scales=None, window: int | None = None,
                       soft_cap: float | None = None, sinks=None) -> jax.Array:
     """Inputs and output as `ragged_paged_attention` (validated there); see the module docstring."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -123,7 +123,8 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
     q4 = q4.reshape(padded_tokens, num_kv_heads, group, head_dim)
     first_seq, last_seq = _rows_per_block(query_start, padded_tokens, block_q)
     q_spec = pl.BlockSpec((block_q, None, group, head_dim), lambda i, h, *_: (i, h, 0, 0))
-    pool = pool_operands(k_pages, v_pages, k_scale, v_scale)
+    pool = pool_operands(k_pages, v_pages, k_scale, v_scale, kv_scales)
+    quantized, page_major = k_pages.dtype == jnp.int8, v_pages is None
     kernel = functools.partial(_prefill_kernel, sm_scale=float(sm_scale),
                                table_width=table_width, num_pool=len(pool),
                                window=window, soft_cap=soft_cap, has_sinks=sinks is not None)
@@ -139,7 +140,7 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
             in_specs=[q_spec, *sink_specs] + [pl.BlockSpec(memory_space=pl.ANY)] * len(pool),
             out_specs=q_spec,
             scratch_shapes=kv_scratch(pages_per_block, page_size, head_dim, k_pages.dtype,
-                                      quantized=len(pool) == 4, page_major=len(pool) == 1),
+                                      quantized=quantized, page_major=page_major),
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         cost_estimate=attention_cost(
@@ -147,7 +148,9 @@ def prefill_attention(q, k_pages, v_pages, page_tables, seq_lens, query_start, *
             pages_read=pages_read(table_width, page_size, pages_per_block, window),
             page_size=page_size, num_q_heads=num_q_heads, kv_heads_read=num_kv_heads,
             head_dim=head_dim, kv_itemsize=k_pages.dtype.itemsize, q_itemsize=q.dtype.itemsize,
-            scales=k_scale is not None, soft_cap=soft_cap is not None),
+            scale_bytes=scale_bytes_read(page_size, quantized=quantized,
+                                         page_major=page_major),
+            soft_cap=soft_cap is not None),
         out_shape=jax.ShapeDtypeStruct(q4.shape, q.dtype),
         interpret=resolve_interpret(interpret),
     )(seq_lens, table, query_start, first_seq, last_seq, q4, *sink_args, *pool)
