@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.weights.pooling import PoolingSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,8 @@ class ServedModel:
     max_model_len: int
     vocab_size: int
     cache_salt: str | None  # the engine's prefix-cache salt (CacheConfig.cache_salt)
+    pooling: PoolingSpec | None = None  # a pooling engine's (runner "pooling"); None: generates
+    hidden_size: int = 0
 
 
 class EngineClient(Protocol):

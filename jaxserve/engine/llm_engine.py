@@ -32,6 +32,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
 from jaxserve.engine import memory_plan
 from jaxserve.engine.client import ServedModel
+from jaxserve.engine.pooling import Pooler, pooling_spec
 from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.speculator import Speculator, load_draft
 from jaxserve.engine.startup import StartupTimeline
@@ -40,6 +41,7 @@ from jaxserve.engine.weight_update import WeightUpdates
 from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.params import JNP_DTYPES
+from jaxserve.runtime.pooling import PoolingRunner
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
@@ -107,8 +109,11 @@ class LLMEngine:
         num_pages = PROBE_PAGES if budget is not None else resolved.num_pages(
             config, self._pool_bytes_per_token(loaded.config)
             + (self._pool_bytes_per_token(draft.config) if draft else 0))
+        # runner "pooling": embeddings, scores, classes (engine/pooling.py's Pooler)
+        self.pooler = (Pooler(pooling_spec(loaded, load), loaded.config.hidden_size)
+                       if load.runner == "pooling" else None)
         with self.startup.phase("place the weights"):
-            self.runner = ModelRunner(loaded.config, loaded.params, num_pages=num_pages,
+            self.runner = (PoolingRunner if self.pooler else ModelRunner)(loaded.config, loaded.params, num_pages=num_pages,
                                       page_size=cache.page_size, dtype=resolved.dtype,
                                       kv_cache_dtype=resolved.kv_cache_dtype,
                                       backend=backend, quantization=load.quantization,
@@ -149,7 +154,8 @@ class LLMEngine:
             self.buckets, self.scheduler, self.runner, self.speculator, self.outputs,
             self.requests, vocab_size=loaded.config.vocab_size, page_size=cache.page_size,
             async_scheduling=config.scheduler.async_scheduling,
-            grammar_limits=lambda: self._grammars.limits if self._grammars else None)
+            grammar_limits=lambda: self._grammars.limits if self._grammars else None,
+            pooler=self.pooler)
         # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -166,7 +172,9 @@ class LLMEngine:
     def served_model(self) -> ServedModel:
         """What a front end reads requests for (engine/client.py)."""
         return ServedModel(self.config.load.model, self.tokenizer, self.max_model_len,
-                           self.model_config.vocab_size, self.config.cache.cache_salt)
+                           self.model_config.vocab_size, self.config.cache.cache_salt,
+                           pooling=self.pooler.spec if self.pooler else None,
+                           hidden_size=self.model_config.hidden_size)
 
     def compile_grammar(self, spec: StructuredOutputsParams):
         """Admit a structured output's grammar from any thread (see `grammars`)."""
@@ -205,6 +213,8 @@ class LLMEngine:
         cache_salt (default: the engine's) isolates prefix-cache sharing per tenant."""
         self.weights.check_awake()
         text, ids = self.tokenize(prompt)
+        if self.pooler is not None:  # a prompt to pool: prefilled, nothing sampled
+            params = self.pooler.request_params(params)
         params = dataclasses.replace(params or SamplingParams())
         grammar = self.check_params(params)
         if params.seed is None:  # unseeded: a fresh seed per request, fixed for its lifetime
@@ -222,6 +232,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         self.requests.remove(request_id)
+        if self.pooler is not None:
+            self.pooler.drop(request_id)
         aborted = self.scheduler.abort(request_id)
         if not self.scheduler.has_unfinished():
             self.pipeline.drain()
