@@ -51,7 +51,7 @@ def write_sentence_transformer(directory: str, family: str) -> str:
         return directory
     import transformers
     from sentence_transformers import SentenceTransformer
-    from sentence_transformers import models as st_models
+    from sentence_transformers.sentence_transformer import modules as st_models
 
     from hf_families import seeded_model
 

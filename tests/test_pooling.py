@@ -1,0 +1,138 @@
+"""The pooling runner (LoadConfig.runner "pooling", engine/pooling.py) against its references:
+tiny seeded Qwen3 (last token, normalised) and Llama (mean) decoders saved as
+sentence-transformers models embed as sentence-transformers does, and a
+Qwen2ForSequenceClassification's logits are transformers', for inputs longer than a prefill
+chunk (chunks of 32 tokens, pages of 8) in batches mixing lengths; prefix hits serve last-token
+pooling and are skipped by mean pooling. One engine per checkpoint (module fixtures)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from pooling_models import write_classifier, write_sentence_transformer  # noqa: E402
+
+from jaxserve.engine.pooling import Pooler, check_dimensions  # noqa: E402
+from jaxserve.llm import LLM  # noqa: E402
+from jaxserve.weights.pooling import PoolingSpec  # noqa: E402
+
+ENGINE = dict(runner="pooling", page_size=8, max_num_batched_tokens=32, max_num_seqs=4,
+              num_pages=96, attention_backend="cpu")
+# 1 to 150 tokens (one per byte, plus the special token): most cross several 32-token chunks.
+TEXTS = ["x", "hello world", "a" * 40, "the quick brown fox jumps over the lazy dog " * 3,
+         "tiny", "".join(chr(65 + i % 26) for i in range(149))]
+PREFIX = "a shared prefix of several pages, long enough to span them all. " * 2
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return (a * b).sum(-1) / np.linalg.norm(a, axis=-1) / np.linalg.norm(b, axis=-1)
+
+
+class Reference:
+    """sentence-transformers' embeddings of one text at a time (no padding involved)."""
+
+    def __init__(self, directory: str):
+        from sentence_transformers import SentenceTransformer
+
+        self.model = SentenceTransformer(directory, device="cpu")
+        self.model.tokenizer.pad_token = "<|endoftext|>"
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return np.stack([self.model.encode([t], convert_to_numpy=True)[0] for t in texts])
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def embedder(request, tmp_path_factory):
+    directory = write_sentence_transformer(
+        str(tmp_path_factory.mktemp("pooling") / request.param), request.param)
+    return request.param, LLM(directory, **ENGINE), Reference(directory)
+
+
+def test_embeddings_equal_sentence_transformers(embedder):
+    family, llm, reference = embedder
+    outs = llm.embed(TEXTS, use_tqdm=False)
+    lengths = [len(o.prompt_token_ids) for o in outs]
+    assert max(lengths) > 4 * ENGINE["max_num_batched_tokens"] and min(lengths) <= 3
+    got = np.stack([o.embedding for o in outs])
+    want = reference.embed(TEXTS)
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert cosines(got, want).min() >= 0.99999
+    # Normalised by the checkpoint's Normalize module (qwen3), raw means (llama).
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert np.allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5) == (family == "qwen3")
+    # Score: the cosine of the two embeddings, one query against every document.
+    scores = llm.score(TEXTS[1], TEXTS)
+    np.testing.assert_allclose(scores, cosines(want[1][None], want), atol=1e-5)
+    ranked = np.argsort(scores)[::-1]
+    assert list(ranked) == list(np.argsort(cosines(want[1][None], want))[::-1])
+
+
+def test_prefix_hits(embedder):
+    """Texts sharing pages of prefix: last-token pooling takes the cached pages and still
+    equals the reference; mean pooling computes every token (no hit) and equals it too."""
+    family, llm, reference = embedder
+    texts = [PREFIX + "first ending", PREFIX + "and a second, different ending"]
+    llm.embed(texts[:1], use_tqdm=False)
+    before = llm.stats()["prefix_cache_hits"]
+    got = np.stack([o.embedding for o in llm.embed(texts, use_tqdm=False)])
+    hits = llm.stats()["prefix_cache_hits"] - before
+    assert (hits > 0) == (family == "qwen3")
+    assert cosines(got, reference.embed(texts)).min() >= 0.99999
+
+
+def test_generation_endpoints_and_wrong_tasks(embedder):
+    _, llm, _ = embedder
+    with pytest.raises(ValueError, match="classify"):
+        llm.classify(["a"])
+    with pytest.raises(ValueError, match="dimensions"):
+        llm.embed(["a"], dimensions=16)  # no Matryoshka declared
+
+
+def test_matryoshka_dimensions():
+    """Truncated, then normalised again; only to declared sizes."""
+    spec = PoolingSpec(matryoshka=True, matryoshka_dimensions=(2, 4))
+    pooler = Pooler(spec, hidden_size=4)
+    v = np.array([3.0, 4.0, 12.0, 0.0], np.float32)
+    np.testing.assert_allclose(pooler.embedding(v, 2), [0.6, 0.8])
+    for bad in (3, 0, 8, "2"):
+        with pytest.raises(ValueError, match="dimensions"):
+            check_dimensions(spec, bad, 4)
+    check_dimensions(PoolingSpec(matryoshka=True), 3, 4)  # any size up to the full one
+
+
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    directory = write_classifier(str(tmp_path_factory.mktemp("pooling") / "classifier"))
+    import transformers
+
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    return LLM(directory, **ENGINE), model
+
+
+def test_classification_equals_transformers(classifier):
+    import torch
+
+    llm, model = classifier
+    outs = llm.classify(TEXTS, use_tqdm=False)
+    for out in outs:
+        with torch.no_grad():
+            want = model(torch.tensor([out.prompt_token_ids])).logits[0].numpy()
+        np.testing.assert_allclose(out.logits, want, atol=1e-4)
+        np.testing.assert_allclose(out.probs.sum(), 1.0, rtol=1e-6)
+        assert out.label == model.config.id2label[int(np.argmax(want))]
+    assert len({o.label for o in outs}) > 1  # the head separates them: the test can fail
+    with pytest.raises(ValueError, match="embed"):
+        llm.embed(["a"])
+
+
+def test_generation_engine_refuses_pooling():
+    import types
+
+    llm = LLM.from_engine(types.SimpleNamespace(pooler=None))  # an engine that generates
+    for call in (llm.embed, llm.classify):
+        with pytest.raises(ValueError, match="runner='pooling'"):
+            call(["a"])
