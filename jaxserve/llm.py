@@ -11,7 +11,7 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine, Prompt, make_engine
-from jaxserve.engine.pooling import PoolingOutput, normalized, softmax
+from jaxserve.engine.pooling import PoolingOutput, normalized, sigmoid, softmax
 from jaxserve.json_models import FieldError
 from jaxserve.tokenizer import ChatTemplateError
 
@@ -160,8 +160,8 @@ class LLM:
     def score(self, queries: str | Sequence[str], documents: str | Sequence[str], *,
               use_tqdm: bool | None = None) -> list[float]:
         """Relevance of each document to its query (one query for all documents, or one each):
-        an embedding model's cosine similarity; a one-label classifier's logit of the pair,
-        tokenized as the tokenizer joins a pair."""
+        an embedding model's cosine similarity; a one-label classifier's sigmoid of the pair's
+        logit (sentence-transformers' CrossEncoder), tokenized as the tokenizer joins a pair."""
         single = [queries] if isinstance(queries, str) else list(queries)
         docs = [documents] if isinstance(documents, str) else list(documents)
         if len(single) == 1:
@@ -175,7 +175,7 @@ class LLM:
                                  f"one has {spec.head.shape[0]}")
             pairs = [{"prompt_token_ids": self.engine.tokenizer.backend.encode(q, d).ids}
                      for q, d in zip(single, docs)]
-            return [float(o.data[0]) for o in self._pool(pairs, use_tqdm)]
+            return [sigmoid(o.data[0]) for o in self._pool(pairs, use_tqdm)]
         self._pooler("embed")
         unique = list(dict.fromkeys(single + docs))
         vectors = {t: normalized(o.data) for t, o in zip(unique, self._pool(unique, use_tqdm))}

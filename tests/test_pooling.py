@@ -136,3 +136,91 @@ def test_generation_engine_refuses_pooling():
     for call in (llm.embed, llm.classify):
         with pytest.raises(ValueError, match="runner='pooling'"):
             call(["a"])
+
+
+# ------------------------------------------------------------------------------- the server
+@pytest.fixture
+def pooling_server(embedder):
+    from serving import serve_app
+
+    from jaxserve.server import AsyncEngine, ServerConfig, build_app
+
+    family, llm, reference = embedder
+    aengine = AsyncEngine(llm.engine)
+    with serve_app(build_app(aengine, ServerConfig(max_prompts_per_request=8))) as url:
+        yield url, llm.engine.config.load.model, reference
+    aengine.shutdown()
+
+
+def test_openai_embeddings(pooling_server):
+    """The openai client's embeddings.create (it asks for base64 and decodes it), float
+    bodies, token id inputs, usage, and 400s naming the field."""
+    import httpx
+    import openai
+
+    url, name, reference = pooling_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    texts = TEXTS[:4]
+    got = client.embeddings.create(model=name, input=texts)
+    want = reference.embed(texts)
+    assert [d.index for d in got.data] == [0, 1, 2, 3]
+    assert cosines(np.array([d.embedding for d in got.data]), want).min() >= 0.99999
+    assert got.usage.prompt_tokens == got.usage.total_tokens > 100
+    one = client.embeddings.create(model=name, input=texts[1], encoding_format="float")
+    np.testing.assert_allclose(one.data[0].embedding, got.data[1].embedding, atol=1e-6)
+    ids = [client.embeddings.create(model=name, input=[1, 2, 3, 4]).data[0].embedding,
+           client.embeddings.create(model=name, input=[[1, 2, 3, 4]]).data[0].embedding]
+    np.testing.assert_allclose(ids[0], ids[1], atol=1e-6)
+
+    def error(path: str, body: dict) -> dict:
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    assert error("/v1/embeddings", {"input": []})["param"] == "input"
+    assert error("/v1/embeddings", {"input": 5})["param"] == "input"
+    assert error("/v1/embeddings", {"input": [[1, 2], "a"]})["param"] == "input"
+    assert error("/v1/embeddings", {"input": [10**6]})["param"] == "input"
+    assert error("/v1/embeddings", {"input": ["a"] * 9})["param"] == "input"
+    assert error("/v1/embeddings", {"input": "a", "encoding_format": "hex"})["param"] \
+        == "encoding_format"
+    assert error("/v1/embeddings", {"input": "a", "dimensions": 16})["param"] == "dimensions"
+    assert error("/v1/completions", {"prompt": "a"})["code"] == "wrong_runner"
+    assert error("/classify", {"input": "a"})["code"] == "wrong_task"
+
+
+def test_score_and_rerank(pooling_server):
+    import httpx
+
+    url, name, reference = pooling_server
+    docs = TEXTS[:5]
+    want = cosines(reference.embed([TEXTS[3]]), reference.embed(docs))
+    score = httpx.post(url + "/score", json={"text_1": TEXTS[3], "text_2": docs},
+                       timeout=60).json()
+    np.testing.assert_allclose([d["score"] for d in score["data"]], want, atol=1e-5)
+    for path in ("/rerank", "/v1/rerank"):
+        body = httpx.post(url + path, json={"query": TEXTS[3], "documents": docs, "top_n": 3},
+                          timeout=60).json()
+        assert [r["index"] for r in body["results"]] == list(np.argsort(-want)[:3])
+        assert body["results"][0]["document"]["text"] == TEXTS[3]
+    bad = httpx.post(url + "/score", json={"text_1": ["a", "b"], "text_2": ["c"] * 3})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_1"
+
+
+def test_generation_model_refuses_pooling_endpoints():
+    import httpx
+    from serving import serve_app
+    from tiny_model import tiny_loaded
+
+    from jaxserve.config import EngineConfig
+    from jaxserve.engine import LLMEngine
+    from jaxserve.server import ServerConfig, build_app
+
+    engine = LLMEngine(EngineConfig.from_options(model="tiny", num_pages=16, page_size=8,
+                                                 attention_backend="xla"), tiny_loaded())
+    with serve_app(build_app(engine, ServerConfig())) as url:
+        for path, body in (("/v1/embeddings", {"input": "a"}), ("/rerank", {
+                "query": "a", "documents": ["b"]}), ("/classify", {"input": "a"}),
+                           ("/score", {"text_1": "a", "text_2": "b"})):
+            r = httpx.post(url + path, json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_runner", r.text

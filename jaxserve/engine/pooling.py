@@ -153,6 +153,11 @@ def normalized(vector: np.ndarray) -> np.ndarray:
     return vector / max(norm, 1e-12)
 
 
+def sigmoid(logit: float) -> float:
+    """A one-label classifier's score of a pair (sentence-transformers' CrossEncoder)."""
+    return float(1.0 / (1.0 + np.exp(-logit)))
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     e = np.exp(logits - logits.max())
     return e / e.sum()
