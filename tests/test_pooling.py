@@ -7,6 +7,7 @@ pooling and are skipped by mean pooling. One engine per checkpoint (module fixtu
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -224,3 +225,63 @@ def test_generation_model_refuses_pooling_endpoints():
                            ("/score", {"text_1": "a", "text_2": "b"})):
             r = httpx.post(url + path, json=body, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_runner", r.text
+
+
+def test_classify_endpoint(classifier):
+    import httpx
+    from serving import serve_app
+
+    from jaxserve.server import AsyncEngine, ServerConfig, build_app
+
+    llm, model = classifier
+    want = [o.probs for o in llm.classify(TEXTS[:3], use_tqdm=False)]
+    aengine = AsyncEngine(llm.engine)
+    try:
+        with serve_app(build_app(aengine, ServerConfig())) as url:
+            body = httpx.post(url + "/classify", json={"input": TEXTS[:3]}, timeout=60).json()
+            assert [d["index"] for d in body["data"]] == [0, 1, 2]
+            np.testing.assert_allclose([d["probs"] for d in body["data"]], want, atol=1e-6)
+            assert [d["label"] for d in body["data"]] == [
+                model.config.id2label[int(np.argmax(p))] for p in want]
+            assert body["usage"]["prompt_tokens"] == sum(len(t.encode()) for t in TEXTS[:3])
+            r = httpx.post(url + "/v1/embeddings", json={"input": "a"}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task"
+            r = httpx.post(url + "/rerank", json={"query": "a", "documents": ["b"]}, timeout=60)
+            assert r.status_code == 400 and "labels" in r.json()["error"]["message"]
+    finally:
+        aengine.shutdown()
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_pooling_step_compiles_for_tpu(generation):
+    """The pooling runner's step (runtime/pooling.py) compiles for TPU targets with the Pallas
+    kernels over a bf16 pool (libtpu's compile-only topologies), its outputs [S, H] float32."""
+    from test_tpu_step_compile import LLAMA_128, PAGE, _on
+    from tpu_topology import abstract, tpu_device
+
+    from jaxserve import backends
+    from jaxserve.runtime.batch import build_batch, warmup_plan
+    from jaxserve.runtime.buckets import Buckets
+    from jaxserve.runtime.pooling import PoolingRunner, _jitted_pool_step
+    from jaxserve.weights.random_init import random_model
+
+    device = tpu_device(generation)
+    runner = PoolingRunner(LLAMA_128, random_model(LLAMA_128, dtype="bfloat16").params,
+                           num_pages=64, page_size=PAGE, dtype="bfloat16",
+                           backend=backends.get("pallas-tpu"))
+    buckets = Buckets.for_engine(8, 64, LLAMA_128.max_position_embeddings // PAGE,
+                                 query_block=1, packed=True)
+    shape = buckets.step_shapes(PAGE)[-1]
+    batch, _, _ = build_batch(warmup_plan(shape, buckets, PAGE), buckets, PAGE)
+    step = _jitted_pool_step(runner.cfg, runner.backend, runner.mesh)
+    from pallas_kernels.tpu import jax_kernel
+
+    with jax_kernel.compile_target(device):
+        compiled = step.lower(_on(runner.params, device), pool=_on(runner.pool, device),
+                              batch=_on(dataclasses.replace(batch, sampling=None), device),
+                              feed=abstract((2 * buckets.seqs[-1],), np.int32, device)).compile()
+    pooled = compiled.out_info[1]["pooled"]
+    rows = batch.attn.seq_lens.shape[0]
+    assert pooled["last"].shape == (rows, LLAMA_128.hidden_size)
+    assert pooled["sum"].dtype == np.float32
+    assert "tpu_custom_call" in compiled.as_text()
