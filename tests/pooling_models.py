@@ -88,3 +88,16 @@ def write_classifier(directory: str) -> str:
     model = seeded_model(transformers.Qwen2ForSequenceClassification, cfg, {"score": 4.0})
     _save_hf(model, byte_tokenizer(None), directory)
     return directory
+
+
+def write_causal_lm(directory: str) -> str:
+    """A Qwen3ForCausalLM (tied head) to score by its logits of two tokens (a reranker's form)."""
+    if os.path.isfile(os.path.join(directory, "config.json")):
+        return directory
+    import transformers
+
+    from hf_families import seeded_model
+
+    cfg = transformers.Qwen3Config(**TINY, head_dim=16, tie_word_embeddings=True)
+    _save_hf(seeded_model(transformers.Qwen3ForCausalLM, cfg), byte_tokenizer(None), directory)
+    return directory

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from pooling_models import write_classifier, write_sentence_transformer  # noqa: E402
+from pooling_models import (write_causal_lm, write_classifier,  # noqa: E402
+                            write_sentence_transformer)
 
 from jaxserve.engine.pooling import Pooler, check_dimensions  # noqa: E402
 from jaxserve.llm import LLM  # noqa: E402
@@ -128,6 +129,33 @@ def test_classification_equals_transformers(classifier):
     assert len({o.label for o in outs}) > 1  # the head separates them: the test can fail
     with pytest.raises(ValueError, match="embed"):
         llm.embed(["a"])
+    with pytest.raises(ValueError, match="runner='pooling'"):  # it has no language-model head
+        LLM(llm.engine.config.load.model, runner="generate")
+
+
+def test_reranker_by_yes_no_tokens(tmp_path_factory):
+    """A causal LM scoring by its last token's logit of "y" against "n" (Qwen3-Reranker's
+    form): classify gives that difference, score its sigmoid over the joined pair."""
+    import torch
+    import transformers
+
+    directory = write_causal_lm(str(tmp_path_factory.mktemp("pooling") / "reranker"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+    llm = LLM(directory, classifier_from_tokens="n,y", **ENGINE)
+    yes, no = (llm.get_tokenizer().backend.token_to_id(t) for t in "yn")
+
+    def reference(ids: list[int]) -> float:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].numpy()
+        return float(logits[yes] - logits[no])
+
+    outs = llm.classify(TEXTS, use_tqdm=False)
+    np.testing.assert_allclose([o.logits[0] for o in outs],
+                               [reference(o.prompt_token_ids) for o in outs], atol=1e-4)
+    query, docs = "which fox?", ["the quick brown fox", "a lazy dog", "nothing at all"]
+    encode = llm.get_tokenizer().encode
+    want = [1 / (1 + np.exp(-reference(encode(query) + encode(d)))) for d in docs]
+    np.testing.assert_allclose(llm.score(query, docs), want, atol=1e-5)
 
 
 def test_generation_engine_refuses_pooling():

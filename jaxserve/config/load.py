@@ -64,5 +64,10 @@ class LoadConfig:
                                     "when the checkpoint has a Normalize module, else on.",
                                     choices=POOLING_NORMALIZE)
 
+    classifier_from_tokens: str | None = option(
+        None, "Pooling runner: a causal LM scoring by its last token's logits of these tokens "
+        "(a reranker such as Qwen3-Reranker: 'no,yes' scores sigmoid(yes - no)); one token: "
+        "its logit.")
+
     def __post_init__(self):
         check_choices(self)

@@ -45,6 +45,7 @@ from jaxserve.runtime.pooling import PoolingRunner
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
+from jaxserve.weights.pooling import pooling_only
 
 Prompt = str | list[int] | dict
 log = logging.getLogger("jaxserve.engine")
@@ -110,10 +111,14 @@ class LLMEngine:
             config, self._pool_bytes_per_token(loaded.config)
             + (self._pool_bytes_per_token(draft.config) if draft else 0))
         # runner "pooling": embeddings, scores, classes (engine/pooling.py's Pooler)
+        if load.runner == "generate" and pooling_only(loaded.source):
+            raise ValueError(f"{pooling_only(loaded.source)} has no language-model head: "
+                             "serve it with runner='pooling' (--runner=pooling)")
         self.pooler = (Pooler(pooling_spec(loaded, load), loaded.config.hidden_size)
                        if load.runner == "pooling" else None)
+        runner_class = PoolingRunner if self.pooler else ModelRunner
         with self.startup.phase("place the weights"):
-            self.runner = (PoolingRunner if self.pooler else ModelRunner)(loaded.config, loaded.params, num_pages=num_pages,
+            self.runner = runner_class(loaded.config, loaded.params, num_pages=num_pages,
                                       page_size=cache.page_size, dtype=resolved.dtype,
                                       kv_cache_dtype=resolved.kv_cache_dtype,
                                       backend=backend, quantization=load.quantization,

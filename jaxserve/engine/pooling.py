@@ -61,7 +61,31 @@ def pooling_spec(loaded: LoadedModel, load: LoadConfig) -> PoolingSpec:
         spec = dataclasses.replace(spec, pooling_type=load.pooling_type)
     if load.pooling_normalize != "auto":
         spec = dataclasses.replace(spec, normalize=load.pooling_normalize == "on")
+    if load.classifier_from_tokens:
+        tokens = [t for t in load.classifier_from_tokens.split(",") if t]
+        spec = dataclasses.replace(spec, head=token_head(loaded, tokens), labels=(tokens[-1],),
+                                   pooling_type="last")
     return spec
+
+
+def token_head(loaded: LoadedModel, tokens: list[str]) -> np.ndarray:
+    """A one-label head f32[1, H] from the language-model head's rows: tokens [false, true]
+    give their difference (the logit of "true" against "false": softmax over the two is the
+    sigmoid of it), one token its own row."""
+    if len(tokens) not in (1, 2):
+        raise ValueError(f"classifier_from_tokens takes one or two tokens, got {tokens}")
+    ids = []
+    for token in tokens:
+        found = loaded.tokenizer.backend.token_to_id(token)
+        encoded = loaded.tokenizer.encode(token, add_special_tokens=False)
+        if found is None and len(encoded) != 1:
+            raise ValueError(f"classifier_from_tokens: {token!r} is not one token of this "
+                             f"model's vocabulary (it encodes as {encoded})")
+        ids.append(found if found is not None else encoded[0])
+    params = loaded.params
+    rows = (np.asarray(params["lm_head"], np.float32)[:, ids].T if "lm_head" in params
+            else np.asarray(params["embed"], np.float32)[ids])
+    return (rows[-1] - rows[0] if len(ids) == 2 else rows[0])[None, :]
 
 
 class Pooler:

@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError
 from jaxserve.core.sampling_params import SamplingParams
 
 from jaxserve.engine.pooling import check_dimensions, normalized, sigmoid, softmax
-from jaxserve.json_models import JsonObject, NonEmpty, first_error, one_error
+from jaxserve.json_models import JsonObject, first_error, one_error
 from jaxserve.server.json_io import parse_body
 from jaxserve.server.protocol import APIError
 

@@ -29,6 +29,19 @@ def causal_lm_name(architecture: str) -> str:
     return architecture.replace("ForSequenceClassification", "ForCausalLM")
 
 
+def pooling_only(directory: str | None) -> str | None:
+    """The architecture of a checkpoint without a language-model head (a sequence classifier,
+    a bare decoder), which only the pooling runner serves; None for any other."""
+    from jaxserve.weights.hf_loader import _ARCHITECTURES
+
+    path = os.path.join(directory or "", "config.json")
+    if directory is None or not os.path.isfile(path):
+        return None
+    archs = _json(path).get("architectures") or []
+    return next((a for a in archs if a not in _ARCHITECTURES
+                 and causal_lm_name(a) in _ARCHITECTURES), None)
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolingSpec:
     """How a pooling engine turns a sequence's hidden states into its output."""
