@@ -313,3 +313,33 @@ def test_pooling_step_compiles_for_tpu(generation):
     assert pooled["last"].shape == (rows, LLAMA_128.hidden_size)
     assert pooled["sum"].dtype == np.float32
     assert "tpu_custom_call" in compiled.as_text()
+
+
+def test_batch_file_embeddings(embedder, tmp_path):
+    """`jaxserve batch` lines for /v1/embeddings: the server's bodies and answers; a completion
+    line on a pooling model gets the server's 400."""
+    import json
+
+    from jaxserve.batch_file import run_batch
+
+    _, llm, reference = embedder
+    lines = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings",
+              "body": {"input": TEXTS[:2]}},
+             {"custom_id": "b", "method": "POST", "url": "/v1/embeddings",
+              "body": {"input": TEXTS[3], "encoding_format": "base64"}},
+             {"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {"input": 7}},
+             {"custom_id": "d", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "a"}}]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    summary = run_batch(llm.engine, str(source), str(target))
+    assert (summary.succeeded, summary.failed) == (2, 2)
+    out = {r["custom_id"]: r["response"] for r in map(json.loads, target.read_text().splitlines())}
+    got = [d["embedding"] for d in out["a"]["body"]["data"]]
+    assert cosines(np.array(got), reference.embed(TEXTS[:2])).min() >= 0.99999
+    import base64
+
+    b64 = np.frombuffer(base64.b64decode(out["b"]["body"]["data"][0]["embedding"]), "<f4")
+    assert cosines(b64, reference.embed(TEXTS[3:4])[0]) >= 0.99999
+    assert out["c"]["status_code"] == 400 and out["c"]["body"]["error"]["param"] == "input"
+    assert out["d"]["body"]["error"]["code"] == "wrong_runner"

@@ -34,7 +34,7 @@ from jaxserve.server.body_limits import BodyLimits
 from jaxserve.server.health import add_health_routes
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from jaxserve.server.pooling import add_pooling_routes
+from jaxserve.server.pooling import add_pooling_routes, check_runner
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
 from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.requests import openapi_schemas
@@ -312,9 +312,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         return parse_request(kind, body, ctx)
 
     async def serve(kind: str, request: Request):
-        if aengine.served_model.pooling is not None:
-            raise APIError(f"this model pools (--runner=pooling): it serves /v1/embeddings, "
-                           f"/score, /rerank and /classify, not {kind}s", code="wrong_runner")
+        check_runner(aengine.served_model, kind)  # a pooling model: a 400
         parsed = await off_loop(prepare, kind, await read_body(request))
         await compile_grammar(parsed)
         group = await submit(parsed, cache_salt(request))

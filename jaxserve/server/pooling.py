@@ -91,53 +91,103 @@ def _embedding_json(vector: np.ndarray, encoding_format: str):
     return [float(x) for x in vector]
 
 
+def check_runner(served, needed: str) -> None:
+    """APIError unless the served model (engine/client.py's ServedModel) serves `needed`: an
+    endpoint's name ("embeddings", "classify", "score", "rerank", or a generation kind)."""
+    spec = served.pooling
+    if needed not in ("embeddings", "classify", "score", "rerank"):
+        if spec is not None:
+            raise APIError(f"this model pools (--runner=pooling): it serves /v1/embeddings, "
+                           f"/score, /rerank and /classify, not {needed}s", code="wrong_runner")
+        return
+    if spec is None:
+        raise APIError(f"this model generates: {needed} needs a pooling model (serve it "
+                       "with --runner=pooling)", code="wrong_runner")
+    if _TASKS.get(needed, spec.task) != spec.task:
+        raise APIError(f"this model's task is {spec.task!r}, not {needed}", code="wrong_task")
+
+
+def model_name(request, ctx) -> str:
+    name = request.model or ctx.model_names[0]
+    if name not in ctx.model_names:
+        raise APIError(f"The model `{name}` does not exist. Served: {list(ctx.model_names)}",
+                       param="model", code="model_not_found", status=404)
+    return name
+
+
+def prompts_of(items, field: str, ctx, max_prompts: int) -> list[dict]:
+    """Strings or token id lists -> engine prompts; a 400 naming the field otherwise."""
+    if isinstance(items, str) or (items and isinstance(items[0], int)):
+        items = [items]
+    if len(items) > max_prompts:
+        raise APIError(f"'{field}' holds {len(items)} inputs; at most max_prompts_per_request="
+                       f"{max_prompts} are accepted", param=field, code="too_many_prompts")
+    prompts = []
+    for i, item in enumerate(items):
+        ids = ctx.tokenizer.encode(item) if isinstance(item, str) else list(item)
+        where = f"{field}[{i}]" if len(items) > 1 else field
+        if not ids:
+            raise APIError(f"'{where}' is empty", param=field, code="invalid_value")
+        bad = [t for t in ids if t >= ctx.vocab_size]
+        if bad:
+            raise APIError(f"'{where}' holds token ids outside [0, {ctx.vocab_size}): "
+                           f"{bad[:5]}", param=field, code="invalid_value")
+        if len(ids) >= ctx.max_model_len:
+            raise APIError(f"'{where}' has {len(ids)} tokens; this model takes fewer than "
+                           f"{ctx.max_model_len}", param=field, code="context_length_exceeded")
+        prompts.append({"prompt_token_ids": ids,
+                        "prompt": item if isinstance(item, str) else None})
+    return prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingsParsed(PoolingPrompts):
+    """A /v1/embeddings body checked against the served model: its prompts and options."""
+
+    model: str = ""
+    dimensions: int | None = None
+    encoding_format: str = "float"
+
+
+def parse_embeddings(body: Any, ctx, served, max_prompts: int) -> EmbeddingsParsed:
+    """A /v1/embeddings body (the server's and batch files'); APIError naming the field."""
+    check_runner(served, "embeddings")
+    parsed = _validated(EmbeddingRequest, body)
+    name = model_name(parsed, ctx)
+    if parsed.dimensions is not None:
+        try:
+            check_dimensions(served.pooling, parsed.dimensions, served.hidden_size)
+        except ValueError as e:
+            raise APIError(str(e), param="dimensions", code="invalid_value") from None
+    return EmbeddingsParsed(prompts_of(parsed.input, "input", ctx, max_prompts), model=name,
+                            dimensions=parsed.dimensions,
+                            encoding_format=parsed.encoding_format)
+
+
+def embeddings_response(parsed: EmbeddingsParsed, outs: list, spec) -> dict:
+    """OpenAI's embeddings body of the finished engine outputs, in input order."""
+    data = []
+    for i, out in enumerate(outs):
+        vector = out.pooled
+        if parsed.dimensions is not None and parsed.dimensions < vector.shape[0]:
+            vector = vector[:parsed.dimensions]
+            vector = normalized(vector) if spec.normalize else vector
+        data.append({"object": "embedding", "index": i,
+                     "embedding": _embedding_json(vector, parsed.encoding_format)})
+    return {**_header("embd", parsed.model), "data": data, "usage": _usage(outs)}
+
+
+def _header(kind: str, name: str) -> dict:
+    return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+            "model": name}
+
+
 def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_salt,
                        max_prompts: int) -> None:
     """The routes above on `app`. ctx: the server's ProtocolContext (model names, tokenizer,
     context); submit(PoolingPrompts, salt): the app's, an engine RequestGroup or an APIError."""
-    spec = aengine.served_model.pooling
-    hidden = aengine.served_model.hidden_size
-
-    def task(needed: str) -> None:
-        if spec is None:
-            raise APIError(f"this model generates: {needed} needs a pooling model (serve it "
-                           "with --runner=pooling)", code="wrong_runner")
-        if _TASKS.get(needed, spec.task) != spec.task:
-            raise APIError(f"this model's task is {spec.task!r}, not {needed}",
-                           code="wrong_task")
-
-    def model_name(request) -> str:
-        name = request.model or ctx.model_names[0]
-        if name not in ctx.model_names:
-            raise APIError(f"The model `{name}` does not exist. Served: "
-                           f"{list(ctx.model_names)}", param="model", code="model_not_found",
-                           status=404)
-        return name
-
-    def prompts_of(items, field: str) -> list[dict]:
-        """Strings or token id lists -> engine prompts; a 400 naming the field otherwise."""
-        if isinstance(items, str) or (items and isinstance(items[0], int)):
-            items = [items]
-        if len(items) > max_prompts:
-            raise APIError(f"'{field}' holds {len(items)} inputs; at most "
-                           f"max_prompts_per_request={max_prompts} are accepted",
-                           param=field, code="too_many_prompts")
-        prompts = []
-        for i, item in enumerate(items):
-            ids = ctx.tokenizer.encode(item) if isinstance(item, str) else list(item)
-            where = f"{field}[{i}]" if len(items) > 1 else field
-            if not ids:
-                raise APIError(f"'{where}' is empty", param=field, code="invalid_value")
-            bad = [t for t in ids if t >= ctx.vocab_size]
-            if bad:
-                raise APIError(f"'{where}' holds token ids outside [0, {ctx.vocab_size}): "
-                               f"{bad[:5]}", param=field, code="invalid_value")
-            if len(ids) >= ctx.max_model_len:
-                raise APIError(f"'{where}' has {len(ids)} tokens; this model takes fewer than "
-                               f"{ctx.max_model_len}", param=field, code="context_length_exceeded")
-            prompts.append({"prompt_token_ids": ids,
-                            "prompt": item if isinstance(item, str) else None})
-        return prompts
+    served = aengine.served_model
+    spec = served.pooling
 
     async def pooled(prompts: list[dict], request) -> list:
         group = await submit(PoolingPrompts(prompts), cache_salt(request))
@@ -155,32 +205,18 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
 
     async def parse(request, model: type[JsonObject], needed: str):
         body = await off_loop(parse_body, await read_body(request))
-        task(needed)
+        check_runner(served, needed)
         parsed = _validated(model, body)
-        return parsed, model_name(parsed)
+        return parsed, model_name(parsed, ctx)
 
-    def header(kind: str, name: str) -> dict:
-        return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list",
-                "created": int(time.time()), "model": name}
+    def inputs(items, field: str) -> list[dict]:
+        return prompts_of(items, field, ctx, max_prompts)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        parsed, name = await parse(request, EmbeddingRequest, "embeddings")
-        if parsed.dimensions is not None:
-            try:
-                check_dimensions(spec, parsed.dimensions, hidden)
-            except ValueError as e:
-                raise APIError(str(e), param="dimensions", code="invalid_value") from None
-        outs = await pooled(await off_loop(prompts_of, parsed.input, "input"), request)
-        data = []
-        for i, out in enumerate(outs):
-            vector = out.pooled
-            if parsed.dimensions is not None and parsed.dimensions < vector.shape[0]:
-                vector = vector[:parsed.dimensions]
-                vector = normalized(vector) if spec.normalize else vector
-            data.append({"object": "embedding", "index": i,
-                         "embedding": _embedding_json(vector, parsed.encoding_format)})
-        return {**header("embd", name), "data": data, "usage": _usage(outs)}
+        body = await off_loop(parse_body, await read_body(request))
+        parsed = await off_loop(parse_embeddings, body, ctx, served, max_prompts)
+        return embeddings_response(parsed, await pooled(parsed.prompts, request), spec)
 
     async def scores(request, pairs: list[tuple[str, str]]) -> tuple[list[float], list]:
         """Each (query, document) pair's score, and the engine outputs it took."""
@@ -194,7 +230,7 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
             outs = await pooled(prompts, request)
             return [float(sigmoid(o.pooled[0])) for o in outs], outs
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        outs = await pooled(await off_loop(prompts_of, texts, "input"), request)
+        outs = await pooled(await off_loop(inputs, texts, "input"), request)
         vectors = {t: normalized(o.pooled) for t, o in zip(texts, outs)}
         return [float(vectors[q] @ vectors[d]) for q, d in pairs], outs
 
@@ -208,7 +244,7 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
             raise APIError(f"text_1 has {len(first)} texts for the {len(second)} of text_2 "
                            "(give one, or as many)", param="text_1", code="invalid_value")
         values, outs = await scores(request, list(zip(first, second)))
-        return {**header("score", name), "usage": _usage(outs), "data": [
+        return {**_header("score", name), "usage": _usage(outs), "data": [
             {"index": i, "object": "score", "score": s} for i, s in enumerate(values)]}
 
     async def rerank(request: Request):
@@ -224,13 +260,13 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
     @app.post("/classify")
     async def classify(request: Request):
         parsed, name = await parse(request, ClassifyRequest, "classify")
-        outs = await pooled(await off_loop(prompts_of, parsed.input, "input"), request)
+        outs = await pooled(await off_loop(inputs, parsed.input, "input"), request)
         data = []
         for i, out in enumerate(outs):
             probs = softmax(out.pooled)
             data.append({"index": i, "label": spec.labels[int(np.argmax(probs))],
                          "probs": [float(p) for p in probs], "num_classes": len(probs)})
-        return {**header("classify", name), "data": data, "usage": _usage(outs)}
+        return {**_header("classify", name), "data": data, "usage": _usage(outs)}
 
     for path in ("/score", "/v1/score"):
         app.post(path)(score)
