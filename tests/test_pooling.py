@@ -86,6 +86,37 @@ def test_prefix_hits(embedder):
     assert cosines(got, reference.embed(texts)).min() >= 0.99999
 
 
+def test_pooler_combines_chunks_and_restarts_after_preemption():
+    """Pooler.record by hand: a mean over chunks of 3 and 2 tokens; a sequence preempted after
+    its first chunk and recomputed from token 0 pools its second pass only; a chunk overtaken
+    since planning (its sequence no longer running) is not read."""
+    from jaxserve.core.sampling_params import SamplingParams
+    from jaxserve.core.sequence import Request, Sequence, SequenceStatus
+    from jaxserve.core.step_plan import ScheduledChunk, StepPlan
+
+    pooler = Pooler(PoolingSpec(pooling_type="mean", normalize=False), hidden_size=2)
+    request = Request("r", [5] * 5, SamplingParams())
+    seq = Sequence(0, request, [5] * 5, 5, status=SequenceStatus.RUNNING)
+
+    def step(start: int, n: int, sums, counts) -> None:
+        plan = StepPlan(chunks=[ScheduledChunk(seq, start, n)])
+        zeros = np.zeros((1, 2), np.float32)
+        pooler.record(plan, {"sum": np.array([sums], np.float32), "count": np.array([counts]),
+                             "first": zeros, "last": zeros})
+        if seq.status is SequenceStatus.RUNNING:
+            seq.num_computed_tokens = start + n
+
+    step(0, 3, [100.0, 100.0], 3)  # the first pass, then preempted: recomputed from 0
+    seq.num_computed_tokens = 0
+    step(0, 3, [3.0, 6.0], 3)
+    seq.status = SequenceStatus.WAITING  # overtaken: a plan for it still in flight is not read
+    step(3, 2, [50.0, 50.0], 2)
+    seq.status = SequenceStatus.RUNNING
+    step(3, 2, [2.0, 4.0], 2)
+    np.testing.assert_allclose(pooler.take("r"), [1.0, 2.0])
+    assert pooler.take("r") is None  # taken once
+
+
 def test_generation_endpoints_and_wrong_tasks(embedder):
     _, llm, _ = embedder
     with pytest.raises(ValueError, match="classify"):
