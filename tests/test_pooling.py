@@ -117,6 +117,23 @@ def test_pooler_combines_chunks_and_restarts_after_preemption():
     assert pooler.take("r") is None  # taken once
 
 
+def test_cls_pooling_and_flags_over_the_checkpoint(embedder):
+    """--pooling_type=cls and --pooling_normalize override the checkpoint's modules: the first
+    token's final hidden state (sentence-transformers' token embeddings), here not normalised
+    (the Qwen3's first token is its text's first byte: no BOS state shared by every text)."""
+    family, llm, reference = embedder
+    if family != "qwen3":
+        pytest.skip("one checkpoint is enough")
+    tokens = reference.model.encode(TEXTS, output_value="token_embeddings",
+                                    convert_to_numpy=False)
+    want = np.stack([t[0].numpy() for t in tokens])
+    cls = LLM(llm.engine.config.load.model, pooling_type="cls", pooling_normalize="off",
+              **ENGINE)
+    got = np.stack([o.embedding for o in cls.embed(TEXTS, use_tqdm=False)])
+    assert len({round(float(v[0]), 4) for v in want}) > 3  # the texts' first tokens differ
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_generation_endpoints_and_wrong_tasks(embedder):
     _, llm, _ = embedder
     with pytest.raises(ValueError, match="classify"):

@@ -41,7 +41,8 @@ class PoolingOutput:
 
 @dataclasses.dataclass
 class _Partial:
-    """A sequence's pooled chunks so far: tokens [start, end) are in."""
+    """A sequence's pooled chunks so far: its tokens before `end` are in (from its first
+    chunk's start: 0, or a prefix hit's end for last-token pooling)."""
 
     end: int
     sum: np.ndarray | None = None  # f32[H]
