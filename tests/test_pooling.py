@@ -204,6 +204,26 @@ def test_reranker_by_yes_no_tokens(tmp_path_factory):
     encode = llm.get_tokenizer().encode
     want = [1 / (1 + np.exp(-reference(encode(query) + encode(d)))) for d in docs]
     np.testing.assert_allclose(llm.score(query, docs), want, atol=1e-5)
+    import httpx
+    from serving import serve_app
+
+    from jaxserve.server import AsyncEngine, ServerConfig, build_app
+
+    aengine = AsyncEngine(llm.engine)
+    try:
+        with serve_app(build_app(aengine, ServerConfig())) as url:
+            body = httpx.post(url + "/v1/rerank", json={"query": query, "documents": docs,
+                                                        "return_documents": False},
+                              timeout=60).json()
+            assert [r["index"] for r in body["results"]] == list(np.argsort(want)[::-1])
+            np.testing.assert_allclose([r["relevance_score"] for r in body["results"]],
+                                       sorted(want, reverse=True), atol=1e-5)
+            assert "document" not in body["results"][0]
+            r = httpx.post(url + "/score", json={"text_1": "a", "text_2": ["b", "x" * 2000]},
+                           timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "text_2", r.text
+    finally:
+        aengine.shutdown()
 
 
 def test_generation_engine_refuses_pooling():

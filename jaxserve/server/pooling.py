@@ -218,19 +218,20 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
         parsed = await off_loop(parse_embeddings, body, ctx, served, max_prompts)
         return embeddings_response(parsed, await pooled(parsed.prompts, request), spec)
 
-    async def scores(request, pairs: list[tuple[str, str]]) -> tuple[list[float], list]:
-        """Each (query, document) pair's score, and the engine outputs it took."""
+    async def scores(request, pairs: list[tuple[str, str]],
+                     field: str) -> tuple[list[float], list]:
+        """Each (query, document) pair's score, and the engine outputs it took; `field`: the
+        body's field that a refused input is named by."""
         if spec.task == "classify":
             if spec.head.shape[0] != 1:
                 raise APIError("scoring needs an embedding model or a one-label classifier; "
                                f"this one has {spec.head.shape[0]} labels", code="wrong_task")
-            prompts = await off_loop(lambda: [
-                {"prompt_token_ids": ctx.tokenizer.backend.encode(q, d).ids, "prompt": None}
-                for q, d in pairs])
+            prompts = await off_loop(lambda: inputs(
+                [ctx.tokenizer.backend.encode(q, d).ids for q, d in pairs], field))
             outs = await pooled(prompts, request)
             return [float(sigmoid(o.pooled[0])) for o in outs], outs
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-        outs = await pooled(await off_loop(inputs, texts, "input"), request)
+        outs = await pooled(await off_loop(inputs, texts, field), request)
         vectors = {t: normalized(o.pooled) for t, o in zip(texts, outs)}
         return [float(vectors[q] @ vectors[d]) for q, d in pairs], outs
 
@@ -243,13 +244,14 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
         if len(first) != len(second):
             raise APIError(f"text_1 has {len(first)} texts for the {len(second)} of text_2 "
                            "(give one, or as many)", param="text_1", code="invalid_value")
-        values, outs = await scores(request, list(zip(first, second)))
+        values, outs = await scores(request, list(zip(first, second)), "text_2")
         return {**_header("score", name), "usage": _usage(outs), "data": [
             {"index": i, "object": "score", "score": s} for i, s in enumerate(values)]}
 
     async def rerank(request: Request):
         parsed, name = await parse(request, RerankRequest, "rerank")
-        values, outs = await scores(request, [(parsed.query, d) for d in parsed.documents])
+        values, outs = await scores(request, [(parsed.query, d) for d in parsed.documents],
+                                    "documents")
         order = sorted(range(len(values)), key=lambda i: -values[i])[:parsed.top_n]
         results = [{"index": i, "relevance_score": values[i],
                     **({"document": {"text": parsed.documents[i]}}
