@@ -134,6 +134,16 @@ def test_cls_pooling_and_flags_over_the_checkpoint(embedder):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_warmup_compiles_the_pooling_steps(embedder):
+    """Warm-up's jobs (listed, not compiled here) are every step shape and the page copies,
+    and no sampling call: a pooling step samples nothing."""
+    _, llm, _ = embedder
+    jobs = [job[1] for job in llm.engine.runner._warmup_jobs(llm.engine.buckets, False)]
+    steps = [what for what in jobs if what.startswith("step of")]
+    assert len(steps) == len(llm.engine.buckets.step_shapes(ENGINE["page_size"])) > 1
+    assert not any(what.startswith("sampling") for what in jobs)
+
+
 def test_generation_endpoints_and_wrong_tasks(embedder):
     _, llm, _ = embedder
     with pytest.raises(ValueError, match="classify"):
