@@ -11,7 +11,8 @@ from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine, Prompt, make_engine
-from jaxserve.engine.pooling import PoolingOutput, normalized, sigmoid, softmax
+from jaxserve.engine.pooling import (PoolingOutput, embedding_at, normalized, sigmoid,
+                                     softmax)
 from jaxserve.json_models import FieldError
 from jaxserve.tokenizer import ChatTemplateError
 
@@ -141,20 +142,20 @@ class LLM:
               use_tqdm: bool | None = None) -> list[PoolingOutput]:
         """One embedding per prompt, in order (float32; normalised where the model is;
         `dimensions`: Matryoshka truncation where the model declares it)."""
-        pooler = self._pooler("embed")
+        spec = self._pooling("embed")
         outs = self._pool(prompts, use_tqdm)
         for out in outs:
-            out.embedding = pooler.embedding(out.data, dimensions)
+            out.embedding = embedding_at(out.data, spec, dimensions)
         return outs
 
     def classify(self, prompts: Prompt | Sequence[Prompt], *,
                  use_tqdm: bool | None = None) -> list[PoolingOutput]:
         """A sequence classifier's class logits and probabilities per prompt, in order."""
-        pooler = self._pooler("classify")
+        spec = self._pooling("classify")
         outs = self._pool(prompts, use_tqdm)
         for out in outs:
             out.logits, out.probs = out.data, softmax(out.data)
-            out.label = pooler.spec.labels[int(np.argmax(out.data))]
+            out.label = spec.labels[int(np.argmax(out.data))]
         return outs
 
     def score(self, queries: str | Sequence[str], documents: str | Sequence[str], *,
@@ -168,26 +169,26 @@ class LLM:
             single = single * len(docs)
         if len(single) != len(docs):
             raise ValueError(f"got {len(single)} queries for {len(docs)} documents")
-        spec = self.engine.served_model.pooling
-        if spec is not None and spec.task == "classify":
+        spec = self._pooling("score")
+        if spec.task == "classify":
             if spec.head.shape[0] != 1:
                 raise ValueError("score: a classifier scores pairs with one label only, this "
                                  f"one has {spec.head.shape[0]}")
             pairs = [{"prompt_token_ids": self.engine.tokenizer.backend.encode(q, d).ids}
                      for q, d in zip(single, docs)]
             return [sigmoid(o.data[0]) for o in self._pool(pairs, use_tqdm)]
-        self._pooler("embed")
         unique = list(dict.fromkeys(single + docs))
         vectors = {t: normalized(o.data) for t, o in zip(unique, self._pool(unique, use_tqdm))}
         return [float(vectors[q] @ vectors[d]) for q, d in zip(single, docs)]
 
-    def _pooler(self, task: str):
-        pooler = getattr(self.engine, "pooler", None)
-        if pooler is None:
+    def _pooling(self, task: str):
+        """The served model's PoolingSpec, or ValueError unless it serves `task`."""
+        spec = self.engine.served_model.pooling
+        if spec is None:
             raise ValueError(f"{task}: this engine generates; build it with runner='pooling'")
-        if pooler.spec.task != task and task != "score":
-            raise ValueError(f"{task}: this model's task is {pooler.spec.task!r}")
-        return pooler
+        if spec.task != task and task != "score":
+            raise ValueError(f"{task}: this model's task is {spec.task!r}")
+        return spec
 
     def _pool(self, prompts, use_tqdm: bool | None) -> list[PoolingOutput]:
         if isinstance(prompts, (str, dict)) or (

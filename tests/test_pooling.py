@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from pooling_models import (write_causal_lm, write_classifier,  # noqa: E402
                             write_sentence_transformer)
 
-from jaxserve.engine.pooling import Pooler, check_dimensions  # noqa: E402
+from jaxserve.engine.pooling import Pooler, check_dimensions, embedding_at  # noqa: E402
 from jaxserve.llm import LLM  # noqa: E402
 from jaxserve.weights.pooling import PoolingSpec  # noqa: E402
 
@@ -155,9 +155,8 @@ def test_generation_endpoints_and_wrong_tasks(embedder):
 def test_matryoshka_dimensions():
     """Truncated, then normalised again; only to declared sizes."""
     spec = PoolingSpec(matryoshka=True, matryoshka_dimensions=(2, 4))
-    pooler = Pooler(spec, hidden_size=4)
     v = np.array([3.0, 4.0, 12.0, 0.0], np.float32)
-    np.testing.assert_allclose(pooler.embedding(v, 2), [0.6, 0.8])
+    np.testing.assert_allclose(embedding_at(v, spec, 2), [0.6, 0.8])
     for bad in (3, 0, 8, "2"):
         with pytest.raises(ValueError, match="dimensions"):
             check_dimensions(spec, bad, 4)
@@ -239,7 +238,8 @@ def test_reranker_by_yes_no_tokens(tmp_path_factory):
 def test_generation_engine_refuses_pooling():
     import types
 
-    llm = LLM.from_engine(types.SimpleNamespace(pooler=None))  # an engine that generates
+    generating = types.SimpleNamespace(served_model=types.SimpleNamespace(pooling=None))
+    llm = LLM.from_engine(generating)
     for call in (llm.embed, llm.classify):
         with pytest.raises(ValueError, match="runner='pooling'"):
             call(["a"])

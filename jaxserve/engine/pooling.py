@@ -146,15 +146,16 @@ class Pooler:
     def drop(self, request_id: str) -> None:
         self.take(request_id)
 
-    # ---- what a front end asks of a result
-    def embedding(self, vector: np.ndarray, dimensions: int | None = None) -> np.ndarray:
-        """An embedding at `dimensions` (Matryoshka: truncated, then normalised again where the
-        model normalises); ValueError naming `dimensions` where the model cannot."""
-        if dimensions is None or dimensions == vector.shape[0]:
-            return vector
-        check_dimensions(self.spec, dimensions, vector.shape[0])
-        vector = vector[:dimensions]
-        return normalized(vector) if self.spec.normalize else vector
+
+def embedding_at(vector: np.ndarray, spec: PoolingSpec,
+                 dimensions: int | None = None) -> np.ndarray:
+    """A pooling engine's embedding at `dimensions` (Matryoshka: truncated, then normalised
+    again where the model normalises); ValueError naming `dimensions` where it cannot."""
+    if dimensions is None or dimensions == vector.shape[0]:
+        return vector
+    check_dimensions(spec, dimensions, vector.shape[0])
+    vector = vector[:dimensions]
+    return normalized(vector) if spec.normalize else vector
 
 
 def check_dimensions(spec: PoolingSpec, dimensions, size: int) -> None:

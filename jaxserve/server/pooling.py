@@ -21,7 +21,8 @@ from pydantic import Field, ValidationError
 
 from jaxserve.core.sampling_params import SamplingParams
 
-from jaxserve.engine.pooling import check_dimensions, normalized, sigmoid, softmax
+from jaxserve.engine.pooling import (check_dimensions, embedding_at, normalized, sigmoid,
+                                     softmax)
 from jaxserve.json_models import JsonObject, first_error, one_error
 from jaxserve.server.json_io import parse_body
 from jaxserve.server.protocol import APIError
@@ -168,10 +169,7 @@ def embeddings_response(parsed: EmbeddingsParsed, outs: list, spec) -> dict:
     """OpenAI's embeddings body of the finished engine outputs, in input order."""
     data = []
     for i, out in enumerate(outs):
-        vector = out.pooled
-        if parsed.dimensions is not None and parsed.dimensions < vector.shape[0]:
-            vector = vector[:parsed.dimensions]
-            vector = normalized(vector) if spec.normalize else vector
+        vector = embedding_at(out.pooled, spec, parsed.dimensions)
         data.append({"object": "embedding", "index": i,
                      "embedding": _embedding_json(vector, parsed.encoding_format)})
     return {**_header("embd", parsed.model), "data": data, "usage": _usage(outs)}
