@@ -195,6 +195,11 @@ class LLM:
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         tokenized = [self.engine.tokenize(p) for p in prompts]  # raises before anything runs
+        limit = self.engine.max_model_len
+        for i, (_, ids) in enumerate(tokenized):  # the scheduler's one token past the prompt
+            if len(ids) >= limit:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; a pooling model takes "
+                                 f"fewer than max_model_len {limit}")
         added: list[str] = []
         try:
             for text, ids in tokenized:

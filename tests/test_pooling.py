@@ -150,6 +150,8 @@ def test_generation_endpoints_and_wrong_tasks(embedder):
         llm.classify(["a"])
     with pytest.raises(ValueError, match="dimensions"):
         llm.embed(["a"], dimensions=16)  # no Matryoshka declared
+    with pytest.raises(ValueError, match="prompt 1 has 1024 tokens"):
+        llm.embed(["a", "b" * 1023])  # with its special token: the whole context
 
 
 def test_matryoshka_dimensions():
