@@ -2,8 +2,8 @@
 replicas (jaxserve.integrations.ray.run_batch_on_ray), both out of the pieces here: plan_batch
 (what is left to run), LineRunner (lines through one engine), BatchWriter (the output file).
 
-Input: JSONL, one request per line: {"custom_id", "method": "POST", "url": "/v1/completions" or
-"/v1/chat/completions", "body": {...}}; bodies are validated and translated by the server's code
+Input: JSONL, one request per line: {"custom_id", "method": "POST", "url": "/v1/completions",
+"/v1/chat/completions" or (a pooling engine's) "/v1/embeddings", "body": {...}}; bodies are validated and translated by the server's code
 (jaxserve.server.protocol), so both accept the same bodies. Output: JSONL in input order, one line
 per input line: {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"}.
 A request the server would refuse gets its 4xx response; a line that is not a request at all
@@ -31,10 +31,14 @@ import uuid
 
 from jaxserve.engine import LLMEngine
 from jaxserve.server.json_io import dumps, parse_body
+from jaxserve.config.serving import ServingConfig
+from jaxserve.server.pooling import (EmbeddingsParsed, check_runner, embeddings_response,
+                                     parse_embeddings)
 from jaxserve.server.protocol import APIError, ParsedRequest, ProtocolContext, parse_request
 from jaxserve.server.responses import ResponseBuilder
 
-URL_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat"}
+URL_KINDS = {"/v1/completions": "completion", "/v1/chat/completions": "chat",
+             "/v1/embeddings": "embeddings"}  # embeddings: a pooling engine's (server/pooling.py)
 
 
 @dataclasses.dataclass
@@ -242,7 +246,11 @@ class LineRunner:
         for i, cid, kind, body in items:
             self.unfinished += 1
             try:
-                parsed = parse_request(kind, body, self.ctx)
+                served = self.engine.served_model
+                check_runner(served, kind)
+                parsed = (parse_embeddings(body, self.ctx, served,
+                                           ServingConfig.max_prompts_per_request)
+                          if kind == "embeddings" else parse_request(kind, body, self.ctx))
             except APIError as e:
                 self.ready.append((i, _api_error(cid, e)))
                 continue
@@ -251,7 +259,8 @@ class LineRunner:
                 self.ready.append((i, _api_error(cid, APIError(
                     f"internal error: {type(e).__name__}", status=500, type="internal_error"))))
                 continue
-            parsed.stream = parsed.include_usage = False
+            if not isinstance(parsed, EmbeddingsParsed):
+                parsed.stream = parsed.include_usage = False
             line = _Line(i, cid, parsed, finals=[None] * len(parsed.prompts))
             try:
                 for k, prompt in enumerate(parsed.prompts):
@@ -289,7 +298,9 @@ class LineRunner:
                 f"the request failed: {failed[0]}", status=500, type="internal_error",
                 code="request_failed"))))
             return
-        body = ResponseBuilder(line.parsed, self.ctx).response(line.finals)
+        body = (embeddings_response(line.parsed, line.finals, self.engine.served_model.pooling)
+                if isinstance(line.parsed, EmbeddingsParsed)
+                else ResponseBuilder(line.parsed, self.ctx).response(line.finals))
         self.ready.append((line.index, _result(line.custom_id, response={
             "status_code": 200, "request_id": body["id"], "body": body})))
 

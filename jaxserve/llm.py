@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import numpy as np
+
 from jaxserve.chat import Conversation
 from jaxserve.config import EngineConfig
 from jaxserve.core.lora import LoRARequest
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine import LLMEngine, Prompt, make_engine
+from jaxserve.engine.pooling import (PoolingOutput, embedding_at, normalized, sigmoid,
+                                     softmax)
 from jaxserve.json_models import FieldError
 from jaxserve.tokenizer import ChatTemplateError
 
@@ -145,6 +149,84 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [final[rid] for rid in request_ids]
+
+    # ---- pooling models (runner="pooling", engine/pooling.py)
+    def embed(self, prompts: Prompt | Sequence[Prompt], *, dimensions: int | None = None,
+              use_tqdm: bool | None = None) -> list[PoolingOutput]:
+        """One embedding per prompt, in order (float32; normalised where the model is;
+        `dimensions`: Matryoshka truncation where the model declares it)."""
+        spec = self._pooling("embed")
+        outs = self._pool(prompts, use_tqdm)
+        for out in outs:
+            out.embedding = embedding_at(out.data, spec, dimensions)
+        return outs
+
+    def classify(self, prompts: Prompt | Sequence[Prompt], *,
+                 use_tqdm: bool | None = None) -> list[PoolingOutput]:
+        """A sequence classifier's class logits and probabilities per prompt, in order."""
+        spec = self._pooling("classify")
+        outs = self._pool(prompts, use_tqdm)
+        for out in outs:
+            out.logits, out.probs = out.data, softmax(out.data)
+            out.label = spec.labels[int(np.argmax(out.data))]
+        return outs
+
+    def score(self, queries: str | Sequence[str], documents: str | Sequence[str], *,
+              use_tqdm: bool | None = None) -> list[float]:
+        """Relevance of each document to its query (one query for all documents, or one each):
+        an embedding model's cosine similarity; a one-label classifier's sigmoid of the pair's
+        logit (sentence-transformers' CrossEncoder), tokenized as the tokenizer joins a pair."""
+        single = [queries] if isinstance(queries, str) else list(queries)
+        docs = [documents] if isinstance(documents, str) else list(documents)
+        if len(single) == 1:
+            single = single * len(docs)
+        if len(single) != len(docs):
+            raise ValueError(f"got {len(single)} queries for {len(docs)} documents")
+        spec = self._pooling("score")
+        if spec.task == "classify":
+            if spec.head.shape[0] != 1:
+                raise ValueError("score: a classifier scores pairs with one label only, this "
+                                 f"one has {spec.head.shape[0]}")
+            pairs = [{"prompt_token_ids": self.engine.tokenizer.backend.encode(q, d).ids}
+                     for q, d in zip(single, docs)]
+            return [sigmoid(o.data[0]) for o in self._pool(pairs, use_tqdm)]
+        unique = list(dict.fromkeys(single + docs))
+        vectors = {t: normalized(o.data) for t, o in zip(unique, self._pool(unique, use_tqdm))}
+        return [float(vectors[q] @ vectors[d]) for q, d in zip(single, docs)]
+
+    def _pooling(self, task: str):
+        """The served model's PoolingSpec, or ValueError unless it serves `task`."""
+        spec = self.engine.served_model.pooling
+        if spec is None:
+            raise ValueError(f"{task}: this engine generates; build it with runner='pooling'")
+        if spec.task != task and task != "score":
+            raise ValueError(f"{task}: this model's task is {spec.task!r}")
+        return spec
+
+    def _pool(self, prompts, use_tqdm: bool | None) -> list[PoolingOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        tokenized = [self.engine.tokenize(p) for p in prompts]  # raises before anything runs
+        limit = self.engine.max_model_len
+        for i, (_, ids) in enumerate(tokenized):  # the scheduler's one token past the prompt
+            if len(ids) >= limit:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens; a pooling model takes "
+                                 f"fewer than max_model_len {limit}")
+        added: list[str] = []
+        try:
+            for text, ids in tokenized:
+                prompt = {"prompt_token_ids": ids, "prompt": text}
+                added.append(self.engine.add_request(prompt).request_id)
+        except BaseException:
+            for rid in added:
+                self.engine.abort(rid)
+            raise
+        outs = self._run(added, len(added) > 1 if use_tqdm is None else use_tqdm)
+        failed = [o for o in outs if o.pooled is None]
+        if failed:
+            raise RuntimeError(f"request {failed[0].request_id} failed: {failed[0].error}")
+        return [PoolingOutput(o.request_id, o.prompt_token_ids, o.pooled) for o in outs]
 
     def stats(self) -> dict:
         return self.engine.stats()

@@ -51,7 +51,7 @@ def test_batch_order_errors_and_equality(llm, tmp_path):
         _request("c", "/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -3}),
         _request("d", "/v1/completions", {"model": MODEL, "prompt": long_prompt,
                                           "max_tokens": 4}),
-        _request("e", "/v1/embeddings", {"model": MODEL, "input": "x"}),
+        _request("e", "/v1/moderations", {"model": MODEL, "input": "x"}),
         _request("f", "/v1/completions", {"model": MODEL, "prompt": ["Water is", "Fire is"],
                                           "max_tokens": 5, "temperature": 0, "stream": True,
                                           "unknown_field": 1}),

@@ -15,6 +15,9 @@ SCAN_LAYERS = ("auto", "on", "off")
 # vLLM's names: logprobs of the model's logits, or of those the sampler drew from (after logit
 # controls and temperature); *_logits return the logits themselves.
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+RUNNERS = ("generate", "pooling")  # pooling: embeddings, scores, classes (engine/pooling.py)
+POOLING_TYPES = ("auto", "last", "mean", "cls")
+POOLING_NORMALIZE = ("auto", "on", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,22 @@ class LoadConfig:
     batch_invariant: bool = option(False, "A request's tokens and logprobs bitwise the same "
                                    "whatever else is in its batch, its row, chunking and prefix "
                                    "hits (cpu and xla backends; slower).")
+
+    # engine/pooling.py; docs/pooling.md. auto: the checkpoint's sentence-transformers modules.
+    runner: str = option("generate", "generate: sample tokens; pooling: embeddings, scores and "
+                         "classes from the same model (LLM.embed / classify / score, "
+                         "/v1/embeddings).", choices=RUNNERS)
+    pooling_type: str = option("auto", "Pooling runner: the hidden state pooled; auto: the "
+                               "checkpoint's 1_Pooling/config.json, else last.",
+                               choices=POOLING_TYPES)
+    pooling_normalize: str = option("auto", "Pooling runner: L2-normalise embeddings; auto: "
+                                    "when the checkpoint has a Normalize module, else on.",
+                                    choices=POOLING_NORMALIZE)
+
+    classifier_from_tokens: str | None = option(
+        None, "Pooling runner: a causal LM scoring by its last token's logits of these tokens "
+        "(a reranker such as Qwen3-Reranker: 'no,yes' scores sigmoid(yes - no)); one token: "
+        "its logit.")
 
     def __post_init__(self):
         check_choices(self)

@@ -140,8 +140,11 @@ class KVManager:
     # ---- admission ------------------------------------------------------------------------------
     def find_prefix(self, seq: Sequence, salt: str | None) -> PrefixHit:
         """Cached pages for the head of seq.token_ids, never covering its last token. Requests that
-        score their prompt (prompt_logprobs) compute every prompt token, so they take no hits."""
-        if self.cache is None or seq.sampling_params.prompt_logprobs is not None:
+        score their prompt (prompt_logprobs) or skip reading the cache compute every prompt
+        token, so they take no hits."""
+        params = seq.sampling_params
+        if self.cache is None or params.prompt_logprobs is not None \
+                or params.skip_reading_prefix_cache:
             return NO_HIT
         max_pages = (seq.num_tokens - 1) // self.page_size
         if self.num_groups == 1:

@@ -60,3 +60,6 @@ class RequestOutput:
     error: str | None = None  # set when this request failed on its own (finish_reason "error")
     # The engine's weights when its tokens were sampled: 0 as loaded, +1 per update_weights.
     weights_version: int = 0
+    # A pooling engine's result once finished (engine/pooling.py): the embedding, or the class
+    # logits of a classifier, float32 numpy.
+    pooled: object = None

@@ -67,6 +67,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     structured_outputs: StructuredOutputsParams | None = None
+    # Compute every prompt token, taking no prefix-cache hit (pooling that reads every token's
+    # hidden state: mean and CLS, engine/pooling.py); its full pages are still cached for others.
+    skip_reading_prefix_cache: bool = False
 
     def __post_init__(self):
         if isinstance(self.structured_outputs, dict):

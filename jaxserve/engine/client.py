@@ -15,6 +15,7 @@ from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.tokenizer import Tokenizer
+from jaxserve.weights.pooling import PoolingSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,8 @@ class ServedModel:
     vocab_size: int
     cache_salt: str | None  # the engine's prefix-cache salt (CacheConfig.cache_salt)
     lora_modules: tuple = ()  # LoRARequests served by name (LoRAConfig.lora_modules)
+    pooling: PoolingSpec | None = None  # a pooling engine's (runner "pooling"); None: generates
+    hidden_size: int = 0
 
 
 class EngineOverloaded(Exception):

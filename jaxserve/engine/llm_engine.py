@@ -33,6 +33,7 @@ from jaxserve.engine import memory_plan
 from jaxserve.engine.assembly import PROBE_PAGES, Assembly
 from jaxserve.engine.client import ServedModel
 from jaxserve.engine.lora import LoRAAdapters
+from jaxserve.engine.pooling import Pooler, pooling_spec
 from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.speculator import Speculator, load_draft
 from jaxserve.engine.startup import StartupTimeline
@@ -40,9 +41,11 @@ from jaxserve.engine.step_pipeline import StepPipeline
 from jaxserve.engine.weight_update import WeightUpdates
 from jaxserve.runtime import memory, sharding
 from jaxserve.runtime.params import JNP_DTYPES
+from jaxserve.runtime.pooling import PoolingRunner
 from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel, load_model
+from jaxserve.weights.pooling import pooling_only
 
 Prompt = str | list[int] | dict
 log = logging.getLogger("jaxserve.engine")
@@ -98,8 +101,15 @@ class LLMEngine:
         num_pages = PROBE_PAGES if budget is not None else resolved.num_pages(
             config, self._pool_bytes_per_token(loaded.config)
             + (self._pool_bytes_per_token(draft.config) if draft else 0))
+        # runner "pooling": embeddings, scores, classes (engine/pooling.py's Pooler)
+        if load.runner == "generate" and pooling_only(loaded.source):
+            raise ValueError(f"{pooling_only(loaded.source)} has no language-model head: "
+                             "serve it with runner='pooling' (--runner=pooling)")
+        self.pooler = (Pooler(pooling_spec(loaded, load), loaded.config.hidden_size)
+                       if load.runner == "pooling" else None)
+        runner_class = PoolingRunner if self.pooler else ModelRunner
         with self.startup.phase("place the weights"):
-            self.runner = ModelRunner(loaded.config, loaded.params, num_pages=num_pages,
+            self.runner = runner_class(loaded.config, loaded.params, num_pages=num_pages,
                                       page_size=cache.page_size, dtype=resolved.dtype,
                                       kv_cache_dtype=resolved.kv_cache_dtype,
                                       backend=backend, quantization=load.quantization,
@@ -142,7 +152,7 @@ class LLMEngine:
             self.requests, vocab_size=loaded.config.vocab_size, page_size=cache.page_size,
             async_scheduling=config.scheduler.async_scheduling,
             grammar_limits=lambda: self._grammars.limits if self._grammars else None,
-            adapters=self.lora)
+            adapters=self.lora, pooler=self.pooler)
         # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -160,7 +170,9 @@ class LLMEngine:
         """What a front end reads requests for (engine/client.py)."""
         return ServedModel(self.config.load.model, self.tokenizer, self.max_model_len,
                            self.model_config.vocab_size, self.config.cache.cache_salt,
-                           tuple(self.lora.modules.values()) if self.lora else ())
+                           tuple(self.lora.modules.values()) if self.lora else (),
+                           pooling=self.pooler.spec if self.pooler else None,
+                           hidden_size=self.model_config.hidden_size)
 
     def compile_grammar(self, spec: StructuredOutputsParams):
         """Admit a structured output's grammar from any thread (see `grammars`)."""
@@ -212,6 +224,8 @@ class LLMEngine:
             raise ValueError("lora_request needs an engine with enable_lora=True")
         self.weights.check_awake()
         text, ids = self.tokenize(prompt)
+        if self.pooler is not None:  # a prompt to pool: prefilled, nothing sampled
+            params = self.pooler.request_params(params)
         params = dataclasses.replace(params or SamplingParams())
         grammar = self.check_params(params)
         if params.seed is None:  # unseeded: a fresh seed per request, fixed for its lifetime
@@ -231,6 +245,8 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         self.requests.remove(request_id)
+        if self.pooler is not None:
+            self.pooler.drop(request_id)
         aborted = self.scheduler.abort(request_id)
         if not self.scheduler.has_unfinished():
             self.pipeline.drain()

@@ -20,6 +20,7 @@ from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.core.structured_output import GrammarLimits, grammar_error
 from jaxserve.engine.in_flight import Launched, StepFailed
+from jaxserve.engine.pooling import Pooler
 from jaxserve.engine.requests import RequestTable
 from jaxserve.engine.speculator import Speculator
 from jaxserve.runtime.batch import StepBatch, build_batch, page_copies
@@ -47,14 +48,17 @@ class StepPipeline:
     def __init__(self, buckets: Buckets, scheduler: Scheduler, runner: ModelRunner,
                  speculator: Speculator, outputs: OutputProcessor, requests: RequestTable, *,
                  vocab_size: int, page_size: int, async_scheduling: bool,
-                 grammar_limits: Callable[[], GrammarLimits | None], adapters=None):
+                 grammar_limits: Callable[[], GrammarLimits | None], adapters=None,
+                 pooler: Pooler | None = None):
         """adapters: the engine's LoRA adapters (engine/lora.py), placed in their device slots
-        before the step that first needs them; None: no adapters."""
+        before the step that first needs them; None: no adapters. pooler: a pooling engine's,
+        which reads each step's pooled rows."""
         self.buckets, self.vocab_size, self.page_size = buckets, vocab_size, page_size
         self.async_scheduling = async_scheduling
         self.scheduler, self.runner, self.speculator = scheduler, runner, speculator
         self.outputs, self.requests, self.grammar_limits = outputs, requests, grammar_limits
         self.adapters = adapters
+        self.pooler = pooler  # a pooling engine's: reads each step's pooled rows
         self._in_flight: Launched | None = None  # the step on the device, not yet fetched
         self._unapplied: list[StepPlan] = []  # plans launched and not yet applied
         self.num_steps = 0
@@ -80,6 +84,8 @@ class StepPipeline:
     def _stamped(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         for out in outputs:  # no request spans an update (WeightUpdates settles them first)
             out.weights_version = self.runner.weights_version
+            if self.pooler is not None and out.finished:
+                out.pooled = self.pooler.take(out.request_id)
         return outputs
 
     def _step(self) -> list[RequestOutput]:
@@ -205,6 +211,8 @@ class StepPipeline:
         plan = launched.plan
         self._unapplied.remove(plan)
         errors = {}
+        if self.pooler is not None:  # before update() advances the chunks' sequences
+            self.pooler.record(plan, out.pooled)
         if out.prompt_logprobs is not None:
             errors = self.outputs.record_prompt_logprobs(plan, launched.offsets, out)
         now = time.monotonic()

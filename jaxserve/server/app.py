@@ -37,6 +37,7 @@ from jaxserve.server.health import add_health_routes
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
 from jaxserve.server.loop_watch import LoopWatch, StartWatch
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxserve.server.pooling import add_pooling_routes, check_runner
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
 from jaxserve.server.reasoning import REASONING_PARSERS
 from jaxserve.server.requests import openapi_schemas
@@ -331,6 +332,7 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         return parse_request(kind, body, ctx)
 
     async def serve(kind: str, request: Request):
+        check_runner(aengine.served_model, kind)  # a pooling model: a 400
         parsed = await off_loop(prepare, kind, await read_body(request))
         await compile_grammar(parsed)
         group = await submit(parsed, cache_salt(request))
@@ -366,6 +368,9 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
     @app.post("/v1/chat/completions", openapi_extra=body_schema("ChatCompletionRequest"))
     async def chat_completions(request: Request):
         return await serve("chat", request)
+
+    add_pooling_routes(app, aengine, ctx, read_body=read_body, off_loop=off_loop, submit=submit,
+                       cache_salt=cache_salt, max_prompts=config.max_prompts_per_request)
 
     fastapi_openapi = app.openapi
 

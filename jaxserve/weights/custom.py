@@ -191,13 +191,14 @@ def architecture_of(directory: str) -> RegisteredModel | None:
     one (or none named: the built-in loader reads model_type); a clear error for an
     architecture neither knows."""
     from jaxserve.weights.hf_loader import _ARCHITECTURES
+    from jaxserve.weights.pooling import causal_lm_name
 
     with open(os.path.join(directory, "config.json")) as f:
         try:
             archs = json.load(f).get("architectures") or []
         except (json.JSONDecodeError, AttributeError):
             return None  # the built-in loader says what is wrong with it
-    if not archs or any(a in _ARCHITECTURES for a in archs):
+    if not archs or any(causal_lm_name(a) in _ARCHITECTURES for a in archs):
         return None
     if not any(a in _REGISTRY for a in archs):
         _load_plugins()

@@ -20,6 +20,7 @@ import numpy as np
 from jaxserve.config import ModelConfig, RopeScaling
 from jaxserve.weights import gpt_oss
 from jaxserve.weights.layer_stack import LayerStack
+from jaxserve.weights.pooling import causal_lm_name
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -53,7 +54,7 @@ _MOE_TENSORS = {
 
 
 def _architecture(c: dict) -> str:
-    archs = c.get("architectures") or []
+    archs = [causal_lm_name(a) for a in c.get("architectures") or []]
     arch = next((_ARCHITECTURES[a] for a in archs if a in _ARCHITECTURES), None)
     if arch is not None:
         return arch
@@ -255,6 +256,9 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float
 
     if config.architecture == "gpt_oss":
         tensors = gpt_oss.expert_tensors(tensors, config)
+    # A bare decoder's names (AutoModel's) are the causal LM's without "model.".
+    if headless := "model.embed_tokens.weight" not in tensors and "embed_tokens.weight" in tensors:
+        tensors = {f"model.{k}": v for k, v in tensors.items()}
     L = config.num_layers
     H, D = config.hidden_size, config.head_dim
     expected = {
@@ -327,8 +331,11 @@ def params_from_hf_state_dict(config: ModelConfig, tensors: dict, dtype=np.float
         raise ValueError(f"embed_tokens shape {embed.shape} != {(config.vocab_size, H)}")
     params = {"embed": np.array(embed, dtype=dtype), "layers": layers,
               "final_norm": np.array(take("model.norm.weight"), dtype=dtype)}
+    used.add("score.weight")  # a sequence classifier's head: weights/pooling.py reads it
     if config.tie_word_embeddings:
         used.add("lm_head.weight")  # some checkpoints store the tied copy anyway
+    elif "lm_head.weight" not in tensors and (headless or "score.weight" in tensors):
+        pass  # a classifier or bare decoder has no language-model head (runner "pooling")
     else:
         lm = take("lm_head.weight")
         if lm.shape != (config.vocab_size, H):
