@@ -67,6 +67,7 @@ class PoolingPrompts:
 
     prompts: list[dict]
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    model: str | None = None  # the model a request names: a pooling model serves no adapter
 
 
 # The task each endpoint needs (score and rerank: either, checked by `scores`).
