@@ -41,8 +41,12 @@ def define_flags(cls: type, flag_values: flags.FlagValues = flags.FLAGS) -> None
 
 def config_of(cls: type, flag_values: flags.FlagValues = flags.FLAGS):
     """Config class `cls` from its flags (define_flags'), repeated flags as tuples."""
-    values = {f.name: flag_values[flag_name(f)].value for f in dataclasses.fields(cls)}
-    return cls(**{name: tuple(v) if isinstance(v, list) else v for name, v in values.items()})
+    return cls(**{f.name: _tuple_of_list(flag_values[flag_name(f)].value)
+                  for f in dataclasses.fields(cls)})
+
+
+def _tuple_of_list(value):  # absl gives a repeated flag's values as a list
+    return tuple(value) if isinstance(value, list) else value
 
 
 def speculative_options(flag_values: flags.FlagValues = flags.FLAGS) -> dict | None:
@@ -57,8 +61,9 @@ def speculative_options(flag_values: flags.FlagValues = flags.FLAGS) -> dict | N
 
 
 def engine_options(flag_values: flags.FlagValues = flags.FLAGS) -> dict[str, Any]:
-    """The flat engine options the flags give (EngineConfig.from_options takes them)."""
-    options = {f.name: flag_values[f.name].value
+    """The flat engine options the flags give (EngineConfig.from_options takes them), repeated
+    flags as tuples."""
+    options = {f.name: _tuple_of_list(flag_values[f.name].value)
                for cls in OPTION_GROUPS.values() for f in dataclasses.fields(cls)}
     spec = speculative_options(flag_values)
     if spec is not None:
