@@ -24,7 +24,8 @@ def test_every_flag_takes_its_default_help_and_choices_from_its_field(cls):
     for field in dataclasses.fields(cls):
         flag = flags.FLAGS[engine_flags.flag_name(field)]
         switch = field.metadata["switch"]
-        assert flag.default == (None if switch else field.default), field.name
+        default = tuple(flag.default) if isinstance(flag.default, list) else flag.default
+        assert default == (None if switch else field.default), field.name  # a repeated flag's: list
         choices = field.metadata["choices"]
         prefix = f"<{'|'.join(choices)}>: " if choices else ""  # absl's enum help starts so
         assert flag.help.startswith(prefix + field.metadata["help"]), field.name

@@ -415,6 +415,18 @@ def test_runtime_lora_loading_and_unloading(root, served):
         loaded_ids = asyncio_run(served.call(lambda engine: engine.list_loras()))
         assert loaded_ids == {m.lora_int_id for m in ids.values()}  # rs dropped, slot freed
         assert post("/v1/unload_lora_adapter", {"lora_name": "rs"}).status_code == 404
+    with pytest.raises(ValueError, match="allow_runtime_lora_updates"):
+        ServerConfig(allow_runtime_lora_updates=True)  # no key: refuses to start
+    tenants = ServerConfig(api_keys=(("a", "t1"), ("b", "t2")), operator_keys=("op",),
+                           allow_runtime_lora_updates=True)
+    with serve_app(build_app(served, tenants)) as url:
+        load = {"lora_name": "rs", "lora_path": rs_path}
+        tenant = httpx.post(f"{url}/v1/load_lora_adapter", json=load,
+                            headers={"Authorization": "Bearer a"})
+        assert tenant.status_code == 403  # it changes what every tenant is served
+        operator = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "attn"},
+                              headers={"Authorization": "Bearer op"})
+        assert operator.status_code == 200 and operator.json()["requests_in_flight"] == 0
 
 
 def asyncio_run(coroutine):
@@ -480,6 +492,40 @@ def test_host_keeps_max_cpu_loras_never_a_live_one(root):
     assert again is not first and again.fingerprint == first.fingerprint
     assert list(host._host) == [attn.lora_int_id]
     assert host.list_loras(live) == {attn.lora_int_id, rs.lora_int_id, mlp.lora_int_id}
+
+
+def test_batch_lines_run_under_the_adapter_they_name(root, tmp_path):
+    """`jaxserve batch` lines whose "model" names an adapter (--lora_modules: the context's
+    served adapters) run under it; no model is the base; an unknown one is a 404 line."""
+    import dataclasses
+    import json
+
+    from jaxserve.batch_file import run_batch
+    from jaxserve.server.protocol import ProtocolContext
+    from jaxserve.server.served_adapters import ServedAdapters
+
+    base, _, adapters = _family("llama", root)
+    engine = _engine("llama", "xla", root).engine
+    ctx = dataclasses.replace(ProtocolContext.for_engine(engine), adapters=ServedAdapters(
+        (adapters["attn"][0], adapters["mlp"][0])))
+    prompts = _prompts(3, seed=10)
+    names = ["attn", None, "mlp", "nope"]
+    lines = []
+    for i, (name, prompt) in enumerate(zip(names, [*prompts, prompts[0]])):
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, **({"model": name} if name else {})}
+        lines.append(json.dumps({"custom_id": str(i), "method": "POST",
+                                 "url": "/v1/completions", "body": body}))
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    summary = run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), ctx=ctx)
+    assert (summary.succeeded, summary.failed) == (3, 1)
+    results = [json.loads(line)["response"]
+               for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    for name, prompt, response in zip(names, prompts, results):
+        text = response["body"]["choices"][0]["text"]
+        model = base if name is None else adapters[name][1]
+        assert [int(w[1:]) for w in text.split()] == _reference(model, prompt)[0], name
+    assert results[3]["status_code"] == 404
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])

@@ -26,6 +26,7 @@ class LoRAConfig:
                                        "use. Default: every registered adapter stays.")
 
     def __post_init__(self):
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))  # a flag's list
         for name in ("max_loras", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")

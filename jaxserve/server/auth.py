@@ -58,7 +58,8 @@ class AuthMiddleware:
     traffic) answer 403 to all but an operator key, and so do the weight and LoRA adapter
     endpoints (weight_routes.py, lora_routes.py: they change what every tenant is served)."""
 
-    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json", "/metrics", *WEIGHT_PATHS)
+    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json", "/metrics", *WEIGHT_PATHS,
+                 *LORA_PATHS)
     OPERATOR_ONLY = ("/debug", "/metrics", *WEIGHT_PATHS, *LORA_PATHS)
 
     def __init__(self, app, keys: tuple[tuple[str, str], ...], public: tuple[str, ...] = ()):
