@@ -30,6 +30,15 @@ def _name(body: dict, field: str) -> str:
     return value
 
 
+def _lora_engine(engine):
+    """The engine whose adapters change: one LLMEngine (a data-parallel engine's replicas each
+    hold their own, which runtime loading does not reach yet)."""
+    if not hasattr(engine, "add_lora"):
+        raise ValueError("loading LoRA adapters at runtime is not supported with "
+                         "data_parallel_size > 1 yet")
+    return engine
+
+
 def add_lora_routes(app: FastAPI, aengine, ctx: ProtocolContext, read_body) -> None:
     """The endpoints on `app`, changing ctx.adapters (the served names) and `aengine`'s
     adapters (an AsyncEngine over an engine with enable_lora). read_body: the app's."""
@@ -52,7 +61,7 @@ def add_lora_routes(app: FastAPI, aengine, ctx: ProtocolContext, read_body) -> N
         except ValueError as e:
             raise APIError(str(e), param="lora_name", code="invalid_value") from None
         try:
-            await aengine.call(lambda engine: engine.add_lora(lora))
+            await aengine.call(lambda engine: _lora_engine(engine).add_lora(lora))
         except (ValueError, OSError) as e:  # LoRAAdapterError names the path and why
             ctx.adapters.released(lora)
             raise APIError(f"LoRA adapter {name!r} not loaded: {e}", param="lora_path",
@@ -67,6 +76,10 @@ def add_lora_routes(app: FastAPI, aengine, ctx: ProtocolContext, read_body) -> N
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
         name = _name(await body_of(request), "lora_name")
+        try:
+            await aengine.call(_lora_engine)
+        except ValueError as e:
+            raise APIError(str(e), code="invalid_value") from None
         lora = ctx.adapters.remove(name)  # no request names it from here on
         if lora is None:
             raise APIError(f"The LoRA adapter `{name}` is not loaded. Loaded: "
