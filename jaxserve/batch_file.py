@@ -262,10 +262,12 @@ class LineRunner:
             if not isinstance(parsed, EmbeddingsParsed):
                 parsed.stream = parsed.include_usage = False
             line = _Line(i, cid, parsed, finals=[None] * len(parsed.prompts))
+            lora = self.ctx.adapters.get(parsed.model)  # "model" names a --lora_modules adapter
             try:
                 for k, prompt in enumerate(parsed.prompts):
                     rid = f"batch-{i}-{k}"
-                    self.engine.add_request(prompt, parsed.params, request_id=rid)
+                    self.engine.add_request(prompt, parsed.params, request_id=rid,
+                                            lora_request=lora)
                     line.request_ids.append(rid)
                     self.owner[rid] = line
             except ValueError as e:  # RequestRejected: never runnable here

@@ -294,40 +294,238 @@ def test_tensor_parallel_2_matches_peft(root):
         assert tokens == _reference(base if name is None else adapters[name][1], prompt)[0], name
 
 
-def test_server_serves_adapters_by_model_name(root):
-    """--lora_modules: each adapter listed in /v1/models with its base as parent and chosen by
-    a request's "model" (PEFT's tokens); an unknown one is a 404 naming it."""
-    import httpx
-    from serving import serve_app
-
+@pytest.fixture(scope="module")
+def served(root):
+    """One engine loop for the server tests: --lora_modules attn and mlp over two device slots,
+    max_cpu_loras=2 (a third adapter drops the least recently used one from the host)."""
     from jaxserve.config import EngineConfig
     from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.server import AsyncEngine, ServerConfig, build_app
+    from jaxserve.server import AsyncEngine
 
-    base, loaded, adapters = _family("llama", root)
+    _, loaded, adapters = _family("llama", root)
     modules = tuple(f"{n}={adapters[n][0].lora_path}" for n in ("attn", "mlp"))
     config = EngineConfig.from_options(
         model="tiny-llama", attention_backend="xla", page_size=PAGE, max_num_batched_tokens=16,
         max_num_seqs=4, num_pages=10, enable_lora=True, max_loras=2, max_lora_rank=16,
-        scan_layers="off", lora_modules=modules)
+        max_cpu_loras=2, scan_layers="off", lora_modules=modules)
     aengine = AsyncEngine(LLMEngine(config, loaded))
+    yield aengine
+    aengine.shutdown()
+
+
+def _completion_tokens(url: str, name: str, prompt, headers=None) -> list[int]:
+    import httpx
+
+    body = {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    response = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    return [int(w[1:]) for w in response.json()["choices"][0]["text"].split()]
+
+
+def test_server_serves_adapters_by_model_name(root, served):
+    """--lora_modules: each adapter listed in /v1/models with its base as parent and chosen by
+    a request's "model" (PEFT's tokens); an unknown one is a 404 naming it. Without
+    --allow_runtime_lora_updates there is no loading endpoint."""
+    import httpx
+    from serving import serve_app
+
+    from jaxserve.server import ServerConfig, build_app
+
+    base, _, adapters = _family("llama", root)
     prompt = _prompts(1, seed=7)[0]
-    try:
-        with serve_app(build_app(aengine, ServerConfig())) as url:
-            listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
-            assert listed["attn"]["parent"] == listed["mlp"]["parent"] == "tiny-llama"
-            assert "parent" not in listed["tiny-llama"]
-            for name, model in (("attn", adapters["attn"][1]), ("mlp", adapters["mlp"][1]),
-                                ("tiny-llama", base)):
-                body = {"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                        "temperature": 0, "ignore_eos": True}
-                text = httpx.post(f"{url}/v1/completions", json=body,
-                                  timeout=120).json()["choices"][0]["text"]
-                assert [int(w[1:]) for w in text.split()] == _reference(model, prompt)[0], name
-            missing = httpx.post(f"{url}/v1/completions", json={**body, "model": "nope"})
-            assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
-    finally:
-        aengine.shutdown()
+    with serve_app(build_app(served, ServerConfig())) as url:
+        listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models").json()["data"]}
+        assert listed["attn"]["parent"] == listed["mlp"]["parent"] == "tiny-llama"
+        assert "parent" not in listed["tiny-llama"]
+        for name, model in (("attn", adapters["attn"][1]), ("mlp", adapters["mlp"][1]),
+                            ("tiny-llama", base)):
+            assert _completion_tokens(url, name, prompt) == _reference(model, prompt)[0], name
+        missing = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": prompt})
+        assert missing.status_code == 404 and "nope" in missing.json()["error"]["message"]
+        off = httpx.post(f"{url}/v1/load_lora_adapter",
+                         json={"lora_name": "x", "lora_path": adapters["attn"][0].lora_path})
+        assert off.status_code == 404
+
+
+def test_runtime_lora_loading_and_unloading(root, served):
+    """--allow_runtime_lora_updates behind a key: an adapter loaded over HTTP serves PEFT's
+    tokens by its name (a third adapter past max_cpu_loras=2 is re-read when used again);
+    a wrong key is a 401, a bad path, a refused adapter or a name already loaded a 400; an
+    unload while a request streams under the adapter lets it finish with the adapter's tokens,
+    after which the name 404s and the engine drops it."""
+    import json
+
+    import httpx
+    from serving import serve_app
+
+    from hf_families import transformers_greedy
+    from jaxserve.server import ServerConfig, build_app
+
+    base, _, adapters = _family("llama", root)
+    auth = {"Authorization": "Bearer k"}
+    prompt = _prompts(1, seed=8)[0]
+    rs_path = adapters["all-rs"][0].lora_path
+    with serve_app(build_app(served, ServerConfig(api_key="k",
+                                                  allow_runtime_lora_updates=True))) as url:
+        def post(path, body, headers=auth):
+            return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=120)
+
+        load = {"lora_name": "rs", "lora_path": rs_path}
+        assert post("/v1/load_lora_adapter", load, {"Authorization": "Bearer no"}
+                    ).status_code == 401
+        assert post("/v1/load_lora_adapter", load).status_code == 200
+        listed = {m["id"]: m for m in httpx.get(f"{url}/v1/models", headers=auth).json()["data"]}
+        assert listed["rs"]["parent"] == "tiny-llama" and listed["rs"]["root"] == rs_path
+        for name in ("rs", "attn", "mlp", "rs"):  # three adapters, two on the host
+            want = _reference(adapters["all-rs" if name == "rs" else name][1], prompt)[0]
+            assert _completion_tokens(url, name, prompt, auth) == want, name
+        again = post("/v1/load_lora_adapter", load)
+        assert again.status_code == 400 and "'rs'" in again.json()["error"]["message"]
+        bad = post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": f"{root}/nowhere"})
+        assert bad.status_code == 400 and f"{root}/nowhere" in bad.json()["error"]["message"]
+        _peft(base, f"{root}/rank32", seed=0, r=32, target_modules=["q_proj"])
+        refused = post("/v1/load_lora_adapter", {"lora_name": "big", "lora_path": f"{root}/rank32"})
+        assert refused.status_code == 400 and "max_lora_rank" in refused.json()["error"]["message"]
+        assert post("/v1/unload_lora_adapter", {"lora_name": "nope"}).status_code == 404
+
+        # Unloaded while a request streams under it (the engine paused after its first token,
+        # so that it is still running): the request finishes with rs's tokens.
+        n = 48  # within the pool's 80 tokens
+        body = {"model": "rs", "prompt": prompt, "max_tokens": n, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        text = ""
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=auth,
+                          timeout=120) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith("data: {"))
+            text += json.loads(next(lines)[6:])["choices"][0]["text"]
+            asyncio_run(served.pause())
+            unload = post("/v1/unload_lora_adapter", {"lora_name": "rs"})
+            asyncio_run(served.resume())
+            assert unload.status_code == 200 and unload.json()["requests_in_flight"] == 1
+            for line in lines:
+                text += json.loads(line[6:])["choices"][0]["text"]
+        assert [int(w[1:]) for w in text.split()] == transformers_greedy(
+            adapters["all-rs"][1], prompt, n)
+        gone = post("/v1/completions", {"model": "rs", "prompt": prompt, "max_tokens": 1})
+        assert gone.status_code == 404 and "rs" in gone.json()["error"]["message"]
+        ids = served.engine.lora.modules
+        assert "rs" not in {m["id"] for m in httpx.get(f"{url}/v1/models", headers=auth
+                                                       ).json()["data"]}
+        loaded_ids = asyncio_run(served.call(lambda engine: engine.list_loras()))
+        assert loaded_ids == {m.lora_int_id for m in ids.values()}  # rs dropped, slot freed
+        assert post("/v1/unload_lora_adapter", {"lora_name": "rs"}).status_code == 404
+    with pytest.raises(ValueError, match="allow_runtime_lora_updates"):
+        ServerConfig(allow_runtime_lora_updates=True)  # no key: refuses to start
+    tenants = ServerConfig(api_keys=(("a", "t1"), ("b", "t2")), operator_keys=("op",),
+                           allow_runtime_lora_updates=True)
+    with serve_app(build_app(served, tenants)) as url:
+        load = {"lora_name": "rs", "lora_path": rs_path}
+        tenant = httpx.post(f"{url}/v1/load_lora_adapter", json=load,
+                            headers={"Authorization": "Bearer a"})
+        assert tenant.status_code == 403  # it changes what every tenant is served
+        operator = httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "attn"},
+                              headers={"Authorization": "Bearer op"})
+        assert operator.status_code == 200 and operator.json()["requests_in_flight"] == 0
+
+
+def asyncio_run(coroutine):
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+def test_remove_lora_lets_its_requests_finish(root):
+    """LLMEngine.remove_lora while a request runs under the adapter: the request finishes
+    with its tokens; the adapter is dropped, and its slot freed, once it has."""
+    _, _, adapters = _family("llama", root)
+    engine = _engine("llama", "xla", root).engine
+    lora = adapters["attn"][0]
+    engine.add_lora(lora)  # registered already if an earlier test used it: False then
+    assert lora.lora_int_id in engine.list_loras()
+    prompt = _prompts(1, seed=9)[0]
+    from jaxserve import SamplingParams
+
+    request = engine.add_request({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), lora_request=lora)
+    outs = engine.step()
+    assert engine.remove_lora(lora.lora_int_id)
+    assert lora.lora_int_id not in engine.list_loras()
+    assert lora.lora_int_id in engine.lora._registered  # still running under it
+    while engine.has_unfinished():
+        outs += engine.step()
+    final = [o for o in outs if o.request_id == request.request_id and o.finished][0]
+    assert list(final.outputs[0].token_ids) == _reference(adapters["attn"][1], prompt)[0]
+    assert lora.lora_int_id not in engine.list_loras()
+    assert lora.lora_int_id not in engine.lora._registered
+    assert lora.lora_int_id not in engine.lora.slots._adapter_in.values()
+    assert not engine.remove_lora(lora.lora_int_id)
+    assert engine.add_lora(lora) and lora.lora_int_id in engine.list_loras()
+
+
+def test_host_keeps_max_cpu_loras_never_a_live_one(root):
+    """max_cpu_loras=1: the least recently used adapter no live request runs under leaves the
+    host, and is read again from its path when used."""
+    from jaxserve.config import LoRAConfig
+    from jaxserve.engine.lora import LoRAAdapters
+
+    _, loaded, adapters = _family("llama", root)
+    host = LoRAAdapters(LoRAConfig(enable_lora=True, max_loras=1, max_lora_rank=16,
+                                   max_cpu_loras=1), loaded.config)
+
+    class Live:  # the engine's live requests' adapters
+        ids: set = set()
+
+        def lora_ids(self):
+            return set(self.ids)
+
+    live = Live()
+    attn, rs, mlp = (adapters[n][0] for n in ("attn", "all-rs", "mlp"))
+    first = host.register(attn, live)
+    live.ids = {attn.lora_int_id}
+    host.register(mlp, live)
+    assert list(host._host) == [attn.lora_int_id, mlp.lora_int_id]  # attn is live: kept
+    live.ids = set()
+    host.register(rs, live)
+    assert list(host._host) == [rs.lora_int_id]
+    again = host.register(attn, live)
+    assert again is not first and again.fingerprint == first.fingerprint
+    assert list(host._host) == [attn.lora_int_id]
+    assert host.list_loras(live) == {attn.lora_int_id, rs.lora_int_id, mlp.lora_int_id}
+
+
+def test_batch_lines_run_under_the_adapter_they_name(root, tmp_path):
+    """`jaxserve batch` lines whose "model" names an adapter (--lora_modules: the context's
+    served adapters) run under it; no model is the base; an unknown one is a 404 line."""
+    import dataclasses
+    import json
+
+    from jaxserve.batch_file import run_batch
+    from jaxserve.server.protocol import ProtocolContext
+    from jaxserve.server.served_adapters import ServedAdapters
+
+    base, _, adapters = _family("llama", root)
+    engine = _engine("llama", "xla", root).engine
+    ctx = dataclasses.replace(ProtocolContext.for_engine(engine), adapters=ServedAdapters(
+        (adapters["attn"][0], adapters["mlp"][0])))
+    prompts = _prompts(3, seed=10)
+    names = ["attn", None, "mlp", "nope"]
+    lines = []
+    for i, (name, prompt) in enumerate(zip(names, [*prompts, prompts[0]])):
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, **({"model": name} if name else {})}
+        lines.append(json.dumps({"custom_id": str(i), "method": "POST",
+                                 "url": "/v1/completions", "body": body}))
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    summary = run_batch(engine, str(tmp_path / "in.jsonl"), str(tmp_path / "out.jsonl"), ctx=ctx)
+    assert (summary.succeeded, summary.failed) == (3, 1)
+    results = [json.loads(line)["response"]
+               for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    for name, prompt, response in zip(names, prompts, results):
+        text = response["body"]["choices"][0]["text"]
+        model = base if name is None else adapters[name][1]
+        assert [int(w[1:]) for w in text.split()] == _reference(model, prompt)[0], name
+    assert results[3]["status_code"] == 404
 
 
 @pytest.mark.parametrize("generation", ["v5e", "v6e"])

@@ -20,6 +20,10 @@ class LoRAConfig:
     lora_modules: tuple[str, ...] = option((), "Adapters served by name, name=path (a PEFT "
                                            "directory), read at start; a request's model names "
                                            "one.")
+    max_cpu_loras: int | None = option(None, "Adapters kept on the host (at least max_loras); "
+                                       "beyond it the least recently used one no request is "
+                                       "using is dropped and read again from its path on next "
+                                       "use. Default: every registered adapter stays.")
 
     def __post_init__(self):
         for name in ("max_loras", "max_lora_rank"):
@@ -29,5 +33,8 @@ class LoRAConfig:
             name, _, path = module.partition("=")
             if not name or not path:
                 raise ValueError(f"lora_modules entries are name=path, got {module!r}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras})")
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora")

@@ -42,6 +42,10 @@ class ServingConfig:
         "/pause, /resume, /sleep, /wake_up and their states (docs/rl.md). They need a key "
         "(an operator key with several tenants): without --api_key, --api_key_file, "
         "JAXSERVE_API_KEY or --operator_key the server refuses to start.")
+    allow_runtime_lora_updates: bool = option(
+        False, "Serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter ({lora_name, "
+        "lora_path}: a PEFT directory on the server; needs --enable_lora). They need a key "
+        "(an operator key with several tenants): without one the server refuses to start.")
     shutdown_timeout: float = option(
         30.0, "On SIGINT/SIGTERM: stop accepting, let live requests finish for this many "
         "seconds, then fail the rest with errors and exit 0. A second signal exits at once.")

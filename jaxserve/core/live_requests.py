@@ -60,6 +60,14 @@ class LiveRequests:
             return request.sampling_params.n
         return 1
 
+    def lora_ids(self) -> set[int]:
+        """The LoRA adapters (lora_int_id; 0: the base) the live requests run under."""
+        return {r.lora_int_id for r in self._requests.values()}
+
+    def count_under(self, lora_int_id: int) -> int:
+        """How many live requests run under that LoRA adapter."""
+        return sum(r.lora_int_id == lora_int_id for r in self._requests.values())
+
     def remove(self, request: Request) -> bool:
         """A finished request leaves; False if it already had."""
         if request.request_id not in self._requests:

@@ -65,3 +65,11 @@ class LoRASlots:
         for chunk in plan.chunks:
             chunk.lora_slot = slot_of.get(chunk.seq.request.lora_int_id, 0)
         return loads
+
+    def forget(self, adapter_id: int) -> None:
+        """Free `adapter_id`'s slot (an adapter removed or dropped from the host, with no
+        sequence left under it): the slot goes first to the next adapter that needs one."""
+        for slot, adapter in list(self._adapter_in.items()):
+            if adapter == adapter_id:
+                del self._adapter_in[slot]
+                self._lru.move_to_end(slot, last=False)

@@ -104,7 +104,9 @@ class DataParallelEngine:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, *,
                     request_id: str | None = None, arrival_time: float | None = None,
-                    cache_salt: str | None = None):
+                    cache_salt: str | None = None, lora_request=None):
+        if lora_request is None and isinstance(prompt, dict):  # a server's request names one
+            lora_request = prompt.get("lora_request")
         text, ids = self.tokenize(prompt)
         if request_id is None:  # ids unique across replicas (each counts its own)
             request_id, self._ids = f"req-{self._ids}", self._ids + 1
@@ -114,7 +116,8 @@ class DataParallelEngine:
         i = self.router.choose(ids, salt)
         request = self.replicas[i].add_request({"prompt_token_ids": ids, "prompt": text}, params,
                                                request_id=request_id, arrival_time=arrival_time,
-                                               cache_salt=cache_salt)
+                                               cache_salt=cache_salt,
+                                               lora_request=lora_request)
         self._owner[request.request_id] = i
         return request
 

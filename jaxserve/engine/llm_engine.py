@@ -236,7 +236,7 @@ class LLMEngine:
                                       else self.config.cache.cache_salt))
         request.grammar = grammar
         if lora_request is not None:
-            self.lora.attach(request, lora_request)
+            self.lora.attach(request, lora_request, self.scheduler.live)
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
@@ -387,6 +387,26 @@ class LLMEngine:
                      **self.runner.memory_stats())
         stats.update(self.speculator.stats())
         return stats
+
+    # ----------------------------------------------------------------- LoRA adapters at runtime
+    def _adapters(self) -> LoRAAdapters:
+        if self.lora is None:
+            raise ValueError("LoRA adapters need an engine with enable_lora=True")
+        return self.lora
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter now (read from its directory: ValueError or OSError naming what
+        is not served); False if its lora_int_id was registered already."""
+        return self._adapters().add_lora(lora_request, self.scheduler.live)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Unregister an adapter; False if unknown. Requests under it finish with it; its slot
+        is freed once none is left."""
+        return self._adapters().remove_lora(lora_int_id, self.scheduler.live)
+
+    def list_loras(self) -> set[int]:
+        """The registered adapters' lora_int_ids."""
+        return self._adapters().list_loras(self.scheduler.live)
 
 
 __all__ = ["LLMEngine", "RequestRejected"]

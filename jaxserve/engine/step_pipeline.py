@@ -146,7 +146,8 @@ class StepPipeline:
         self._unapplied.append(plan)
         if self.adapters is not None:  # each chunk's LoRA slot; adapters new to a slot placed
             try:
-                self.adapters.place(plan, self.scheduler.running, self.runner)
+                self.adapters.place(plan, self.scheduler.running, self.runner,
+                                    self.scheduler.live)
             except Exception as e:  # noqa: BLE001
                 raise StepFailed(f"placing a LoRA adapter failed: {e!r}") from e
         try:

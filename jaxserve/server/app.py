@@ -36,6 +36,7 @@ from jaxserve.server.body_limits import BodyLimits
 from jaxserve.server.health import add_health_routes
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
 from jaxserve.server.loop_watch import LoopWatch, StartWatch
+from jaxserve.server.lora_routes import add_lora_routes
 from jaxserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from jaxserve.server.pooling import add_pooling_routes, check_runner
 from jaxserve.server.protocol import APIError, ProtocolContext, parse_request
@@ -79,6 +80,8 @@ class ServerConfig:
     reasoning_parser: str | None = None
     # The weight and memory endpoints of weight_routes.py (RL trainers'): behind a key only.
     enable_weight_updates: bool = ServingConfig.enable_weight_updates
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (lora_routes.py): behind a key only.
+    allow_runtime_lora_updates: bool = ServingConfig.allow_runtime_lora_updates
 
     @classmethod
     def of(cls, serving: ServingConfig, protocol: ProtocolConfig = ProtocolConfig(),
@@ -97,7 +100,8 @@ class ServerConfig:
                    served_model_names=context["model_names"],
                    tool_call_parser=context["tool_call_parser"],
                    reasoning_parser=context["reasoning_parser"],
-                   enable_weight_updates=serving.enable_weight_updates)
+                   enable_weight_updates=serving.enable_weight_updates,
+                   allow_runtime_lora_updates=serving.allow_runtime_lora_updates)
 
     def __post_init__(self):
         if self.tool_call_parser != "auto" and self.tool_call_parser not in PARSERS:
@@ -114,6 +118,10 @@ class ServerConfig:
             raise ValueError("enable_weight_updates lets a caller replace the model's weights: "
                              "it needs an API key (--api_key, --api_key_file, JAXSERVE_API_KEY "
                              "or --operator_key); refusing to start without one")
+        if self.allow_runtime_lora_updates and not (self.keys or self.operator_keys):
+            raise ValueError("allow_runtime_lora_updates lets a caller load files of the server "
+                             "as adapters: it needs an API key (--api_key, --api_key_file, "
+                             "JAXSERVE_API_KEY or --operator_key); refusing to start without one")
         seen: dict[str, str] = {}
         for key, tenant in self.keys + tuple((k, OPERATOR) for k in self.operator_keys):
             if not key or not tenant:
@@ -267,12 +275,15 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
                            code="client_closed") from None
         return b"".join(data)
 
-    adapters = {lora.lora_name: lora for lora in aengine.served_model.lora_modules}
-
     async def submit(parsed, salt: str | None) -> RequestGroup:
         prompts = parsed.prompts
-        if parsed.model in adapters:  # a LoRA adapter's name: its prompts run under it
-            prompts = [{**p, "lora_request": adapters[parsed.model]} for p in prompts]
+        lora = ctx.adapters.get(parsed.model)
+        if lora is not None:  # a LoRA adapter's name: its prompts run under it
+            prompts = [{**p, "lora_request": lora} for p in prompts]
+        elif parsed.model is not None and parsed.model not in ctx.model_names:
+            raise APIError(f"The model `{parsed.model}` does not exist (unloaded). Served: "
+                           f"{list(ctx.served_names)}", status=404, param="model",
+                           code="model_not_found")
         try:
             return await aengine.add(prompts, parsed.params, cache_salt=salt)
         except EngineOverloaded as e:
@@ -389,12 +400,14 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": created, "owned_by": "jaxserve",
              "max_model_len": ctx.max_model_len,
-             **({"parent": ctx.model_names[0], "root": adapters[name].lora_path}
-                if name in adapters else {})} for name in ctx.model_names]}
+             **({"parent": ctx.model_names[0], "root": ctx.adapters.get(name).lora_path}
+                if name not in ctx.model_names else {})} for name in ctx.served_names]}
 
     add_health_routes(app, aengine)
     if config.enable_weight_updates:
         add_weight_routes(app, aengine, read_body)
+    if config.allow_runtime_lora_updates:
+        add_lora_routes(app, aengine, ctx, read_body)
 
     @app.get("/metrics")
     async def prometheus():

@@ -9,6 +9,7 @@ import hmac
 
 from jaxserve.server.json_io import StrictJSONResponse
 from jaxserve.server.protocol import APIError
+from jaxserve.server.lora_routes import PATHS as LORA_PATHS
 from jaxserve.server.weight_routes import PATHS as WEIGHT_PATHS
 
 # The tenant of an operator key: holds a space, which no tenant of a key file or flag can.
@@ -54,11 +55,12 @@ def resolve_api_keys(flag_keys: list[str] | None, key_file: str | None,
 class AuthMiddleware:
     """Pure ASGI (streams and disconnects pass through untouched). Puts the key's tenant in
     scope["state"]["tenant"]. With more than one tenant, /metrics and /debug (every tenant's
-    traffic) answer 403 to all but an operator key, and so do the weight endpoints
-    (weight_routes.py: they change what every tenant is served)."""
+    traffic) answer 403 to all but an operator key, and so do the weight and LoRA adapter
+    endpoints (weight_routes.py, lora_routes.py: they change what every tenant is served)."""
 
-    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json", "/metrics", *WEIGHT_PATHS)
-    OPERATOR_ONLY = ("/debug", "/metrics", *WEIGHT_PATHS)
+    PROTECTED = ("/v1", "/debug", "/docs", "/redoc", "/openapi.json", "/metrics", *WEIGHT_PATHS,
+                 *LORA_PATHS)
+    OPERATOR_ONLY = ("/debug", "/metrics", *WEIGHT_PATHS, *LORA_PATHS)
 
     def __init__(self, app, keys: tuple[tuple[str, str], ...], public: tuple[str, ...] = ()):
         self.app = app

@@ -111,8 +111,8 @@ def check_runner(served, needed: str) -> None:
 
 def model_name(request, ctx) -> str:
     name = request.model or ctx.model_names[0]
-    if name not in ctx.model_names:
-        raise APIError(f"The model `{name}` does not exist. Served: {list(ctx.model_names)}",
+    if name not in ctx.served_names:
+        raise APIError(f"The model `{name}` does not exist. Served: {list(ctx.served_names)}",
                        param="model", code="model_not_found", status=404)
     return name
 

@@ -22,6 +22,7 @@ from jaxserve.json_models import first_error
 from jaxserve.server.requests import REQUEST_MODELS, ChatCompletionRequest, CompletionRequest
 from jaxserve.server.chat_output import ChatOutputParser
 from jaxserve.server.reasoning import ReasoningParser, reasoning_parser
+from jaxserve.server.served_adapters import ServedAdapters
 from jaxserve.server.structured_requests import (OutputConstraint, after_thinking,
                                                  output_constraint)
 from jaxserve.server.tool_grammar import tool_grammar
@@ -48,7 +49,7 @@ class APIError(Exception):
 class ProtocolContext:
     """What request validation needs to know about the served model and the server's limits."""
 
-    model_names: tuple[str, ...]
+    model_names: tuple[str, ...]  # the base model's; served_names adds the adapters'
     tokenizer: Any  # jaxserve.tokenizer.Tokenizer
     max_model_len: int
     vocab_size: int
@@ -58,6 +59,8 @@ class ProtocolContext:
     # A chat's rendered text (tools included) longer than this is refused before tokenizing;
     # None: no limit (the server sets --max_prompt_chars's, server/body_limits.py)
     max_prompt_chars: int | None = None
+    # The LoRA adapters served by name (changed at runtime by /v1/load_lora_adapter)
+    adapters: ServedAdapters = dataclasses.field(default_factory=ServedAdapters)
 
     def __post_init__(self):
         self.tool_parser, self.reasoning  # noqa: B018 - unknown names fail at construction
@@ -67,11 +70,16 @@ class ProtocolContext:
                    max_tokens_limit: int | None = None, tool_call_parser: str = "auto",
                    reasoning_parser: str | None = None) -> "ProtocolContext":
         served = engine.served_model  # engine/client.py's ServedModel
-        adapters = tuple(lora.lora_name for lora in served.lora_modules)  # served by name too
-        return cls(model_names=(model_names or (served.name,)) + adapters,
+        return cls(model_names=model_names or (served.name,),
+                   adapters=ServedAdapters(served.lora_modules),  # served by name too
                    tokenizer=served.tokenizer, max_model_len=served.max_model_len,
                    vocab_size=served.vocab_size, max_tokens_limit=max_tokens_limit,
                    tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request's "model" may give: the base model's, then the adapters'."""
+        return self.model_names + self.adapters.names()
 
     @functools.cached_property
     def tool_parser(self) -> ToolParser:
@@ -165,8 +173,8 @@ def _parsed(request: CompletionRequest | ChatCompletionRequest,
             ctx: ProtocolContext) -> ParsedRequest:
     """The engine's request from a valid body, checked against the served model."""
     model = request.model or ctx.model_names[0]
-    if model not in ctx.model_names:
-        raise APIError(f"The model `{model}` does not exist. Served: {list(ctx.model_names)}",
+    if model not in ctx.served_names:
+        raise APIError(f"The model `{model}` does not exist. Served: {list(ctx.served_names)}",
                        status=404, param="model", code="model_not_found")
     constraint = output_constraint(request)
     chat = isinstance(request, ChatCompletionRequest)
