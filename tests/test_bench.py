@@ -314,7 +314,7 @@ def test_cli_lora_workload_against_the_base(tmp_path):
                         "--num_warmup=1", "--compile_warmup=none",
                         "--enable_prefix_caching=false"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = out["lora"]
+    rows = out["lora"]["rows"]
     assert [r["streams"] for r in rows] == [1, 3]
     for r in rows:
         for side in ("base", "lora"):

@@ -423,3 +423,41 @@ def test_batch_file_embeddings(embedder, tmp_path):
     assert cosines(b64, reference.embed(TEXTS[3:4])[0]) >= 0.99999
     assert out["c"]["status_code"] == 400 and out["c"]["body"]["error"]["param"] == "input"
     assert out["d"]["body"]["error"]["code"] == "wrong_runner"
+
+
+def test_disconnect_aborts_pooling_requests(embedder):
+    """A client that goes away before its embeddings are done aborts every input of its
+    request: with the engine paused, the aborts come only from the disconnect."""
+    from serving import serve_app
+
+    from jaxserve.server import AsyncEngine, ServerConfig, build_app
+
+    aengine = AsyncEngine(embedder[1].engine)
+    config = ServerConfig(enable_weight_updates=True, api_key="k")  # for /pause
+    with serve_app(build_app(aengine, config)) as url:
+        _aborted_by_disconnect(url)
+    aengine.shutdown()
+
+
+def _aborted_by_disconnect(url: str) -> None:
+    import time
+
+    import httpx
+
+    http = httpx.Client(base_url=url, headers={"Authorization": "Bearer k"}, timeout=60)
+    before = http.get("/debug/stats").json()["num_aborted_total"]
+    assert http.post("/pause").status_code == 200
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/embeddings", json={"input": TEXTS[:3]}, timeout=1.0)
+        deadline = time.monotonic() + 10
+        while True:
+            stats = http.get("/debug/stats").json()
+            if stats["num_aborted_total"] == before + 3 and stats["waiting"] == 0:
+                break
+            assert time.monotonic() < deadline, f"the disconnect aborted nothing: {stats}"
+            time.sleep(0.05)
+    finally:
+        http.post("/resume")
+    done = http.post("/v1/embeddings", json={"input": TEXTS[:2]})
+    assert done.status_code == 200 and len(done.json()["data"]) == 2

@@ -349,38 +349,20 @@ def run_embeddings_workload(options: dict) -> dict:
 
 def run_lora_workload(options: dict, workload) -> dict:
     """Base against LoRA engines on the same workload at each stream count."""
-    from jaxserve.core.lora import LoRARequest
+    from jaxserve.tools.bench.lora import compare_lora, format_lora
 
     if FLAGS.url or _ablations() or sweep_rates():
         raise _Usage("the LoRA workload (--lora_modules) runs in-process, without --url, "
                      "--ablate or a rate sweep")
     try:
-        streams_list = [int(s) for s in FLAGS.lora_streams]
+        streams = [int(s) for s in FLAGS.lora_streams]
     except ValueError:
         raise _Usage(f"--lora_streams takes integers, got {FLAGS.lora_streams}") from None
-    loras = [LoRARequest(m.partition("=")[0], i + 1, m.partition("=")[2])
-             for i, m in enumerate(options["lora_modules"])]
-    lora_options = dict(options, enable_lora=True)
-    base_options = dict(options, enable_lora=False, lora_modules=())
-    bench = Bench(base_options, (FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms))
-    rows = []
-    for streams in streams_list:
-        w = workload.replace(num_prompts=streams, num_warmup=max(workload.num_warmup, len(loras)))
-        base, _ = bench.run(f"base, {streams} streams", dict(base_options, max_num_seqs=streams), w)
-        lora, _ = bench.run(f"lora x{len(loras)}, {streams} streams",
-                            dict(lora_options, max_num_seqs=streams), w, lora_requests=loras)
-        rows.append({"streams": streams, "base": base, "lora": lora,
-                     "ratio": lora["output_throughput"] / base["output_throughput"]})
-    print(f"\nLoRA ({len(loras)} adapters, max_loras {options['max_loras']}, rank <= "
-          f"{options['max_lora_rank']}) against the base, output tokens/s")
-    print(f"{'streams':>8}{'base':>10}{'lora':>10}{'ratio':>8}{'TPOT base':>11}{'TPOT lora':>11}")
-    for r in rows:
-        print(f"{r['streams']:>8}{r['base']['output_throughput']:>10.1f}"
-              f"{r['lora']['output_throughput']:>10.1f}{r['ratio']:>8.2f}"
-              f"{r['base']['tpot_ms']['p50']:>9.1f}ms{r['lora']['tpot_ms']['p50']:>9.1f}ms")
-    return {"lora": [{"streams": r["streams"], "ratio": r["ratio"], "base": r["base"],
-                      "lora": r["lora"]} for r in rows],
-            "load_average": list(os.getloadavg())}
+    bench = Bench(dict(options, enable_lora=False, lora_modules=()),
+                  (FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms))
+    rep = compare_lora(bench, options, workload, streams)
+    print("\n" + format_lora(rep))
+    return {"lora": rep}
 
 
 def main(argv):

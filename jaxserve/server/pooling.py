@@ -9,6 +9,7 @@ a one-label classifier's sigmoid of the pair's logit (sentence-transformers' Cro
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import time
@@ -181,6 +182,11 @@ def _header(kind: str, name: str) -> dict:
             "model": name}
 
 
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_salt,
                        max_prompts: int) -> None:
     """The routes above on `app`. ctx: the server's ProtocolContext (model names, tokenizer,
@@ -188,19 +194,32 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
     served = aengine.served_model
     spec = served.pooling
 
-    async def pooled(prompts: list[dict], request) -> list:
-        group = await submit(PoolingPrompts(prompts), cache_salt(request))
+    async def collect(group) -> list:
         final = [None] * group.size
-        try:
-            async for index, out in group:
-                if out.error is not None:
-                    raise APIError(f"the request failed: {out.error}", status=500,
-                                   type="internal_error", code="request_failed")
-                if out.finished:
-                    final[index] = out
-        finally:
-            group.abort()
+        async for index, out in group:
+            if out.error is not None:
+                raise APIError(f"the request failed: {out.error}", status=500,
+                               type="internal_error", code="request_failed")
+            if out.finished:
+                final[index] = out
         return final
+
+    async def pooled(prompts: list[dict], request) -> list:
+        """The finished outputs of `prompts`, in order; a client that goes away first aborts
+        them all (a 499, which nobody reads), as the generation endpoints do."""
+        group = await submit(PoolingPrompts(prompts), cache_salt(request))
+        work = asyncio.ensure_future(collect(group))
+        watch = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            group.abort()
+        if not work.done() or work.cancelled():
+            raise APIError("the client disconnected", status=499, code="client_disconnected")
+        return work.result()
 
     async def parse(request, model: type[JsonObject], needed: str):
         body = await off_loop(parse_body, await read_body(request))
