@@ -263,7 +263,9 @@ def pooling_server(embedder):
 
 def test_openai_embeddings(pooling_server):
     """The openai client's embeddings.create (it asks for base64 and decodes it), float
-    bodies, token id inputs, usage, and 400s naming the field."""
+    bodies, token id inputs, usage, and 400s naming the field; /pooling."""
+    import base64
+
     import httpx
     import openai
 
@@ -296,6 +298,16 @@ def test_openai_embeddings(pooling_server):
     assert error("/v1/embeddings", {"input": "a", "dimensions": 16})["param"] == "dimensions"
     assert error("/v1/completions", {"prompt": "a"})["code"] == "wrong_runner"
     assert error("/classify", {"input": "a"})["code"] == "wrong_task"
+    # /pooling: the pooler's output per input (here the embedding), float or base64.
+    pooled = httpx.post(url + "/pooling", json={"input": texts[:2]}, timeout=60).json()
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling")]
+    for d, w in zip(pooled["data"], want):
+        assert cosines(np.array(d["data"]), w) >= 0.99999
+    raw = httpx.post(url + "/pooling", json={"input": texts[2], "encoding_format": "base64"},
+                     timeout=60).json()["data"][0]["data"]
+    assert cosines(np.frombuffer(base64.b64decode(raw), "<f4"), want[2]) >= 0.99999
+    assert pooled["usage"]["prompt_tokens"] > 0
+    assert error("/pooling", {"input": []})["param"] == "input"
 
 
 def test_score_and_rerank(pooling_server):
@@ -352,6 +364,10 @@ def test_classify_endpoint(classifier):
             assert [d["label"] for d in body["data"]] == [
                 model.config.id2label[int(np.argmax(p))] for p in want]
             assert body["usage"]["prompt_tokens"] == sum(len(t.encode()) for t in TEXTS[:3])
+            pooled = httpx.post(url + "/pooling", json={"input": TEXTS[:3]}, timeout=60).json()
+            np.testing.assert_allclose(  # a classifier's pooler output: its logits
+                [d["data"] for d in pooled["data"]],
+                [o.logits for o in llm.classify(TEXTS[:3], use_tqdm=False)], atol=1e-5)
             r = httpx.post(url + "/v1/embeddings", json={"input": "a"}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task"
             r = httpx.post(url + "/rerank", json={"query": "a", "documents": ["b"]}, timeout=60)
