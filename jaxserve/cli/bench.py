@@ -313,9 +313,9 @@ def _write_ablation_plot(pairs, out_dir):
                              rows)
 
 
-def _workload_given(flag: str, default):
-    """The flag's value when given on the command line (or by --workload), else `default`."""
-    return FLAGS[flag].value if FLAGS[flag].present or FLAGS.workload else default
+def _given(flag: str, default):
+    """The flag's value when given on the command line, else `default`."""
+    return FLAGS[flag].value if FLAGS[flag].present else default
 
 
 def run_embeddings_workload(options: dict) -> dict:
@@ -323,19 +323,20 @@ def run_embeddings_workload(options: dict) -> dict:
     from jaxserve.llm import LLM
     from jaxserve.tools.bench.embeddings import format_embeddings, run_embeddings, token_inputs
 
-    if FLAGS.url or _ablations() or sweep_rates():
-        raise _Usage("the embeddings workload (--runner=pooling) runs in-process, without "
-                     "--url, --ablate or a rate sweep")
+    if FLAGS.url or _ablations() or sweep_rates() or FLAGS.workload:
+        raise _Usage("the embeddings workload (--runner=pooling) runs in-process on "
+                     "--num_prompts x --input_len, without --url, --ablate, a rate sweep or "
+                     "a --workload file")
     if FLAGS.compare_sentence_transformers and not os.path.isfile(
             os.path.join(options["model"], "modules.json")):
         raise _Usage(f"--compare_sentence_transformers needs --model to be a "
                      f"sentence-transformers directory (modules.json), got {options['model']!r}")
-    length = _workload_given("input_len", "512")
+    length = _given("input_len", "512")
     try:
         length = int(length)
     except ValueError:
         raise _Usage(f"the embeddings workload takes a fixed --input_len, got {length!r}") from None
-    num = _workload_given("num_prompts", 64)
+    num = _given("num_prompts", 64)
     options = dict(options, enable_prefix_caching=False)
     llm = LLM(**options)
     inputs = token_inputs(num, length, llm.engine.model_config.vocab_size, FLAGS.seed or 0)
