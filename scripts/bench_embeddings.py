@@ -1,23 +1,19 @@
-"""Embeddings per second: jaxserve's pooling runner against sentence-transformers, in one run
-on the same checkpoint, inputs and dtype (float32), each warmed up first; outputs compared.
+"""Embeddings per second against sentence-transformers on a seeded random Qwen3-Embedding-shaped
+model: writes the decoder (--layers, --hidden) as a sentence-transformers model (last-token
+pooling, Normalize, byte-level tokenizer), then runs `jaxserve bench --runner=pooling
+--compare_sentence_transformers` on it (jaxserve/tools/bench/embeddings.py measures); other
+arguments go to the bench.
 
-    python scripts/bench_embeddings.py --inputs 64 --tokens 512
-    python scripts/bench_embeddings.py --model /path/to/sentence-transformers-dir
-
-Without --model it writes a seeded random Qwen3 decoder (--layers, --hidden) saved as a
-sentence-transformers model (last-token pooling, Normalize) with a byte-level tokenizer, so
-each input is exactly --tokens tokens (random letters, then <|endoftext|>). Prints one JSON line.
+    python scripts/bench_embeddings.py --num_prompts=64 --input_len=512 --max_num_batched_tokens=2048
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import subprocess
+import sys
 import tempfile
-import time
-
-import numpy as np
 
 
 def write_model(directory: str, layers: int, hidden: int) -> str:
@@ -53,58 +49,15 @@ def write_model(directory: str, layers: int, hidden: int) -> str:
     return st
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    best, out = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        out = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, out
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="a sentence-transformers directory (default: a random one)")
-    ap.add_argument("--inputs", type=int, default=64)
-    ap.add_argument("--tokens", type=int, default=512, help="tokens per input (random model)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--max_num_batched_tokens", type=int, default=2048)
-    ap.add_argument("--batch_size", type=int, default=16, help="sentence-transformers' batch")
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
-
-    import torch
-    from sentence_transformers import SentenceTransformer
-
-    from jaxserve.llm import LLM
-
-    work = tempfile.mkdtemp(prefix="bench_embeddings_")
-    model = args.model or write_model(work, args.layers, args.hidden)
-    rng = np.random.default_rng(0)
-    texts = ["".join(rng.choice(list("abcdefghijklmnopqrstuvwxyz "), args.tokens - 1))
-             for _ in range(args.inputs)]
-
-    st = SentenceTransformer(model, device="cpu")
-    if st.tokenizer.pad_token is None:
-        st.tokenizer.pad_token = st.tokenizer.eos_token or "<|endoftext|>"
-    # No prefix cache: repeated inputs would be served from it (last-token pooling takes hits).
-    llm = LLM(model, runner="pooling", max_num_seqs=args.inputs, enable_prefix_caching=False,
-              max_num_batched_tokens=args.max_num_batched_tokens)
-    encode = lambda: st.encode(texts, batch_size=args.batch_size,  # noqa: E731
-                               convert_to_numpy=True)
-    embed = lambda: np.stack([o.embedding for o in llm.embed(texts, use_tqdm=False)])  # noqa: E731
-    encode(), embed()  # warm-up: compiles, allocations
-    st_seconds, want = timed(encode, args.repeats)
-    js_seconds, got = timed(embed, args.repeats)
-    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
-    print(json.dumps({
-        "inputs": args.inputs, "tokens_per_input": len(llm.get_tokenizer().encode(texts[0])),
-        "model": args.model or f"random qwen3, {args.layers} layers, hidden {args.hidden}",
-        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-        "sentence_transformers_per_s": round(args.inputs / st_seconds, 2),
-        "jaxserve_per_s": round(args.inputs / js_seconds, 2),
-        "speedup": round(st_seconds / js_seconds, 2), "min_cosine": float(cos.min())}))
+    args, bench_args = ap.parse_known_args()
+    model = write_model(tempfile.mkdtemp(prefix="bench_embeddings_"), args.layers, args.hidden)
+    sys.exit(subprocess.call([sys.executable, "-m", "jaxserve.cli.main", "bench",
+                              "--runner=pooling", f"--model={model}",
+                              "--compare_sentence_transformers", *bench_args]))
 
 
 if __name__ == "__main__":

@@ -1,13 +1,12 @@
 """Multi-LoRA decode throughput against the base, and the two ways of computing the delta.
 
     PYTHONPATH=. python scripts/bench_lora.py                 # both parts
-    PYTHONPATH=. python scripts/bench_lora.py --part engine   # or: --part delta
+    PYTHONPATH=. python scripts/bench_lora.py --part engine --input_len=16 --output_len=64
 
-engine: SmolLM2-135M's shape with seeded random weights (weights/random_init.py), the default
-backend, greedy decode of `--max_tokens` tokens per stream from 16-token prompts at 1 and 32
-streams: the base engine (enable_lora off), then the LoRA engine (max_loras 8, rank 16) with
-its streams spread over 8 random rank-16 adapters on all seven projections (PEFT directories
-written here). Output tokens per second of the whole generate, best of --repeats.
+engine: writes 8 random rank-16 adapters on all seven projections of --model (PEFT
+directories) and runs `jaxserve bench --lora_modules ... --max_loras=8 --max_lora_rank=16` on
+them (jaxserve/tools/bench/lora.py measures: base vs LoRA at 1 and 32 streams); other
+arguments go to the bench.
 
 delta: the two ways model/lora.py computes the delta (every slot's x @ A^T masked to the
 token's slot, then @ B; or each token's A[slot] and B[slot] gathered), jitted on this host, for
@@ -19,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -48,41 +49,20 @@ def write_adapter(path: str, cfg, rng) -> None:
                    "target_modules": list(MODULES)}, f)
 
 
-def engine_part(args) -> None:
-    from jaxserve import LLM, LoRARequest, SamplingParams
-    from jaxserve.config import EngineConfig
-    from jaxserve.engine.llm_engine import LLMEngine
-    from jaxserve.weights.random_init import random_model
+def engine_part(args, bench_args: list[str]) -> None:
+    """ADAPTERS adapters for --model's shapes, then `jaxserve bench --lora_modules ...`."""
+    from jaxserve.weights import load_model
 
-    loaded = random_model()
+    cfg = load_model(args.model).config
     root = tempfile.mkdtemp(prefix="lora-bench-")
     rng = np.random.default_rng(0)
-    loras = []
+    modules = []
     for i in range(ADAPTERS):
-        write_adapter(f"{root}/a{i}", loaded.config, rng)
-        loras.append(LoRARequest(f"a{i}", i + 1, f"{root}/a{i}"))
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    common = dict(max_num_seqs=32, max_num_batched_tokens=512, num_pages=1024, page_size=16)
-    results = {}
-    for name, options in (("base", {}), ("lora", dict(enable_lora=True, max_loras=ADAPTERS,
-                                                      max_lora_rank=RANK, scan_layers="off"))):
-        llm = LLM.from_engine(LLMEngine(EngineConfig.from_options(**common, **options), loaded))
-        for streams in (1, 32):
-            prompts = [{"prompt_token_ids": list(rng.integers(3, 40000, 16))}
-                       for _ in range(streams)]
-            lora = None if name == "base" else [loras[i % ADAPTERS] for i in range(streams)]
-            llm.generate(prompts, params, use_tqdm=False, lora_request=lora)  # compiles
-            best = 0.0
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
-                best = max(best, streams * args.max_tokens / (time.perf_counter() - t0))
-            results[(name, streams)] = best
-            print(f"{name:5s} {streams:3d} streams: {best:8.1f} output tokens/s", flush=True)
-        del llm
-    for streams in (1, 32):
-        print(f"lora / base at {streams} streams: "
-              f"{results[('lora', streams)] / results[('base', streams)]:.2f}")
+        write_adapter(f"{root}/a{i}", cfg, rng)
+        modules.append(f"--lora_modules=a{i}={root}/a{i}")
+    subprocess.check_call([sys.executable, "-m", "jaxserve.cli.main", "bench",
+                           f"--model={args.model}", *modules, f"--max_loras={ADAPTERS}",
+                           f"--max_lora_rank={RANK}", *bench_args])
 
 
 def delta_part(args) -> None:
@@ -124,14 +104,13 @@ def delta_part(args) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=("engine", "delta", "both"), default="both")
-    parser.add_argument("--max_tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--seconds", type=float, default=1.0, help="per delta timing")
-    args = parser.parse_args()
+    args, bench_args = parser.parse_known_args()
     if args.part in ("delta", "both"):
         delta_part(args)
     if args.part in ("engine", "both"):
-        engine_part(args)
+        engine_part(args, bench_args)
 
 
 if __name__ == "__main__":

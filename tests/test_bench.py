@@ -3,6 +3,7 @@ peak vs the analytic model, and `jaxserve bench` end to end."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -248,3 +249,77 @@ def test_greedy_agreement_counts_identical_outputs_and_matching_prefixes():
     assert greedy_agreement(a, b) == {"identical_requests": 1, "requests": 4,
                                       "matching_prefix_tokens": 3 + 1 + 1 + 0,
                                       "mean_matching_prefix": 5 / 4}
+
+
+# ---- embeddings and LoRA workloads -----------------------------------------------------------
+
+def _bench(args, tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "jaxserve.cli.main", "bench", *args, f"--json_out={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    return proc, (json.loads(out.read_text()) if out.is_file() else None)
+
+
+@pytest.mark.slow
+def test_cli_embeddings_workload_against_sentence_transformers(tmp_path):
+    """--runner=pooling: the engine's embeddings of 3 x 40 token ids and sentence-transformers'
+    of the same ids, timed in one run, agree (cosine)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from pooling_models import write_sentence_transformer
+
+    model = write_sentence_transformer(str(tmp_path / "qwen3"), "qwen3")
+    proc, out = _bench(["--runner=pooling", f"--model={model}", "--num_prompts=3",
+                        "--input_len=40", "--repeats=1", "--compare_sentence_transformers",
+                        "--max_num_batched_tokens=64"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = out["embeddings"]
+    assert (rep["inputs"], rep["tokens"]) == (3, 120)
+    assert rep["jaxserve"]["embeddings_per_s"] > 0 and rep["sentence_transformers"]["seconds"] > 0
+    assert rep["speedup"] == pytest.approx(rep["sentence_transformers"]["seconds"]
+                                           / rep["jaxserve"]["seconds"])
+    assert rep["min_cosine"] >= 0.99999
+    assert "embeddings/s" in proc.stdout
+    bad, _ = _bench(["--runner=pooling", f"--model={model}", "--input_len=uniform:4:8"], tmp_path)
+    assert bad.returncode == 2 and "fixed --input_len" in bad.stderr
+
+
+@pytest.mark.slow
+def test_cli_lora_workload_against_the_base(tmp_path):
+    """--lora_modules: base and LoRA engines on the same workload at each stream count, the
+    requests over the two adapters in turn; every request completes on both."""
+    pytest.importorskip("peft")
+    import torch
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from pooling_models import TINY, byte_tokenizer
+
+    torch.manual_seed(0)
+    # The workload's prompt ids start at 1000: a vocabulary above that.
+    base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dict(TINY, vocab_size=1536))
+                                         ).eval()
+    model_dir = tmp_path / "llama"
+    base.save_pretrained(model_dir)
+    byte_tokenizer(None).save(str(model_dir))
+    modules = []
+    for i in range(2):
+        torch.manual_seed(i + 1)
+        get_peft_model(copy.deepcopy(base), LoraConfig(
+            r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "down_proj"])
+                       ).save_pretrained(tmp_path / f"a{i}")
+        modules.append(f"--lora_modules=a{i}={tmp_path / f'a{i}'}")
+    proc, out = _bench([f"--model={model_dir}", *modules, "--max_loras=2", "--max_lora_rank=4",
+                        "--lora_streams=1,3", "--input_len=8", "--output_len=4",
+                        "--num_warmup=1", "--compile_warmup=none",
+                        "--enable_prefix_caching=false"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = out["lora"]["rows"]
+    assert [r["streams"] for r in rows] == [1, 3]
+    for r in rows:
+        for side in ("base", "lora"):
+            assert r[side]["completed"] == r["streams"]
+            assert r[side]["output_tokens"] == 4 * r["streams"]
+        assert r["ratio"] == pytest.approx(r["lora"]["output_throughput"]
+                                           / r["base"]["output_throughput"])
+    assert "ratio" in proc.stdout

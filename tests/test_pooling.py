@@ -263,7 +263,9 @@ def pooling_server(embedder):
 
 def test_openai_embeddings(pooling_server):
     """The openai client's embeddings.create (it asks for base64 and decodes it), float
-    bodies, token id inputs, usage, and 400s naming the field."""
+    bodies, token id inputs, usage, and 400s naming the field; /pooling."""
+    import base64
+
     import httpx
     import openai
 
@@ -296,6 +298,16 @@ def test_openai_embeddings(pooling_server):
     assert error("/v1/embeddings", {"input": "a", "dimensions": 16})["param"] == "dimensions"
     assert error("/v1/completions", {"prompt": "a"})["code"] == "wrong_runner"
     assert error("/classify", {"input": "a"})["code"] == "wrong_task"
+    # /pooling: the pooler's output per input (here the embedding), float or base64.
+    pooled = httpx.post(url + "/pooling", json={"input": texts[:2]}, timeout=60).json()
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(0, "pooling"), (1, "pooling")]
+    for d, w in zip(pooled["data"], want):
+        assert cosines(np.array(d["data"]), w) >= 0.99999
+    raw = httpx.post(url + "/pooling", json={"input": texts[2], "encoding_format": "base64"},
+                     timeout=60).json()["data"][0]["data"]
+    assert cosines(np.frombuffer(base64.b64decode(raw), "<f4"), want[2]) >= 0.99999
+    assert pooled["usage"]["prompt_tokens"] > 0
+    assert error("/pooling", {"input": []})["param"] == "input"
 
 
 def test_score_and_rerank(pooling_server):
@@ -352,6 +364,10 @@ def test_classify_endpoint(classifier):
             assert [d["label"] for d in body["data"]] == [
                 model.config.id2label[int(np.argmax(p))] for p in want]
             assert body["usage"]["prompt_tokens"] == sum(len(t.encode()) for t in TEXTS[:3])
+            pooled = httpx.post(url + "/pooling", json={"input": TEXTS[:3]}, timeout=60).json()
+            np.testing.assert_allclose(  # a classifier's pooler output: its logits
+                [d["data"] for d in pooled["data"]],
+                [o.logits for o in llm.classify(TEXTS[:3], use_tqdm=False)], atol=1e-5)
             r = httpx.post(url + "/v1/embeddings", json={"input": "a"}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["code"] == "wrong_task"
             r = httpx.post(url + "/rerank", json={"query": "a", "documents": ["b"]}, timeout=60)
@@ -423,3 +439,41 @@ def test_batch_file_embeddings(embedder, tmp_path):
     assert cosines(b64, reference.embed(TEXTS[3:4])[0]) >= 0.99999
     assert out["c"]["status_code"] == 400 and out["c"]["body"]["error"]["param"] == "input"
     assert out["d"]["body"]["error"]["code"] == "wrong_runner"
+
+
+def test_disconnect_aborts_pooling_requests(embedder):
+    """A client that goes away before its embeddings are done aborts every input of its
+    request: with the engine paused, the aborts come only from the disconnect."""
+    from serving import serve_app
+
+    from jaxserve.server import AsyncEngine, ServerConfig, build_app
+
+    aengine = AsyncEngine(embedder[1].engine)
+    config = ServerConfig(enable_weight_updates=True, api_key="k")  # for /pause
+    with serve_app(build_app(aengine, config)) as url:
+        _aborted_by_disconnect(url)
+    aengine.shutdown()
+
+
+def _aborted_by_disconnect(url: str) -> None:
+    import time
+
+    import httpx
+
+    http = httpx.Client(base_url=url, headers={"Authorization": "Bearer k"}, timeout=60)
+    before = http.get("/debug/stats").json()["num_aborted_total"]
+    assert http.post("/pause").status_code == 200
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/embeddings", json={"input": TEXTS[:3]}, timeout=1.0)
+        deadline = time.monotonic() + 10
+        while True:
+            stats = http.get("/debug/stats").json()
+            if stats["num_aborted_total"] == before + 3 and stats["waiting"] == 0:
+                break
+            assert time.monotonic() < deadline, f"the disconnect aborted nothing: {stats}"
+            time.sleep(0.05)
+    finally:
+        http.post("/resume")
+    done = http.post("/v1/embeddings", json={"input": TEXTS[:2]})
+    assert done.status_code == 200 and len(done.json()["data"]) == 2

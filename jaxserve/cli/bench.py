@@ -5,11 +5,23 @@ evaluation protocol"), in-process against the engine or, with --url, against an 
       --json_out=bench.json --plot_dir=bench_plots --ablate=paging,scheduling
   jaxserve bench --workload=configs/bench_shared_prefix.json --ablate=prefix_caching
   jaxserve bench --url=http://127.0.0.1:8000 --num_prompts=32 --request_rate=4
+  jaxserve bench --runner=pooling --model=DIR --compare_sentence_transformers
+  jaxserve bench --lora_modules=a=DIR_A --lora_modules=b=DIR_B --max_loras=2 --output_len=64
 
 Workload flags given explicitly override the --workload file. Prompts are seeded random token ids
 (exact lengths); greedy and ignore_eos by default (exact output lengths). --seed seeds both the
 workload and the engine. Each ablation runs the same workload with a fresh engine per variant
 (baseline = the configuration from the flags) and prints one side-by-side table.
+
+Embeddings workload (a pooling engine, --runner=pooling): --num_prompts inputs of --input_len
+seeded token ids (64 x 512 unless given), embeddings/s and tokens/s, best of --repeats;
+--compare_sentence_transformers runs the same token ids through sentence-transformers on --model
+(a sentence-transformers directory) in the same run. Prefix caching is off (repeats would hit).
+
+LoRA workload (--lora_modules name=path ...): the same workload on the base engine and on the
+LoRA engine (enable_lora), requests over the adapters in turn, at each of --lora_streams
+concurrent streams (max_num_seqs = num_prompts = streams): output tokens/s and TPOT of each and
+the LoRA / base ratio. The warm-up takes every adapter once.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 import sys
 
 from absl import flags
@@ -60,6 +73,11 @@ flags.DEFINE_string("served_model_name", None, "The `model` field sent to the se
 flags.DEFINE_integer("vocab_size", 32000, "With --url: prompt token ids are drawn below this.")
 flags.DEFINE_integer("server_pid", None, "With --url: sample this process's RSS.")
 flags.DEFINE_bool("progress", False, "Show a progress bar.")
+flags.DEFINE_bool("compare_sentence_transformers", False, "Embeddings workload: also embed the "
+                  "same inputs with sentence-transformers on --model, in the same run.")
+flags.DEFINE_integer("reference_batch_size", 16, "sentence-transformers' batch size.")
+flags.DEFINE_integer("repeats", 2, "Embeddings workload: timed runs (the best is reported).")
+flags.DEFINE_list("lora_streams", ["1", "32"], "LoRA workload: the concurrent stream counts.")
 
 _WORKLOAD_FLAGS = {"num_prompts": "num_prompts", "request_rate": "request_rate",
                    "arrival": "arrival", "burstiness": "burstiness", "input_len": "input_len",
@@ -178,13 +196,14 @@ class Bench:
         self.slo = slo
         self._cache: dict = {}
 
-    def run(self, label: str, options: dict, workload):
+    def run(self, label: str, options: dict, workload, lora_requests: list | None = None):
         from jaxserve.config import EngineConfig
         from jaxserve.engine import LLMEngine
         from jaxserve.runtime.runner import release_compiled_steps
         from jaxserve.tools.bench import build_report, run_engine
 
-        key = (json.dumps(options, sort_keys=True), json.dumps(workload.to_dict(), sort_keys=True))
+        key = (json.dumps(options, sort_keys=True), json.dumps(workload.to_dict(), sort_keys=True),
+               repr(lora_requests))
         if key in self._cache:
             rep, res = self._cache[key]
             return dict(rep, label=label), res
@@ -193,7 +212,7 @@ class Bench:
         if FLAGS.compile_warmup != "none":  # compile bucket shapes before the warm-up requests
             print(f"[bench] {label}: compile warm-up {engine.warmup(full=FLAGS.compile_warmup == 'full')}",
                   flush=True)
-        res = run_engine(engine, workload, progress=FLAGS.progress)
+        res = run_engine(engine, workload, progress=FLAGS.progress, lora_requests=lora_requests)
         rep = build_report(res, workload=workload, slo_ttft_ms=self.slo[0], slo_tpot_ms=self.slo[1],
                            label=label)
         print(f"[bench] {label}: {rep['completed']} done, {rep['output_throughput']:.1f} out tok/s, "
@@ -294,11 +313,76 @@ def _write_ablation_plot(pairs, out_dir):
                              rows)
 
 
+def _given(flag: str, default):
+    """The flag's value when given on the command line, else `default`."""
+    return FLAGS[flag].value if FLAGS[flag].present else default
+
+
+def run_embeddings_workload(options: dict) -> dict:
+    """The embeddings workload of a pooling engine (see the module docstring)."""
+    from jaxserve.llm import LLM
+    from jaxserve.tools.bench.embeddings import format_embeddings, run_embeddings, token_inputs
+
+    if FLAGS.url or _ablations() or sweep_rates() or FLAGS.workload:
+        raise _Usage("the embeddings workload (--runner=pooling) runs in-process on "
+                     "--num_prompts x --input_len, without --url, --ablate, a rate sweep or "
+                     "a --workload file")
+    if FLAGS.compare_sentence_transformers and not os.path.isfile(
+            os.path.join(options["model"], "modules.json")):
+        raise _Usage(f"--compare_sentence_transformers needs --model to be a "
+                     f"sentence-transformers directory (modules.json), got {options['model']!r}")
+    length = _given("input_len", "512")
+    try:
+        length = int(length)
+    except ValueError:
+        raise _Usage(f"the embeddings workload takes a fixed --input_len, got {length!r}") from None
+    num = _given("num_prompts", 64)
+    options = dict(options, enable_prefix_caching=False)
+    llm = LLM(**options)
+    inputs = token_inputs(num, length, llm.engine.model_config.vocab_size, FLAGS.seed or 0)
+    print(f"[bench] embeddings: {num} inputs of {length} tokens", flush=True)
+    rep = run_embeddings(llm, inputs, repeats=FLAGS.repeats,
+                         reference_dir=options["model"] if FLAGS.compare_sentence_transformers
+                         else None, reference_batch_size=FLAGS.reference_batch_size)
+    print(format_embeddings(rep))
+    return {"embeddings": rep}
+
+
+def run_lora_workload(options: dict, workload) -> dict:
+    """Base against LoRA engines on the same workload at each stream count."""
+    from jaxserve.tools.bench.lora import compare_lora, format_lora
+
+    if FLAGS.url or _ablations() or sweep_rates():
+        raise _Usage("the LoRA workload (--lora_modules) runs in-process, without --url, "
+                     "--ablate or a rate sweep")
+    try:
+        streams = [int(s) for s in FLAGS.lora_streams]
+    except ValueError:
+        raise _Usage(f"--lora_streams takes integers, got {FLAGS.lora_streams}") from None
+    bench = Bench(dict(options, enable_lora=False, lora_modules=()),
+                  (FLAGS.slo_ttft_ms, FLAGS.slo_tpot_ms))
+    rep = compare_lora(bench, options, workload, streams)
+    print("\n" + format_lora(rep))
+    return {"lora": rep}
+
+
 def main(argv):
     del argv
     from jaxserve.tools.bench import format_ablation, format_report
 
     try:
+        options = engine_flags.engine_options()
+        special = None
+        if options.get("runner") == "pooling":
+            special = run_embeddings_workload(options)
+        elif options.get("lora_modules"):
+            special = run_lora_workload(options, workload_from_flags())
+        if special is not None:
+            if FLAGS.json_out:
+                with open(FLAGS.json_out, "w") as f:
+                    json.dump(special, f, indent=1, default=float)
+                print(f"\nwrote {FLAGS.json_out}")
+            return 0
         workload = workload_from_flags()
         ablations = _ablations()
         if FLAGS.url and ablations:

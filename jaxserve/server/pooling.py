@@ -2,13 +2,15 @@
 POST /v1/embeddings (OpenAI's: input a string, a list of strings, a list of token ids or a list
 of such lists; encoding_format float or base64; dimensions; usage), /score and /v1/score
 (text_1 against text_2, each a string or a list), /rerank, /v1/rerank (Jina's and Cohere's
-shape: query, documents, top_n, return_documents) and /classify. Bodies are pydantic models
+shape: query, documents, top_n, return_documents), /classify and /pooling (the pooler's output
+per input, either task). Bodies are pydantic models
 (strict JSON, a bad field a 400 naming it); a generation engine answers them with a 400, as a
 pooling engine answers the generation endpoints (app.py). Scores: an embedding model's cosine,
 a one-label classifier's sigmoid of the pair's logit (sentence-transformers' CrossEncoder)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import time
@@ -61,6 +63,12 @@ class ClassifyRequest(JsonObject):
     model: str | None = None
 
 
+class PoolingRequest(JsonObject):
+    input: Inputs
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+
+
 @dataclasses.dataclass(frozen=True)
 class PoolingPrompts:
     """What the app's submit takes: the engine prompts (a pooling engine sets their params)."""
@@ -97,10 +105,11 @@ def check_runner(served, needed: str) -> None:
     """APIError unless the served model (engine/client.py's ServedModel) serves `needed`: an
     endpoint's name ("embeddings", "classify", "score", "rerank", or a generation kind)."""
     spec = served.pooling
-    if needed not in ("embeddings", "classify", "score", "rerank"):
+    if needed not in ("embeddings", "classify", "score", "rerank", "pooling"):
         if spec is not None:
             raise APIError(f"this model pools (--runner=pooling): it serves /v1/embeddings, "
-                           f"/score, /rerank and /classify, not {needed}s", code="wrong_runner")
+                           f"/score, /rerank, /classify and /pooling, not {needed}s",
+                           code="wrong_runner")
         return
     if spec is None:
         raise APIError(f"this model generates: {needed} needs a pooling model (serve it "
@@ -181,6 +190,11 @@ def _header(kind: str, name: str) -> dict:
             "model": name}
 
 
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_salt,
                        max_prompts: int) -> None:
     """The routes above on `app`. ctx: the server's ProtocolContext (model names, tokenizer,
@@ -188,19 +202,32 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
     served = aengine.served_model
     spec = served.pooling
 
-    async def pooled(prompts: list[dict], request) -> list:
-        group = await submit(PoolingPrompts(prompts), cache_salt(request))
+    async def collect(group) -> list:
         final = [None] * group.size
-        try:
-            async for index, out in group:
-                if out.error is not None:
-                    raise APIError(f"the request failed: {out.error}", status=500,
-                                   type="internal_error", code="request_failed")
-                if out.finished:
-                    final[index] = out
-        finally:
-            group.abort()
+        async for index, out in group:
+            if out.error is not None:
+                raise APIError(f"the request failed: {out.error}", status=500,
+                               type="internal_error", code="request_failed")
+            if out.finished:
+                final[index] = out
         return final
+
+    async def pooled(prompts: list[dict], request) -> list:
+        """The finished outputs of `prompts`, in order; a client that goes away first aborts
+        them all (a 499, which nobody reads), as the generation endpoints do."""
+        group = await submit(PoolingPrompts(prompts), cache_salt(request))
+        work = asyncio.ensure_future(collect(group))
+        watch = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+            group.abort()
+        if not work.done() or work.cancelled():
+            raise APIError("the client disconnected", status=499, code="client_disconnected")
+        return work.result()
 
     async def parse(request, model: type[JsonObject], needed: str):
         body = await off_loop(parse_body, await read_body(request))
@@ -268,6 +295,17 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
             data.append({"index": i, "label": spec.labels[int(np.argmax(probs))],
                          "probs": [float(p) for p in probs], "num_classes": len(probs)})
         return {**_header("classify", name), "data": data, "usage": _usage(outs)}
+
+    @app.post("/pooling")
+    async def pooling(request: Request):
+        """The pooler's output per input as the engine made it: the embedding (normalised
+        where the model normalises, full size) or a classifier's logits."""
+        parsed, name = await parse(request, PoolingRequest, "pooling")
+        outs = await pooled(await off_loop(inputs, parsed.input, "input"), request)
+        data = [{"index": i, "object": "pooling",
+                 "data": _embedding_json(out.pooled, parsed.encoding_format)}
+                for i, out in enumerate(outs)]
+        return {**_header("pool", name), "data": data, "usage": _usage(outs)}
 
     for path in ("/score", "/v1/score"):
         app.post(path)(score)

@@ -92,11 +92,11 @@ class RssSampler:
 # In-process
 
 
-def _drain(engine, requests: list[BenchRequest], params_for) -> None:
+def _drain(engine, requests: list[BenchRequest], params_for, lora_for) -> None:
     """Run untimed requests to completion (warm-up)."""
     for r in requests:
         engine.add_request({"prompt_token_ids": list(r.prompt_token_ids)}, params_for(r),
-                           request_id=f"warmup-{r.index}")
+                           request_id=f"warmup-{r.index}", lora_request=lora_for(r))
     while engine.has_unfinished():
         engine.step()
 
@@ -111,18 +111,22 @@ def sampling_params_for(workload: WorkloadSpec) -> Callable[[BenchRequest], Any]
 
 
 def run_engine(engine, workload: WorkloadSpec, *, requests: list[BenchRequest] | None = None,
-               warmup: list[BenchRequest] | None = None, progress: bool = False) -> RunResult:
-    """Warm up, then replay `requests` (default: workload.generate) against `engine`."""
+               warmup: list[BenchRequest] | None = None, progress: bool = False,
+               lora_requests: list | None = None) -> RunResult:
+    """Warm up, then replay `requests` (default: workload.generate) against `engine`;
+    lora_requests: LoRA adapters the requests take in turn (request i: i mod their number)."""
     from jaxserve.tools import kv_budget
 
     vocab = engine.model_config.vocab_size
     requests = workload.generate(vocab) if requests is None else requests
     warmup = workload.generate(vocab, warmup=True) if warmup is None else warmup
     params_for = sampling_params_for(workload)
+    lora_for = (lambda r: lora_requests[r.index % len(lora_requests)]) if lora_requests else (
+        lambda r: None)
     proc = psutil.Process()
     compilations_before = engine.stats()["compilations"]
     t_warm = time.monotonic()
-    _drain(engine, warmup, params_for)
+    _drain(engine, warmup, params_for, lora_for)
     warmup_s = time.monotonic() - t_warm
     stats0 = engine.stats()
     compilations_warm = stats0["compilations"]
@@ -153,7 +157,8 @@ def run_engine(engine, workload: WorkloadSpec, *, requests: list[BenchRequest] |
             rec.arrival = r.arrival_offset
             try:
                 engine.add_request({"prompt_token_ids": list(r.prompt_token_ids)}, params_for(r),
-                                   request_id=f"bench-{r.index}", arrival_time=t0 + r.arrival_offset)
+                                   request_id=f"bench-{r.index}", arrival_time=t0 + r.arrival_offset,
+                                   lora_request=lora_for(r))
             except ValueError as e:  # RequestRejected: can never run under this configuration
                 rec.status, rec.error, rec.finished = "rejected", str(e), now
                 done += 1
