@@ -42,9 +42,12 @@ def sentence_transformers_embedder(model_dir: str, batch_size: int
                                    ) -> Callable[[Sequence[list[int]]], np.ndarray]:
     """sentence-transformers' embeddings of the same token ids (its modules' forward on the
     tokenized batch: the ids are given, so both sides embed exactly the same tokens)."""
-    import torch
-    from sentence_transformers import SentenceTransformer
-
+    try:
+        import torch
+        from sentence_transformers import SentenceTransformer
+    except ImportError as e:
+        raise ImportError(f"--compare_sentence_transformers needs the reference: pip install "
+                          f"'jaxserve[bench-reference]' ({e})") from None
     st = SentenceTransformer(model_dir, device="cpu").float().eval()
 
     def embed(inputs):
