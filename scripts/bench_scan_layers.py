@@ -34,7 +34,7 @@ def _tpu(scan: bool) -> dict:
     from jaxserve.runtime import abstract, sharding
     from jaxserve.runtime.batch import build_batch, warmup_plan
     from jaxserve.runtime.buckets import Buckets
-    from jaxserve.runtime.runner import _jitted_step
+    from jaxserve.runtime.runner import jitted_step
     from jaxserve.runtime.topology import compile_target, tpu_topology
     from jaxserve.weights.model_config import read_model_config
     import numpy as np
@@ -49,7 +49,7 @@ def _tpu(scan: bool) -> dict:
     params = abstract.abstract_params(model, mesh, "bfloat16", scan_layers=scan)
     pool = abstract.abstract_pool(model, mesh, 1024, 16, "bfloat16", backend, "bfloat16",
                                   scan_layers=scan)
-    step = _jitted_step(model, backend, mesh)
+    step = jitted_step(model, backend, mesh)
     feed = abstract.replicated(np.zeros(buckets.max_sample_rows, np.int32), mesh)
     start = time.perf_counter()
     with compile_target(mesh):

@@ -17,7 +17,7 @@ from jaxserve import backends
 from jaxserve.config import ModelConfig
 from jaxserve.runtime.batch import build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.runner import ModelRunner, _jitted_step
+from jaxserve.runtime.runner import ModelRunner, jitted_step
 from jaxserve.weights.random_init import random_model
 
 # Small, but with the shapes the kernels take: head dim 64, page 16, G = 3 (as SmolLM2).
@@ -83,7 +83,7 @@ def _lowered_step(config, params, backend: str, platform: str) -> str:
     batch, _, _ = build_batch(warmup_plan(shape, buckets, page_size), buckets, page_size)
     batch = jax.tree_util.tree_map(jnp.asarray, batch)
     feed = jnp.zeros(2 * buckets.seqs[-1], jnp.int32)
-    lowered = _jitted_step(config, runner.backend, runner.mesh).trace(
+    lowered = jitted_step(config, runner.backend, runner.mesh).trace(
         runner.params, pool=runner.pool, batch=dataclasses.replace(batch, sampling=None),
         feed=feed).lower(lowering_platforms=(platform,))
     return lowered.as_text()

@@ -262,7 +262,7 @@ def test_engine_step_compiles_for_tpu(checkpoint, generation):
     from jaxserve.model.kv_cache import PagedKV
     from jaxserve.runtime.batch import build_batch, warmup_plan
     from jaxserve.runtime.buckets import Buckets
-    from jaxserve.runtime.runner import ModelRunner, _jitted_step
+    from jaxserve.runtime.runner import ModelRunner, jitted_step
     from pallas_kernels.tpu import jax_kernel
     from tpu_topology import abstract, tpu_device
 
@@ -276,7 +276,7 @@ def test_engine_step_compiles_for_tpu(checkpoint, generation):
     batch, _, _ = build_batch(warmup_plan(shape, buckets, 16), buckets, 16)
     on = lambda tree: jax.tree_util.tree_map(  # noqa: E731
         lambda x: abstract(np.shape(x), x.dtype, device), tree)
-    step = _jitted_step(runner.cfg, runner.backend, runner.mesh)
+    step = jitted_step(runner.cfg, runner.backend, runner.mesh)
     with jax_kernel.compile_target(device):
         compiled = step.lower(on(runner.params), pool=on(runner.pool),
                               batch=on(dataclasses.replace(batch, sampling=None)),

@@ -109,7 +109,7 @@ def test_greedy_mask_equals_numpy_reference(engine):
     (out,) = run(engine, [(PROMPT, params)])
     tok = engine.tokenizer
     lltok = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=engine.model_config.vocab_size,
-                                   eos_token=list(engine._eos_token_ids))
+                                   eos_token=list(engine.eos_token_ids))
     matcher = llguidance.LLMatcher(lltok, spec.grammar_text())
     mask = llnp.allocate_token_bitmask(1, engine.model_config.vocab_size)
     expected = []
@@ -120,7 +120,7 @@ def test_greedy_mask_equals_numpy_reference(engine):
         token = int(np.argmax(x[0]))
         assert matcher.consume_token(token)
         expected.append(token)
-    eos = set(engine._eos_token_ids)
+    eos = set(engine.eos_token_ids)
     assert out.outputs[0].token_ids == [t for t in expected if t not in eos] or \
         out.outputs[0].token_ids == expected
     assert out.outputs[0].finish_reason == "stop"

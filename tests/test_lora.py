@@ -541,7 +541,7 @@ def test_the_step_with_adapters_compiles_for_tpu(generation):
     from jaxserve import backends
     from jaxserve.runtime.batch import build_batch, warmup_plan
     from jaxserve.runtime.buckets import Buckets
-    from jaxserve.runtime.runner import ModelRunner, _jitted_step
+    from jaxserve.runtime.runner import ModelRunner, jitted_step
     from jaxserve.weights.random_init import random_model
 
     device = tpu_device(generation)
@@ -554,7 +554,7 @@ def test_the_step_with_adapters_compiles_for_tpu(generation):
     batch, _, _ = build_batch(warmup_plan(buckets.step_shapes(page)[-1], buckets, page),
                               buckets, page)
     on = functools.partial(jax.tree_util.tree_map, lambda x: abstract(np.shape(x), x.dtype, device))
-    compiled = _jitted_step(runner.cfg, runner.backend, runner.mesh).lower(
+    compiled = jitted_step(runner.cfg, runner.backend, runner.mesh).lower(
         on(runner.params), pool=on(runner.pool),
         batch=on(dataclasses.replace(batch, sampling=None)),
         feed=abstract((2 * buckets.seqs[-1],), np.int32, device), lora=on(runner.lora)).compile()

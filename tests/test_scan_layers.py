@@ -28,7 +28,7 @@ from jaxserve.model import layer_scan
 from jaxserve.runtime import abstract
 from jaxserve.runtime.batch import build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.runner import ModelRunner, _jitted_step
+from jaxserve.runtime.runner import ModelRunner, jitted_step
 from jaxserve.weights.random_init import random_model
 from tiny_model import tiny_loaded
 
@@ -188,7 +188,7 @@ def test_a_scanned_step_compiles_for_tpu(tpu_runner):
     batch = build_batch(warmup_plan(shape, buckets, PAGE), buckets, PAGE)[0]
     on = lambda tree: jax.tree_util.tree_map(  # noqa: E731
         lambda x: on_device(np.shape(x), x.dtype, device), tree)
-    step = _jitted_step(TPU_MODEL, tpu_runner.backend, tpu_runner.mesh)
+    step = jitted_step(TPU_MODEL, tpu_runner.backend, tpu_runner.mesh)
     with jax_kernel.compile_target(device):
         compiled = step.lower(on(tpu_runner.params), pool=on(tpu_runner.pool),
                               batch=on(dataclasses.replace(batch, sampling=None)),

@@ -14,7 +14,7 @@ import pytest
 from jaxserve import backends
 from jaxserve.runtime.batch import build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.runner import ModelRunner, _jitted_step
+from jaxserve.runtime.runner import ModelRunner, jitted_step
 from jaxserve.weights.random_init import random_model
 from test_accelerator_lowering import CONFIG
 from tpu_topology import abstract, tpu_device
@@ -44,7 +44,7 @@ def test_the_batch_invariant_step_compiles_for_tpu(runner, generation):
     shape = max(buckets.step_shapes(PAGE, full=True), key=lambda s: (min(s[0], s[1]) > 0, s))
     assert shape[0] > 0 and shape[1] > 0, shape
     batch, _, _ = build_batch(warmup_plan(shape, buckets, PAGE), buckets, PAGE)
-    step = _jitted_step(runner.cfg, backend, runner.mesh)
+    step = jitted_step(runner.cfg, backend, runner.mesh)
     compiled = step.lower(_on(runner.params, device), pool=_on(runner.pool, device),
                           batch=_on(dataclasses.replace(batch, sampling=None), device),
                           feed=abstract((2 * buckets.seqs[-1],), np.int32, device)).compile()

@@ -22,7 +22,7 @@ from jaxserve.model.kv_cache import PagedKV
 from jaxserve.runtime.batch import build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import no_controls
-from jaxserve.runtime.runner import ModelRunner, _jitted_step, _sample_rows
+from jaxserve.runtime.runner import ModelRunner, jitted_step, sample_rows
 from jaxserve.weights.random_init import random_model
 from test_accelerator_lowering import CONFIG, GEMMA2_LIKE, _with_sandwich_norms
 from pallas_kernels.tpu import jax_kernel
@@ -59,7 +59,7 @@ def test_the_engine_step_compiles_for_tpu(runners, case, generation):
                                  packed=True)
     shape = buckets.step_shapes(PAGE)[-1]  # the largest: decode rows and prefill chunks
     batch, _, _ = build_batch(warmup_plan(shape, buckets, PAGE), buckets, PAGE)
-    step = _jitted_step(runner.cfg, runner.backend, runner.mesh)
+    step = jitted_step(runner.cfg, runner.backend, runner.mesh)
     cache = runner.pool.layers[0]
     assert isinstance(cache, PagedKV)  # JAX's kernel's pool, or ours flat (int8: + scale rows)
     assert cache.quantized == (case == "gemma2-int8") and (cache.kv.ndim == 3) == cache.quantized
@@ -90,7 +90,7 @@ def test_the_engine_step_compiles_for_tpu(runners, case, generation):
     logits = abstract((rows, runner.cfg.vocab_size), np.float32, device)
     sampling = _on(batch.sampling, device)
     _, sample_seconds = compile_for(
-        lambda lg, sm: _sample_rows(lg, sm, no_controls(rows, runner.cfg.vocab_size),
-                                    backend=runner.backend, feed_size=2 * buckets.seqs[-1]),
+        lambda lg, sm: sample_rows(lg, sm, no_controls(rows, runner.cfg.vocab_size),
+                                   backend=runner.backend, feed_size=2 * buckets.seqs[-1]),
         logits, sampling)
     assert sample_seconds > 0

@@ -38,11 +38,11 @@ from jaxserve.model import layer_scan
 from jaxserve.engine import memory_plan, roofline
 from jaxserve.engine.assembly import PROBE_PAGES, Assembly
 from jaxserve.engine.memory_plan import GIB, MARGIN, MemoryPlan
-from jaxserve.runtime import abstract, sharding
+from jaxserve.runtime import abstract, memory, sharding
 from jaxserve.runtime.batch import build_batch, warmup_batches, warmup_plan
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import no_controls
-from jaxserve.runtime.runner import _copy_pages, _jitted_step, _sample_rows
+from jaxserve.runtime.runner import copy_pool_pages, jitted_step, sample_rows
 from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM
 from jaxserve.runtime.topology import Topology, compile_target, tpu_topology
 from jaxserve.weights.model_config import read_model_config
@@ -156,7 +156,7 @@ class _Compiler:
         self.params = abstract.abstract_params(target.model, target.mesh, target.dtype,
                                                scan_layers=target.scan_layers,
                                                expert_parallel=target.expert_parallel)
-        self.step = _jitted_step(target.model, target.backend, target.mesh)
+        self.step = jitted_step(target.model, target.backend, target.mesh)
         self.feed = abstract.replicated(np.zeros(target.buckets.max_sample_rows, np.int32),
                                         target.mesh)
 
@@ -183,20 +183,14 @@ class _Compiler:
         sampling = abstract.replicated(dataclasses.replace(batch.sampling, mode=mode), self.t.mesh)
         ctl = abstract.replicated(no_controls(rows, vocab), self.t.mesh) if controls else None
         with compile_target(self.t.mesh):
-            return _sample_rows.lower(logits, sampling, ctl, backend=self.t.backend,
-                                      feed_size=self.feed.shape[0]).compile()
+            return sample_rows.lower(logits, sampling, ctl, backend=self.t.backend,
+                                     feed_size=self.feed.shape[0]).compile()
 
     def compile_copies(self, n: int, pool):
         idx = abstract.replicated(np.zeros(n, np.int32), self.t.mesh)
         with compile_target(self.t.mesh):
-            return _copy_pages.lower(pool, idx, idx, kv_groups.groups_of(self.t.model).size
-                                     if self.t.scan_layers else 0).compile()
-
-
-def _step_bytes(compiled) -> int:
-    """What a compiled step allocates beside its arguments (runner.step_temp_bytes's count)."""
-    m = compiled.memory_analysis()
-    return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+            return copy_pool_pages.lower(pool, idx, idx, kv_groups.groups_of(self.t.model).size
+                                         if self.t.scan_layers else 0).compile()
 
 
 def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> MemoryPlan:
@@ -223,7 +217,7 @@ def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> Me
     probe = compiler.pool(PROBE_PAGES)
     compiled = [compiler.compile_step(compiler.batch(shape, k), probe)
                 for k in (None, b.logprobs[-1])]
-    activation = max(_step_bytes(c) for c in compiled)
+    activation = max(memory.compiled_temp_bytes(c) for c in compiled)
     code = compiled[0].memory_analysis().generated_code_size_in_bytes
     batches = [batch for batch, _ in warmup_batches(
         b, t.page_size, num_groups=kv_groups.groups_of(t.model).num_groups)]
@@ -242,8 +236,9 @@ def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> Me
     if num_pages > PROBE_PAGES:
         # An eighth of the size: at the full size such copies may not compile at all.
         size = max(PROBE_PAGES + 1, num_pages // 8)
-        grown = _step_bytes(compiler.compile_step(compiler.batch(shape), compiler.pool(size)))
-        per_page = max(0, grown - _step_bytes(compiled[0])) / (size - PROBE_PAGES)
+        grown = memory.compiled_temp_bytes(compiler.compile_step(compiler.batch(shape),
+                                                                 compiler.pool(size)))
+        per_page = max(0, grown - memory.compiled_temp_bytes(compiled[0])) / (size - PROBE_PAGES)
         if per_page and not sized:
             num_pages = int((rest - activation) // (page_bytes + per_page))
         activation += math.ceil(per_page * max(0, num_pages - PROBE_PAGES))

@@ -1,54 +1,33 @@
-"""LLMEngine, the engine's front: add_request / abort / step over one model replica. It builds
-the parts once (backend, runner, memory plan, scheduler, speculator) and keeps the request
-table (requests.py); each step is the step pipeline's (step_pipeline.py: the scheduler plans,
-the batch builder pads, the runner executes one jitted call, the output processor reads the
-tokens and the scheduler applies them)."""
+"""LLMEngine, the engine's front: add_request / abort / step over one model replica. It keeps
+the parts built once (assembly.py's EngineParts: backend, runner, memory plan, scheduler,
+speculator, the request table of requests.py); each step is the step pipeline's
+(step_pipeline.py: the scheduler plans, the batch builder pads, the runner executes one jitted
+call, the output processor reads the tokens and the scheduler applies them)."""
 
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
-import logging
 import os
 import threading
 import time
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxserve import backends
-from jaxserve.config import EngineConfig, ModelConfig, kv_slot_bytes
-from jaxserve.core import kv_groups
+from jaxserve.config import EngineConfig
 from jaxserve.core.limits import RequestRejected
 from jaxserve.core.lora import LoRARequest
-from jaxserve.core.output_processor import OutputProcessor
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputsParams
-from jaxserve.core.scheduler import Scheduler
 from jaxserve.core.sequence import Request
-from jaxserve.engine import memory_plan
-from jaxserve.engine.assembly import PROBE_PAGES, Assembly
+from jaxserve.engine.assembly import EngineParts, pool_bytes_per_token
 from jaxserve.engine.client import ServedModel
-from jaxserve.engine.lora import LoRAAdapters
-from jaxserve.engine.pooling import Pooler, pooling_spec
-from jaxserve.engine.requests import RequestTable
-from jaxserve.engine.speculator import Speculator, load_draft
-from jaxserve.engine.startup import StartupTimeline
-from jaxserve.engine.step_pipeline import StepPipeline
-from jaxserve.engine.weight_update import WeightUpdates
-from jaxserve.runtime import memory, sharding
-from jaxserve.runtime.params import JNP_DTYPES
-from jaxserve.runtime.pooling import PoolingRunner
-from jaxserve.runtime.runner import ModelRunner
 from jaxserve.tokenizer import tokenize_prompt
-from jaxserve.weights import LoadedModel, load_model
-from jaxserve.weights.pooling import pooling_only
+from jaxserve.weights import LoadedModel
 
 Prompt = str | list[int] | dict
-log = logging.getLogger("jaxserve.engine")
 # Warm-up's compile threads: XLA compiles (and loads from the persistent cache) with the GIL
 # released, so threads overlap; a background warm-up is ready once the steps of at most
 # READY_TOKENS tokens are compiled (docs/serving.md: start-up).
@@ -64,104 +43,19 @@ class LLMEngine:
         target's own weights when that is None or the target's name); mesh: the replica's
         devices (sharding.replica_mesh), for a data-parallel front; default the first
         tensor_parallel_size devices."""
-        self.startup = StartupTimeline()
         self.config = config  # as requested; what the engine resolves is self.resolved
-        load, cache, parallel = config.load, config.cache, config.parallel
-        dtype = backends.resolve_dtype(load.dtype)
-        if loaded is None:
-            with self.startup.phase("load the model"):
-                loaded = load_model(load.model, dtype=dtype, lazy=True)
-        self.model_config = loaded.config
-        sharding.check_fits(loaded.config, parallel.tensor_parallel_size, load.quantization,
-                            parallel.enable_expert_parallel)
-        if mesh is None:
-            if parallel.data_parallel_size > 1:
-                raise ValueError("data_parallel_size > 1 is served by several engines: "
-                                 "jaxserve.engine.make_engine builds them")
-            mesh = sharding.replica_mesh(sharding.make_mesh(parallel.tensor_parallel_size), 0)
-        self.tokenizer = loaded.tokenizer
-        draft = load_draft(config, loaded, draft_loaded, dtype=dtype)
-        # The backend, resolved config and buckets are decided once (assembly.py, as
-        # `jaxserve compile` decides them for a TPU) and passed down as objects.
-        assembly = Assembly.of(config, loaded.config, mesh.devices.flat[0].platform)
-        self.backend = backend = assembly.backend
-        self.resolved = resolved = assembly.resolved
-        self.buckets = assembly.buckets
-        self.max_model_len = resolved.max_model_len
-        # LoRA adapters (engine/lora.py): their slots in every step, None: the plain step.
-        self.lora = LoRAAdapters.of(config.lora, loaded.config, resolved.scan_layers,
-                                    parallel.tensor_parallel_size)
-        budget = memory_plan.budget(cache, parallel, jax.default_backend())
-        if budget is not None:
-            # An engine dropped just before (a notebook's previous LLM) may still hold its pool
-            # in a reference cycle; freed during the plan, it would hide this engine's runtime.
-            gc.collect()
-        held_before = memory.in_use(mesh.devices.flat[0]) if budget is not None else 0
-        # With a budget, a probe pool of PROBE_PAGES until the plan has measured the rest.
-        num_pages = PROBE_PAGES if budget is not None else resolved.num_pages(
-            config, self._pool_bytes_per_token(loaded.config)
-            + (self._pool_bytes_per_token(draft.config) if draft else 0))
-        # runner "pooling": embeddings, scores, classes (engine/pooling.py's Pooler)
-        if load.runner == "generate" and pooling_only(loaded.source):
-            raise ValueError(f"{pooling_only(loaded.source)} has no language-model head: "
-                             "serve it with runner='pooling' (--runner=pooling)")
-        self.pooler = (Pooler(pooling_spec(loaded, load), loaded.config.hidden_size)
-                       if load.runner == "pooling" else None)
-        runner_class = PoolingRunner if self.pooler else ModelRunner
-        with self.startup.phase("place the weights"):
-            self.runner = runner_class(loaded.config, loaded.params, num_pages=num_pages,
-                                      page_size=cache.page_size, dtype=resolved.dtype,
-                                      kv_cache_dtype=resolved.kv_cache_dtype,
-                                      backend=backend, quantization=load.quantization,
-                                      max_sample_rows=self.buckets.max_sample_rows,
-                                      huge_pages=load.huge_pages, mesh=mesh,
-                                      scan_layers=resolved.scan_layers,
-                                      expert_parallel=parallel.enable_expert_parallel,
-                                      fingerprint=loaded.fingerprint,
-                                      logprobs_mode=load.logprobs_mode,
-                                      **(self.lora.runner_options() if self.lora else {}))
-        eos = tuple(sorted(set(loaded.config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
-        # Speculation's one owner (Speculator.speculation), which the scheduler asks for drafts.
-        self.speculator = Speculator(config, resolved, self.buckets, draft,
-                                     num_pages=num_pages, backend=backend, mesh=mesh)
-        self.memory_plan = None
-        if budget is not None:
-            drafter = self.speculator.drafter
-            with self.startup.phase("plan memory"):
-                self.memory_plan = memory_plan.plan(
-                    self.runner, self.buckets, budget, held_before,
-                    compiled_shapes=self.runner.warmup_count(self.buckets)
-                    + self.speculator.warmup_count(),
-                    draft=drafter.model if drafter else None)
-            log.info("%s", self.memory_plan.describe(self.max_model_len))
-        # The scheduler is built once, on the pool the plan sized.
-        self.num_pages = self.runner.num_pages
-        self.scheduler = Scheduler(
-            config.scheduler, cache, max_model_len=self.max_model_len,
-            eos_token_ids=eos, prefill_keys_per_token=resolved.prefill_keys_per_token,
-            # A cached page is reused only under the weights and KV format that wrote it.
-            model_fingerprint=(f"{loaded.fingerprint}:{resolved.dtype}:{load.quantization}:"
-                               f"kv-{resolved.kv_cache_dtype}"),
-            kv_window=loaded.config.kv_window, speculation=self.speculator.speculation,
-            group_windows=kv_groups.groups_of(loaded.config).windows,
-            num_pages=self.num_pages, lora=self.lora.slots if self.lora else None)
-        self.outputs = OutputProcessor(self.tokenizer)
-        self.requests = RequestTable(self.scheduler, self.outputs)
-        self.pipeline = StepPipeline(
-            self.buckets, self.scheduler, self.runner, self.speculator, self.outputs,
-            self.requests, vocab_size=loaded.config.vocab_size, page_size=cache.page_size,
-            async_scheduling=config.scheduler.async_scheduling,
-            grammar_limits=lambda: self._grammars.limits if self._grammars else None,
-            adapters=self.lora, pooler=self.pooler)
         # Structured outputs' grammars over this tokenizer and vocabulary (made on first use).
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
-        # Weights replaced in place, memory given back, pause (docs/rl.md).
-        self.weights = WeightUpdates(self.runner, self.scheduler, self.requests, self.pipeline,
-                                     loaded.config, resolved.dtype)
-        self._eos_token_ids = eos
+        # Resolved, loaded, placed, planned and wired once (assembly.py); each part is kept as
+        # the attribute of its name (self.runner, self.scheduler, self.pipeline, ...).
+        parts = EngineParts.build(
+            config, loaded, draft_loaded, mesh=mesh,
+            grammar_limits=lambda: self._grammars.limits if self._grammars else None)
+        for part in dataclasses.fields(parts):
+            setattr(self, part.name, getattr(parts, part.name))
         self._ids = itertools.count()
-        self._rng = np.random.default_rng(load.seed)
+        self._rng = np.random.default_rng(config.load.seed)
         self.startup.built()
 
     # ----------------------------------------------------------------- requests
@@ -186,7 +80,7 @@ class LLMEngine:
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer.backend.to_str(),
                                                  self.model_config.vocab_size,
-                                                 self._eos_token_ids)
+                                                 self.eos_token_ids)
         return self._grammars
 
     def share_grammars(self, other: "LLMEngine") -> None:
@@ -366,14 +260,9 @@ class LLMEngine:
     def kv_usage(self) -> dict:
         """The KV pool right now (KVManager.usage), with the bytes one slot holds."""
         return {**self.scheduler.kv_usage(),
-                "bytes_per_slot": self._pool_bytes_per_token(self.model_config)}
-
-    def _pool_bytes_per_token(self, model: ModelConfig) -> int:
-        """One token's KV bytes in this backend's pool layout (padded heads included)."""
-        r, tp = self.resolved, self.config.parallel.tensor_parallel_size
-        return sharding.pool_bytes_per_token(
-            model, self.backend, tp, JNP_DTYPES[r.kv_cache_dtype], JNP_DTYPES[r.dtype],
-            *kv_slot_bytes(r.kv_cache_dtype))
+                "bytes_per_slot": pool_bytes_per_token(
+                    self.model_config, self.backend, self.resolved,
+                    self.config.parallel.tensor_parallel_size)}
 
     def stats(self) -> dict:
         stats = dict(self.scheduler.stats())

@@ -1,7 +1,7 @@
 """Logit controls on device: structured outputs' token bitmasks, logit_bias, and presence,
 frequency and repetition penalties, applied to a step's logits before sampling.
 
-They apply in the step's sampling call (runner._sample_rows, a small jitted call chained after
+They apply in the step's sampling call (runner.sample_rows, a small jitted call chained after
 the model step on the device), and only in steps that hold a controlled row: a step without one
 samples as before, and the model step's compiled shapes do not multiply. Rows without controls
 get their logits back bitwise (+0 bias, -0 penalties, / 1, an all-ones mask), so their tokens do

@@ -87,6 +87,13 @@ def peak(device=None) -> int:
     return hwm if hwm is not None else in_use(device)
 
 
+def compiled_temp_bytes(compiled) -> int:
+    """What a compiled call allocates beside its arguments (XLA's memory analysis): its
+    temporaries and the outputs that do not alias a donated argument (a step's KV pool)."""
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
 def bytes_on_device(tree) -> int:
     """Bytes of the arrays of `tree` held on one device, the first holding each (its shards of
     sharded arrays, the whole of replicated ones): what a tree costs per device of its mesh."""

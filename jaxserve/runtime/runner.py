@@ -4,7 +4,7 @@ jitted sampling call chained after it.
 step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
 pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
 before they were read back (async scheduling). Its sample rows' logits stay on the device for
-the sampling call (_sample_rows: sampling modes, logit controls), so those multiply only that
+the sampling call (sample_rows: sampling modes, logit controls), so those multiply only that
 small function's compiles. Shapes come from the batch buckets; each new
 shape signature is one compilation, counted in `compilations`. The jitted step is shared by
 every runner of the same model config and backend in the process, so a second engine (a
@@ -57,7 +57,7 @@ class StepOutput:
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",), static_argnames=("scanned_layers",))
-def _copy_pages(pool: KVPool, src, dst, scanned_layers: int = 0) -> KVPool:
+def copy_pool_pages(pool: KVPool, src, dst, scanned_layers: int = 0) -> KVPool:
     """Copy-on-write: page src[i] -> dst[i] in every array of the pool (pages, and an int8
     pool's scales, each layout's own page axis), every layer and head. Its own small jitted
     call (copies are rare: forks, prefix hits ending mid-page), so the step's shapes do not
@@ -87,7 +87,7 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: Model
                           batch.token_ids)
     pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn,
                                               **step_args(lora, batch.lora_slots))
-    # The sample rows' logits stay on the device for _sample_rows.
+    # The sample rows' logits stay on the device for sample_rows.
     out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg, backend)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
         logprobs = log_softmax(llama.logits(params, hidden, cfg, backend), backend)
@@ -99,8 +99,8 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: Model
 
 
 @functools.partial(jax.jit, static_argnames=("backend", "feed_size", "logprobs_mode"))
-def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
-                 backend: Backend, feed_size: int, logprobs_mode: str = RAW_LOGPROBS):
+def sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
+                backend: Backend, feed_size: int, logprobs_mode: str = RAW_LOGPROBS):
     """A step's sampling, its own small jitted call chained after the step on the device: the
     sampling modes and logit controls multiply only its compiles, not the model step's. Returns
     (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
@@ -110,9 +110,14 @@ def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | N
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_step(cfg: ModelConfig, backend: Backend, mesh: Mesh):
+def jitted_step(cfg: ModelConfig, backend: Backend, mesh: Mesh):
+    """The step, jitted with the pool donated: one per process for each model, backend, mesh."""
     return jax.jit(functools.partial(_step, cfg=cfg, backend=backend, mesh=mesh),
                    donate_argnames=("pool",))
+
+
+# Warm-up's names for the calls above (runner warm-up moves to the public names, then these go).
+_copy_pages, _sample_rows = copy_pool_pages, sample_rows
 
 
 def release_compiled_steps() -> None:
@@ -121,13 +126,13 @@ def release_compiled_steps() -> None:
     vm.max_map_count (65530): a benchmark that builds engine after engine with different buckets
     would die in LLVM ("Cannot allocate memory"). Later compiles of the same shapes load from
     the on-disk compilation cache."""
-    _jitted_step.cache_clear()
+    jitted_step.cache_clear()
     jax.clear_caches()
 
 
 def _signature(batch) -> tuple:
     """A jitted call's cache key: the model step's is its batch without the sampling metadata
-    (sampled in _sample_rows)."""
+    (sampled in sample_rows)."""
     if isinstance(batch, StepBatch):
         batch = dataclasses.replace(batch, sampling=None)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
@@ -173,7 +178,7 @@ class ModelRunner:
         # Process 0 of several sends its device calls to the others (distributed.follow).
         if jax.process_count() > 1 and jax.process_index() == 0:
             self.channel = distributed.Channel()
-        self._step = _jitted_step(cfg, backend, self.mesh)
+        self._step = jitted_step(cfg, backend, self.mesh)
         # The feed of a step planned alone.
         self._no_feed = jax.device_put(np.zeros(max_sample_rows, np.int32),
                                        NamedSharding(self.mesh, PartitionSpec()))
@@ -300,7 +305,7 @@ class ModelRunner:
 
     def _sample_local(self, out: dict, sampling: SamplingMetadata, controls) -> None:
         self._compiled(("sample", _signature((sampling, controls))))
-        out["sampled"], out["feed"] = _sample_rows(
+        out["sampled"], out["feed"] = sample_rows(
             out["logits"], sampling, controls, backend=self.backend,
             feed_size=self._no_feed.shape[0], logprobs_mode=self.logprobs_mode)
 
@@ -311,7 +316,7 @@ class ModelRunner:
 
     def _copy_local(self, src, dst) -> None:
         self._compiled(("copies", len(src)))
-        self.pool = _copy_pages(self.pool, src, dst, self._scanned_layers)
+        self.pool = copy_pool_pages(self.pool, src, dst, self._scanned_layers)
 
     def follow(self) -> int:
         """A process other than 0 of several: run process 0's device calls until it stops."""
@@ -342,13 +347,11 @@ class ModelRunner:
 
     def step_temp_bytes(self, shape, buckets: Buckets, prompt_logprobs: int | None = None) -> int:
         """Bytes the compiled step of `shape` (Buckets.step_shapes) allocates beside its
-        arguments (XLA's memory analysis): its temporaries and the outputs that do not alias
-        the donated pool."""
+        arguments (memory.compiled_temp_bytes)."""
         batch, _ = self._shape_batch(shape, buckets, prompt_logprobs)
-        m = self._step.lower(self.params, pool=self.pool,
-                             batch=dataclasses.replace(batch, sampling=None),
-                             feed=self._no_feed, **self._adapters).compile().memory_analysis()
-        return int(m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+        return memory.compiled_temp_bytes(self._step.lower(
+            self.params, pool=self.pool, batch=dataclasses.replace(batch, sampling=None),
+            feed=self._no_feed, **self._adapters).compile())
 
     def run_shape(self, shape, buckets: Buckets) -> None:
         """Run one step of `shape` on dummy sequences of the scratch page 0."""
