@@ -24,6 +24,7 @@ from jaxserve.core.structured_output import GrammarCompiler, StructuredOutputsPa
 from jaxserve.core.sequence import Request
 from jaxserve.engine.assembly import EngineParts, pool_bytes_per_token
 from jaxserve.engine.client import ServedModel
+from jaxserve.engine.lora import LoRAAdapters
 from jaxserve.tokenizer import tokenize_prompt
 from jaxserve.weights import LoadedModel
 
