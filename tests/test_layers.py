@@ -114,8 +114,9 @@ def test_every_import_goes_down_the_layers():
 
 def test_declared_dependencies_are_the_imported_ones():
     """pyproject's core dependencies are all imported by the package and its kernels, and what
-    they import is declared: in the core, or in the bench, eval or ray extra (whose modules go
-    through jaxserve.tools.require first, so a missing one names the extra)."""
+    they import is declared: in the core, or in the bench, bench-reference, eval or ray extra
+    (whose modules go through jaxserve.tools.require first, so a missing one names the
+    extra)."""
     import importlib.metadata
     import re
     import tomllib
@@ -126,7 +127,7 @@ def test_declared_dependencies_are_the_imported_ones():
         return re.sub(r"[-_.]+", "-", re.split(r"[<>=!~\[ ;]", name, 1)[0]).lower()
 
     declared = {canonical(d) for d in project["dependencies"]}
-    extra = {canonical(d) for name in ("bench", "eval", "ray")
+    extra = {canonical(d) for name in ("bench", "bench-reference", "eval", "ray")
              for d in project["optional-dependencies"][name]}
     owners = importlib.metadata.packages_distributions()
     imported, undeclared = set(), set()

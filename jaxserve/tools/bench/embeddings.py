@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from jaxserve.tools import require
+
 
 def token_inputs(num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     """`num` seeded inputs of exactly `length` token ids below vocab_size."""
@@ -42,12 +44,8 @@ def sentence_transformers_embedder(model_dir: str, batch_size: int
                                    ) -> Callable[[Sequence[list[int]]], np.ndarray]:
     """sentence-transformers' embeddings of the same token ids (its modules' forward on the
     tokenized batch: the ids are given, so both sides embed exactly the same tokens)."""
-    try:
-        import torch
-        from sentence_transformers import SentenceTransformer
-    except ImportError as e:
-        raise ImportError(f"--compare_sentence_transformers needs the reference: pip install "
-                          f"'jaxserve[bench-reference]' ({e})") from None
+    torch = require("torch", "bench-reference")
+    SentenceTransformer = require("sentence_transformers", "bench-reference").SentenceTransformer
     st = SentenceTransformer(model_dir, device="cpu").float().eval()
 
     def embed(inputs):
