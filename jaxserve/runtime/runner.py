@@ -30,14 +30,15 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import layer_scan, llama
 from jaxserve.model.kv_cache import KVPool, groups_of
 from jaxserve.runtime import memory
-from jaxserve.runtime.batch import (StepBatch, build_batch, warmup_batches, warmup_plan,
-                                    warmup_samplings)
+from jaxserve.runtime.batch import (StepBatch, build_batch, warmup_batches, warmup_entries,
+                                    warmup_plan, warmup_samplings)
 from jaxserve.runtime import custom_model, distributed, param_update, sharding
 from jaxserve.runtime.params import JNP_DTYPES, device_params
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.compilation_cache import use_compilation_cache
 from jaxserve.runtime.lora_stack import LoRAStack, step_args
-from jaxserve.runtime.logit_controls import LogitControls
+from jaxserve.runtime.logit_controls import (LogitControls, apply_entries, no_controls,
+                                             without_entries)
 from jaxserve.runtime.precompile import Precompiler
 from jaxserve.runtime.sampling import RAW_LOGPROBS, XLA, SamplingMetadata, log_softmax, sample
 from jaxserve.weights.named_update import NamedUpdate
@@ -100,13 +101,22 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: Model
 
 @functools.partial(jax.jit, static_argnames=("backend", "feed_size", "logprobs_mode"))
 def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
-                 backend: Backend, feed_size: int, logprobs_mode: str = RAW_LOGPROBS):
+                 backend: Backend, feed_size: int, logprobs_mode: str = RAW_LOGPROBS,
+                 unpenalized=None):
     """A step's sampling, its own small jitted call chained after the step on the device: the
     sampling modes and logit controls multiply only its compiles, not the model step's. Returns
     (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
-    (the ids padded to feed_size)."""
-    sampled = sample(logits, sampling, backend, controls, logprobs_mode)
+    (the ids padded to feed_size). unpenalized: the logits before _apply_entries, if it ran."""
+    sampled = sample(logits, sampling, backend, controls, logprobs_mode, unpenalized)
     return sampled, jnp.zeros(feed_size, jnp.int32).at[:sampled[0].shape[0]].set(sampled[0])
+
+
+@jax.jit
+def _apply_entries(logits, controls: LogitControls):
+    """Penalties and logit_bias (the controls' entries), a call of their own before the
+    sampling call: its shapes are the sample rows times the entry buckets, not also the
+    sampling modes and top-logprobs counts."""
+    return apply_entries(logits, controls)
 
 
 @functools.lru_cache(maxsize=None)
@@ -132,6 +142,10 @@ def _signature(batch) -> tuple:
         batch = dataclasses.replace(batch, sampling=None)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
+
+
+def _sampling_key(sampling: SamplingMetadata, controls, entries_applied: bool) -> tuple:
+    return ("sample", _signature((sampling, controls)), entries_applied)
 
 
 class ModelRunner:
@@ -299,10 +313,16 @@ class ModelRunner:
         self._sample_local(out, sampling, controls)
 
     def _sample_local(self, out: dict, sampling: SamplingMetadata, controls) -> None:
-        self._compiled(("sample", _signature((sampling, controls))))
+        logits, unpenalized = out["logits"], None
+        if controls is not None and controls.entry_rows.shape[0]:
+            self._compiled(("entries", _signature(controls)))
+            logits, unpenalized = _apply_entries(logits, controls), logits
+            controls = without_entries(controls)
+        self._compiled(_sampling_key(sampling, controls, unpenalized is not None))
         out["sampled"], out["feed"] = _sample_rows(
-            out["logits"], sampling, controls, backend=self.backend,
-            feed_size=self._no_feed.shape[0], logprobs_mode=self.logprobs_mode)
+            logits, sampling, controls, backend=self.backend,
+            feed_size=self._no_feed.shape[0], logprobs_mode=self.logprobs_mode,
+            unpenalized=unpenalized)
 
     def copy_pages(self, src, dst) -> None:
         if self.channel is not None:
@@ -372,10 +392,16 @@ class ModelRunner:
             if rows in sampled:
                 continue
             sampled.add(rows)
-            for what, sampling, controls in warmup_samplings(batch.sampling, rows, buckets,
-                                                             self.cfg.vocab_size, full):
-                yield (("sample", _signature((sampling, controls))), what,
-                       functools.partial(self._compile_sampling, key, sampling, controls), tokens)
+            for what, sampling, controls, applied in warmup_samplings(
+                    batch.sampling, rows, buckets, self.cfg.vocab_size, full):
+                yield (_sampling_key(sampling, controls, applied), what,
+                       functools.partial(self._compile_sampling, key, sampling, controls,
+                                         applied), tokens)
+            for h in warmup_entries(rows, buckets, self.page_size, self.cfg.vocab_size, full):
+                controls = no_controls(rows, self.cfg.vocab_size, h)
+                yield (("entries", _signature(controls)),
+                       f"penalties and logit_bias of {rows} rows, {h} entries",
+                       functools.partial(self._compile_entries, key, controls), tokens)
         for n in buckets.copies:  # copy-on-write: forks and prefix hits mid-page only, last
             yield (("copies", n), f"page copy of {n} pages",
                    functools.partial(self._compile_copies, pool, np.zeros(n, np.int32)),
@@ -388,11 +414,20 @@ class ModelRunner:
                                     **self._adapters)
         return compiled.compile().out_info[1]["logits"]
 
-    def _compile_sampling(self, step_key, sampling: SamplingMetadata, controls) -> None:
-        logits = self._precompiler.wait(step_key)  # what step_key's step gives it
-        logits = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
+    def _step_logits(self, step_key) -> jax.Array:
+        """Zeros of the logits step_key's step gives its sampling call."""
+        logits = self._precompiler.wait(step_key)
+        return jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
+
+    def _compile_sampling(self, step_key, sampling: SamplingMetadata, controls,
+                          entries_applied: bool) -> None:
+        logits = self._step_logits(step_key)
         _sample_rows.lower(logits, sampling, controls, backend=self.backend,
-                           feed_size=len(self._no_feed), logprobs_mode=self.logprobs_mode).compile()
+                           feed_size=len(self._no_feed), logprobs_mode=self.logprobs_mode,
+                           unpenalized=logits if entries_applied else None).compile()
+
+    def _compile_entries(self, step_key, controls: LogitControls) -> None:
+        _apply_entries.lower(self._step_logits(step_key), controls).compile()
 
     def _compile_copies(self, pool, zeros: np.ndarray) -> None:
         _copy_pages.lower(pool, zeros, zeros, self._scanned_layers).compile()
