@@ -235,10 +235,10 @@ def warmup_samplings(sampling: SamplingMetadata, rows: int, buckets: Buckets, vo
                      full: bool = False):
     """(what, sampling, controls) of each sampling call warm-up compiles for a step of `rows`
     sample rows: each sampling mode, without logit controls and with masks only (structured
-    outputs). With full, also each top-logprobs bucket and the call after penalties / logit_bias
-    (runner._apply_entries: warmup_entries), which otherwise compile on first use, inside a
-    step: one to three seconds on a CPU with every stream waiting. Each is (what, sampling,
-    controls, whether the entries were applied before it)."""
+    outputs). With full, also each top-logprobs bucket and the call after penalties /
+    logit_bias (sample_calls.apply_entries_call: warmup_entries), which otherwise compile on
+    first use, inside a step: one to three seconds on a CPU with every stream waiting. Each is
+    (what, sampling, controls, whether the entries were applied before it)."""
     mask_only = no_controls(rows, vocab_size)
     controls_of = {"": (None, False), ", logit controls": (mask_only, False)}
     top_counts = (sampling.num_top_logprobs,)
@@ -257,8 +257,9 @@ def warmup_samplings(sampling: SamplingMetadata, rows: int, buckets: Buckets, vo
 def warmup_entries(rows: int, buckets: Buckets, page_size: int, vocab_size: int,
                    full: bool = False) -> list[int]:
     """The entry buckets (penalties, logit_bias) of a step of `rows` sample rows that a full
-    warm-up compiles runner._apply_entries for: every one that many rows can reach, each row
-    holding at most min(vocabulary, longest sequence) distinct tokens. None without full."""
+    warm-up compiles sample_calls.apply_entries_call for: every one that many rows can reach,
+    each row holding at most min(vocabulary, longest sequence) distinct tokens. None without
+    full."""
     if not full:
         return []
     most = entries_bucket(rows * min(vocab_size, buckets.pages * page_size))

@@ -6,11 +6,12 @@ the model step on the device), and only in steps that hold a controlled row: a s
 samples as before, and the model step's compiled shapes do not multiply. Rows without controls
 get their logits back bitwise (+0 bias, -0 penalties, / 1, an all-ones mask), so their tokens do
 not change; a controlled row's logprobs are of its controlled distribution. The entries
-(penalties, logit_bias: H below) apply in a call of their own before it (runner._apply_entries,
-one shape per sample-row and entry bucket), so the sampling call's shapes do not multiply by the
-entry buckets: it takes the mask alone and, where entries applied, the logits before them (raw
-logprobs). Warm-up compiles the masks-only sampling calls in every mode; `--compile_warmup=full`
-also every entry bucket up to each row count's reach, which otherwise compiles on first use.
+(penalties, logit_bias: H below) apply in a call of their own before it
+(sample_calls.apply_entries_call, one shape per sample-row and entry bucket), so the sampling
+call's shapes do not multiply by the entry buckets: it takes the mask alone and, where entries
+applied, the logits before them (raw logprobs). Warm-up compiles the masks-only sampling calls in
+every mode; `--compile_warmup=full` also every entry bucket up to each row count's reach, which
+otherwise compiles on first use.
 
 Penalty counts are kept fixed-shape as H (row, token) entries, one per distinct token of a
 penalised row's prompt and output and per logit_bias entry, padded to a power-of-4 bucket:
@@ -71,7 +72,7 @@ def apply_entries(logits, c: LogitControls):
 
 def without_entries(c: LogitControls) -> LogitControls:
     """The controls' mask alone (no entries): what the sampling call takes once the entries are
-    applied by a call of their own (runner._apply_entries)."""
+    applied by a call of their own (sample_calls.apply_entries_call)."""
     empty = np.zeros(0, np.float32)
     return dataclasses.replace(c, entry_rows=np.zeros(0, np.int32),
                                entry_tokens=np.zeros(0, np.int32), output_counts=empty,

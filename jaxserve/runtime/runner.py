@@ -1,12 +1,12 @@
 """ModelRunner: owns every device array (params, KV pool), the jitted model step and the
-jitted sampling call chained after it.
+jitted sampling calls chained after it (runtime/sample_calls.py).
 
 step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
 pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
 before they were read back (async scheduling). Its sample rows' logits stay on the device for
-the sampling call (_sample_rows: sampling modes, logit controls), so those multiply only that
-small function's compiles. Shapes come from the batch buckets; each new
-shape signature is one compilation, counted in `compilations`. The jitted step is shared by
+the sampling calls (sampling modes, logit controls), so those multiply only those small
+functions' compiles. Shapes come from the batch buckets; each new shape signature is one
+compilation, counted in `compilations`. The jitted step is shared by
 every runner of the same model config and backend in the process, so a second engine (a
 benchmark's ablation variant, a test) reuses what the first compiled; `compilations` still
 counts the shapes this runner met.
@@ -37,10 +37,10 @@ from jaxserve.runtime.params import JNP_DTYPES, device_params
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.compilation_cache import use_compilation_cache
 from jaxserve.runtime.lora_stack import LoRAStack, step_args
-from jaxserve.runtime.logit_controls import (LogitControls, apply_entries, no_controls,
-                                             without_entries)
+from jaxserve.runtime.logit_controls import LogitControls, no_controls, without_entries
 from jaxserve.runtime.precompile import Precompiler
-from jaxserve.runtime.sampling import RAW_LOGPROBS, XLA, SamplingMetadata, log_softmax, sample
+from jaxserve.runtime.sample_calls import apply_entries_call, sample_rows, sampling_key
+from jaxserve.runtime.sampling import RAW_LOGPROBS, XLA, SamplingMetadata, log_softmax
 from jaxserve.weights.named_update import NamedUpdate
 
 @dataclasses.dataclass
@@ -88,7 +88,7 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: Model
                           batch.token_ids)
     pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn,
                                               **step_args(lora, batch.lora_slots))
-    # The sample rows' logits stay on the device for _sample_rows.
+    # The sample rows' logits stay on the device for sample_calls.sample_rows.
     out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg, backend)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
         logprobs = log_softmax(llama.logits(params, hidden, cfg, backend), backend)
@@ -97,26 +97,6 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: Model
         k = batch.prompt_logprobs
         out["prompt"] = (target, top_ids[:, :k], top_lp[:, :k])
     return pool, out
-
-
-@functools.partial(jax.jit, static_argnames=("backend", "feed_size", "logprobs_mode"))
-def _sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
-                 backend: Backend, feed_size: int, logprobs_mode: str = RAW_LOGPROBS,
-                 unpenalized=None):
-    """A step's sampling, its own small jitted call chained after the step on the device: the
-    sampling modes and logit controls multiply only its compiles, not the model step's. Returns
-    (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
-    (the ids padded to feed_size). unpenalized: the logits before _apply_entries, if it ran."""
-    sampled = sample(logits, sampling, backend, controls, logprobs_mode, unpenalized)
-    return sampled, jnp.zeros(feed_size, jnp.int32).at[:sampled[0].shape[0]].set(sampled[0])
-
-
-@jax.jit
-def _apply_entries(logits, controls: LogitControls):
-    """Penalties and logit_bias (the controls' entries), a call of their own before the
-    sampling call: its shapes are the sample rows times the entry buckets, not also the
-    sampling modes and top-logprobs counts."""
-    return apply_entries(logits, controls)
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,15 +117,11 @@ def release_compiled_steps() -> None:
 
 def _signature(batch) -> tuple:
     """A jitted call's cache key: the model step's is its batch without the sampling metadata
-    (sampled in _sample_rows)."""
+    (sampled in sample_calls.sample_rows)."""
     if isinstance(batch, StepBatch):
         batch = dataclasses.replace(batch, sampling=None)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
     return (treedef, tuple((x.shape, x.dtype.str) for x in leaves))
-
-
-def _sampling_key(sampling: SamplingMetadata, controls, entries_applied: bool) -> tuple:
-    return ("sample", _signature((sampling, controls)), entries_applied)
 
 
 class ModelRunner:
@@ -316,10 +292,10 @@ class ModelRunner:
         logits, unpenalized = out["logits"], None
         if controls is not None and controls.entry_rows.shape[0]:
             self._compiled(("entries", _signature(controls)))
-            logits, unpenalized = _apply_entries(logits, controls), logits
+            logits, unpenalized = apply_entries_call(logits, controls), logits
             controls = without_entries(controls)
-        self._compiled(_sampling_key(sampling, controls, unpenalized is not None))
-        out["sampled"], out["feed"] = _sample_rows(
+        self._compiled(sampling_key(_signature((sampling, controls)), unpenalized is not None))
+        out["sampled"], out["feed"] = sample_rows(
             logits, sampling, controls, backend=self.backend,
             feed_size=self._no_feed.shape[0], logprobs_mode=self.logprobs_mode,
             unpenalized=unpenalized)
@@ -394,7 +370,7 @@ class ModelRunner:
             sampled.add(rows)
             for what, sampling, controls, applied in warmup_samplings(
                     batch.sampling, rows, buckets, self.cfg.vocab_size, full):
-                yield (_sampling_key(sampling, controls, applied), what,
+                yield (sampling_key(_signature((sampling, controls)), applied), what,
                        functools.partial(self._compile_sampling, key, sampling, controls,
                                          applied), tokens)
             for h in warmup_entries(rows, buckets, self.page_size, self.cfg.vocab_size, full):
@@ -414,20 +390,19 @@ class ModelRunner:
                                     **self._adapters)
         return compiled.compile().out_info[1]["logits"]
 
-    def _step_logits(self, step_key) -> jax.Array:
-        """Zeros of the logits step_key's step gives its sampling call."""
+    def _step_logits(self, step_key) -> jax.Array:  # zeros of what step_key's step gives
         logits = self._precompiler.wait(step_key)
         return jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
 
     def _compile_sampling(self, step_key, sampling: SamplingMetadata, controls,
                           entries_applied: bool) -> None:
         logits = self._step_logits(step_key)
-        _sample_rows.lower(logits, sampling, controls, backend=self.backend,
+        sample_rows.lower(logits, sampling, controls, backend=self.backend,
                            feed_size=len(self._no_feed), logprobs_mode=self.logprobs_mode,
                            unpenalized=logits if entries_applied else None).compile()
 
     def _compile_entries(self, step_key, controls: LogitControls) -> None:
-        _apply_entries.lower(self._step_logits(step_key), controls).compile()
+        apply_entries_call.lower(self._step_logits(step_key), controls).compile()
 
     def _compile_copies(self, pool, zeros: np.ndarray) -> None:
         _copy_pages.lower(pool, zeros, zeros, self._scanned_layers).compile()
