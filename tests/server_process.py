@@ -27,8 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this check
 # The in-process fuzz's batch (test_server_robustness.py), with pages enough that the neighbour
 # is never preempted (a gap then is the server's, not the page budget's), and the platform's
 # own attention backend, as deployed (on a CPU its packed backend, whose default warm-up
-# compiles every step shape; --compile_warmup=full adds the calls that logprobs,
-# penalties, logit_bias and prompt logprobs would otherwise compile on first use).
+# compiles every step shape; --compile_warmup=full adds the sampling calls that logprobs,
+# penalties and logit_bias would otherwise compile on first use).
 ENGINE_FLAGS = ("--num_pages=512", "--page_size=8", "--max_num_seqs=8",
                 "--max_num_batched_tokens=64")
 

@@ -182,18 +182,3 @@ def test_async_scheduling_defers_sampling_and_changes_no_output(loaded):
         outs[async_] = [[c.token_ids for c in o.outputs] for o in run(engine, requests)]
         ahead[async_] = engine.stats()["num_scheduled_ahead"]
     assert outs[True] == outs[False] and ahead[True] > 10 and ahead[False] == 0
-
-
-def test_raw_logprobs_are_of_the_logits_before_penalties_and_bias(engine):
-    """Penalties and logit_bias apply in a call before the sampling call (runner._apply_entries);
-    the raw logprobs the sampling call reports are still of the model's own logits: the token a
-    +30 bias forces is reported with the logprob the unbiased request gives it."""
-    prompt = [5, 6, 7, 5, 6]
-    (plain,) = run(engine, [(prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=20))])
-    unbiased = plain.outputs[0].logprobs[0]
-    token = sorted(unbiased, key=unbiased.get)[len(unbiased) // 2]  # far from the top
-    (forced,) = run(engine, [(prompt, SamplingParams(
-        max_tokens=1, temperature=0, logprobs=0, repetition_penalty=1.5,
-        logit_bias={token: 30.0}))])
-    assert forced.outputs[0].token_ids == [token]
-    assert forced.outputs[0].logprobs[0][token] == pytest.approx(unbiased[token], abs=1e-5)

@@ -472,9 +472,8 @@ def deployed(tmp_path_factory):
     # reach (top logprobs, penalties, logit_bias), so that a gap is the bodies' doing and not
     # a first-use compile (in CI those stay, under its looser limit).
     warmup = ("--compile_warmup=full",) if LONG_FUZZ else ()
-    # (a full warm-up on a cold compilation cache: minutes on a loaded 2-core machine)
     with served(write_tiny_model(str(tmp / "model")), "--ready_after=all", *warmup,
-                log_path=log, timeout=1200 if LONG_FUZZ else 300) as url:
+                log_path=log) as url:
         with neighbour_process(url) as stop_neighbour:
             yield url, stop_neighbour, log
 

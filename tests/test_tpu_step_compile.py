@@ -22,8 +22,7 @@ from jaxserve.model.kv_cache import PagedKV
 from jaxserve.runtime.batch import build_batch, warmup_plan
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import no_controls
-from jaxserve.runtime.runner import ModelRunner, jitted_step
-from jaxserve.runtime.sample_calls import sample_rows
+from jaxserve.runtime.runner import ModelRunner, jitted_step, sample_rows
 from jaxserve.weights.random_init import random_model
 from test_accelerator_lowering import CONFIG, GEMMA2_LIKE, _with_sandwich_norms
 from pallas_kernels.tpu import jax_kernel

@@ -42,8 +42,7 @@ from jaxserve.runtime import abstract, memory, sharding
 from jaxserve.runtime.batch import build_batch, warmup_batches, warmup_plan
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.logit_controls import no_controls
-from jaxserve.runtime.runner import copy_pool_pages, jitted_step
-from jaxserve.runtime.sample_calls import sample_rows
+from jaxserve.runtime.runner import copy_pool_pages, jitted_step, sample_rows
 from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM
 from jaxserve.runtime.topology import Topology, compile_target, tpu_topology
 from jaxserve.weights.model_config import read_model_config

@@ -24,7 +24,7 @@ from jaxserve.core.step_plan import ScheduledChunk, StepPlan
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.pytree import pytree_dataclass, static_field
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.logit_controls import MIN_ENTRIES, entries_bucket, no_controls
+from jaxserve.runtime.logit_controls import MIN_ENTRIES, no_controls
 from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM, SamplingMetadata
 
 
@@ -37,7 +37,6 @@ class StepBatch:
     sampling: SamplingMetadata
     prompt_targets: jax.Array  # i32[T] next prompt token after each token (for prompt logprobs)
     prompt_logprobs: int = static_field()  # -1: none; k >= 0: return prompt logprobs and top k
-    # (k: the largest logprobs bucket; each request reads its own first ones)
     lora_slots: jax.Array | None = None  # i32[T] each token's LoRA adapter slot (Buckets.lora)
 
 
@@ -164,9 +163,7 @@ def build_batch(plan: StepPlan, buckets: Buckets, page_size: int,
             num_top_logprobs=-1 if max_logprobs < 0 else Buckets.fit(buckets.logprobs,
                                                                      max_logprobs)),
         prompt_targets=prompt_targets,
-        # Always the largest top count (each request keeps its own k of them): one scoring
-        # variant per step shape, not one per top-logprobs bucket.
-        prompt_logprobs=-1 if prompt_k < 0 else max((0,) + buckets.logprobs),
+        prompt_logprobs=-1 if prompt_k < 0 else Buckets.fit((0,) + buckets.logprobs, prompt_k),
         lora_slots=lora_slots)
     return batch, len(rows), offsets
 
@@ -212,9 +209,7 @@ def warmup_plan(shape: tuple[int, int, int], buckets: Buckets, page_size: int,
 def warmup_batches(buckets: Buckets, page_size: int, full: bool = False, num_groups: int = 1):
     """(batch, rows) of each step shape of Buckets.step_shapes that warm-up compiles, on dummy
     plans that use only the scratch page 0. With speculative decoding, a step that verifies
-    drafts samples more rows: a variant of the shape wherever that changes its sample rows.
-    With full, also each shape that holds a prompt as the step scoring it (prompt logprobs:
-    echo with logprobs), which otherwise compiles on first use."""
+    drafts samples more rows: a variant of the shape wherever that changes its sample rows."""
     for shape in buckets.step_shapes(page_size, full):
         plan = warmup_plan(shape, buckets, page_size, num_groups=num_groups)
         sizes = set()
@@ -224,47 +219,24 @@ def warmup_batches(buckets: Buckets, page_size: int, full: bool = False, num_gro
             if r not in sizes:
                 sizes.add(r)
                 yield batch, rows
-        if full:
-            scoring = warmup_plan(shape, buckets, page_size, 0, num_groups)
-            batch, rows, _ = build_batch(scoring, buckets, page_size, verifying=False)
-            if batch.prompt_logprobs >= 0:
-                yield batch, rows
 
 
 def warmup_samplings(sampling: SamplingMetadata, rows: int, buckets: Buckets, vocab_size: int,
                      full: bool = False):
     """(what, sampling, controls) of each sampling call warm-up compiles for a step of `rows`
     sample rows: each sampling mode, without logit controls and with masks only (structured
-    outputs). With full, also each top-logprobs bucket and the call after penalties /
-    logit_bias (sample_calls.apply_entries_call: warmup_entries), which otherwise compile on
-    first use, inside a step: one to three seconds on a CPU with every stream waiting. Each is
-    (what, sampling, controls, whether the entries were applied before it)."""
-    mask_only = no_controls(rows, vocab_size)
-    controls_of = {"": (None, False), ", logit controls": (mask_only, False)}
+    outputs). With full, also each top-logprobs bucket and penalties / logit_bias of the first
+    entry bucket, which otherwise compile on first use, inside a step: one to three seconds on
+    a CPU with every stream waiting (larger entry buckets still do)."""
+    controls_of = {"": None, ", logit controls": no_controls(rows, vocab_size)}
     top_counts = (sampling.num_top_logprobs,)
     if full:
-        controls_of[", after penalties or logit_bias"] = (mask_only, True)
+        controls_of[", penalties or logit_bias"] = no_controls(rows, vocab_size, MIN_ENTRIES)
         top_counts += tuple(k for k in (0,) + buckets.logprobs if k not in top_counts)
     for top in top_counts:
-        for named, (controls, applied) in controls_of.items():
+        for named, controls in controls_of.items():
             for mode in (GREEDY, RANDOM, FILTERED):
                 what = f"sampling of {rows} rows, mode {mode}{named}" + (
                     f", top {top} logprobs" if top >= 0 else "")
                 yield (what, dataclasses.replace(sampling, mode=mode, num_top_logprobs=top),
-                       controls, applied)
-
-
-def warmup_entries(rows: int, buckets: Buckets, page_size: int, vocab_size: int,
-                   full: bool = False) -> list[int]:
-    """The entry buckets (penalties, logit_bias) of a step of `rows` sample rows that a full
-    warm-up compiles sample_calls.apply_entries_call for: every one that many rows can reach,
-    each row holding at most min(vocabulary, longest sequence) distinct tokens. None without
-    full."""
-    if not full:
-        return []
-    most = entries_bucket(rows * min(vocab_size, buckets.pages * page_size))
-    sizes, h = [], MIN_ENTRIES
-    while h <= most:
-        sizes.append(h)
-        h *= 4
-    return sizes
+                       controls)

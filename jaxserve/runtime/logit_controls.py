@@ -1,17 +1,13 @@
 """Logit controls on device: structured outputs' token bitmasks, logit_bias, and presence,
 frequency and repetition penalties, applied to a step's logits before sampling.
 
-They apply in the step's sampling call (sample_calls.sample_rows, a small jitted call chained
-after the model step on the device), and only in steps that hold a controlled row: a step without one
+They apply in the step's sampling call (runner.sample_rows, a small jitted call chained after
+the model step on the device), and only in steps that hold a controlled row: a step without one
 samples as before, and the model step's compiled shapes do not multiply. Rows without controls
 get their logits back bitwise (+0 bias, -0 penalties, / 1, an all-ones mask), so their tokens do
-not change; a controlled row's logprobs are of its controlled distribution. The entries
-(penalties, logit_bias: H below) apply in a call of their own before it
-(sample_calls.apply_entries_call, one shape per sample-row and entry bucket), so the sampling
-call's shapes do not multiply by the entry buckets: it takes the mask alone and, where entries
-applied, the logits before them (raw logprobs). Warm-up compiles the masks-only sampling calls in
-every mode; `--compile_warmup=full` also every entry bucket up to each row count's reach, which
-otherwise compiles on first use.
+not change; a controlled row's logprobs are of its controlled distribution. The sampling call's
+shapes: the sample-row buckets times a few entry buckets (H below); warm-up compiles H = 0 (masks
+only) in every sampling mode, the others compile on first use (about a second each).
 
 Penalty counts are kept fixed-shape as H (row, token) entries, one per distinct token of a
 penalised row's prompt and output and per logit_bias entry, padded to a power-of-4 bucket:
@@ -20,7 +16,6 @@ the dense [R, V] counts are scattered from them on the device.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 import jax
@@ -50,33 +45,19 @@ def apply_controls(logits, c: LogitControls):
     """logits f32[R, V] -> the controlled logits: repetition penalty (on tokens seen in the
     prompt or output), frequency and presence penalties (output counts), logit_bias, then the
     bitmask (disallowed tokens to -inf)."""
-    if c.entry_rows.shape[0]:  # no entries (masks only): no [R, V] scatters
-        logits = apply_entries(logits, c)
-    return apply_mask(logits, c.mask)
-
-
-def apply_entries(logits, c: LogitControls):
-    """logits f32[R, V] -> the logits under the entries' penalties and logit_bias, no mask."""
     r, v = logits.shape
 
     def dense(values):
         return jnp.zeros((r, v), jnp.float32).at[c.entry_rows, c.entry_tokens].add(
             values, mode="drop")
 
-    counts, seen = dense(c.output_counts), dense(c.seen) > 0
-    rep = c.repetition[:, None]
-    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
-    logits = logits - c.frequency[:, None] * counts - c.presence[:, None] * (counts > 0)
-    return logits + dense(c.bias)
-
-
-def without_entries(c: LogitControls) -> LogitControls:
-    """The controls' mask alone (no entries): what the sampling call takes once the entries are
-    applied by a call of their own (sample_calls.apply_entries_call)."""
-    empty = np.zeros(0, np.float32)
-    return dataclasses.replace(c, entry_rows=np.zeros(0, np.int32),
-                               entry_tokens=np.zeros(0, np.int32), output_counts=empty,
-                               seen=empty, bias=empty)
+    if c.entry_rows.shape[0]:  # no entries (masks only): no [R, V] scatters
+        counts, seen = dense(c.output_counts), dense(c.seen) > 0
+        rep = c.repetition[:, None]
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+        logits = logits - c.frequency[:, None] * counts - c.presence[:, None] * (counts > 0)
+        logits = logits + dense(c.bias)
+    return apply_mask(logits, c.mask)
 
 
 def apply_mask(logits, mask):

@@ -80,7 +80,7 @@ class PoolingRunner(ModelRunner):
     def _warmup_jobs(self, buckets, full: bool):
         """The step shapes only: nothing is sampled."""
         return (job for job in super()._warmup_jobs(buckets, full)
-                if not (isinstance(job[0][0], str) and job[0][0] in ("sample", "entries")))
+                if not (isinstance(job[0][0], str) and job[0][0] == "sample"))
 
     def _compile_step(self, pool, step: StepBatch) -> None:
         self._step.lower(self.params, pool=pool, batch=step, feed=self._no_feed).compile()

@@ -1,12 +1,12 @@
 """ModelRunner: owns every device array (params, KV pool), the jitted model step and the
-jitted sampling calls chained after it (runtime/sample_calls.py).
+jitted sampling call chained after it.
 
 step(params, pool, batch, feed) -> (pool, out) is pure and jitted with the pool donated, so the
 pool is updated in place; `feed` carries the previous step's sampled tokens into a step planned
 before they were read back (async scheduling). Its sample rows' logits stay on the device for
-the sampling calls (sampling modes, logit controls), so those multiply only those small
-functions' compiles. Shapes come from the batch buckets; each new shape signature is one
-compilation, counted in `compilations`. The jitted step is shared by
+the sampling call (sample_rows: sampling modes, logit controls), so those multiply only that
+small function's compiles. Shapes come from the batch buckets; each new
+shape signature is one compilation, counted in `compilations`. The jitted step is shared by
 every runner of the same model config and backend in the process, so a second engine (a
 benchmark's ablation variant, a test) reuses what the first compiled; `compilations` still
 counts the shapes this runner met.
@@ -30,17 +30,16 @@ from jaxserve.config import ModelConfig
 from jaxserve.model import layer_scan, llama
 from jaxserve.model.kv_cache import KVPool, groups_of
 from jaxserve.runtime import memory
-from jaxserve.runtime.batch import (StepBatch, build_batch, warmup_batches, warmup_entries,
-                                    warmup_plan, warmup_samplings)
+from jaxserve.runtime.batch import (StepBatch, build_batch, warmup_batches, warmup_plan,
+                                    warmup_samplings)
 from jaxserve.runtime import custom_model, distributed, param_update, sharding
 from jaxserve.runtime.params import JNP_DTYPES, device_params
 from jaxserve.runtime.buckets import Buckets
 from jaxserve.runtime.compilation_cache import use_compilation_cache
 from jaxserve.runtime.lora_stack import LoRAStack, step_args
-from jaxserve.runtime.logit_controls import LogitControls, no_controls, without_entries
+from jaxserve.runtime.logit_controls import LogitControls
 from jaxserve.runtime.precompile import Precompiler
-from jaxserve.runtime.sample_calls import apply_entries_call, sample_rows, sampling_key
-from jaxserve.runtime.sampling import RAW_LOGPROBS, XLA, SamplingMetadata, log_softmax
+from jaxserve.runtime.sampling import RAW_LOGPROBS, XLA, SamplingMetadata, log_softmax, sample
 from jaxserve.weights.named_update import NamedUpdate
 
 @dataclasses.dataclass
@@ -88,7 +87,7 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: Model
                           batch.token_ids)
     pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn,
                                               **step_args(lora, batch.lora_slots))
-    # The sample rows' logits stay on the device for sample_calls.sample_rows.
+    # The sample rows' logits stay on the device for sample_rows.
     out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg, backend)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
         logprobs = log_softmax(llama.logits(params, hidden, cfg, backend), backend)
@@ -99,12 +98,26 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: Model
     return pool, out
 
 
+@functools.partial(jax.jit, static_argnames=("backend", "feed_size", "logprobs_mode"))
+def sample_rows(logits, sampling: SamplingMetadata, controls: LogitControls | None, *,
+                backend: Backend, feed_size: int, logprobs_mode: str = RAW_LOGPROBS):
+    """A step's sampling, its own small jitted call chained after the step on the device: the
+    sampling modes and logit controls multiply only its compiles, not the model step's. Returns
+    (ids, chosen logprobs, top ids, top logprobs) and the feed of the step planned after it
+    (the ids padded to feed_size)."""
+    sampled = sample(logits, sampling, backend, controls, logprobs_mode)
+    return sampled, jnp.zeros(feed_size, jnp.int32).at[:sampled[0].shape[0]].set(sampled[0])
+
+
 @functools.lru_cache(maxsize=None)
 def jitted_step(cfg: ModelConfig, backend: Backend, mesh: Mesh):
     """The step, jitted with the pool donated: one per process for each model, backend, mesh."""
     return jax.jit(functools.partial(_step, cfg=cfg, backend=backend, mesh=mesh),
                    donate_argnames=("pool",))
 
+
+# Warm-up's names for the calls above (runner warm-up moves to the public names, then these go).
+_copy_pages, _sample_rows = copy_pool_pages, sample_rows
 
 
 def release_compiled_steps() -> None:
@@ -119,7 +132,7 @@ def release_compiled_steps() -> None:
 
 def _signature(batch) -> tuple:
     """A jitted call's cache key: the model step's is its batch without the sampling metadata
-    (sampled in sample_calls.sample_rows)."""
+    (sampled in sample_rows)."""
     if isinstance(batch, StepBatch):
         batch = dataclasses.replace(batch, sampling=None)
     leaves, treedef = jax.tree_util.tree_flatten(batch)
@@ -291,16 +304,10 @@ class ModelRunner:
         self._sample_local(out, sampling, controls)
 
     def _sample_local(self, out: dict, sampling: SamplingMetadata, controls) -> None:
-        logits, unpenalized = out["logits"], None
-        if controls is not None and controls.entry_rows.shape[0]:
-            self._compiled(("entries", _signature(controls)))
-            logits, unpenalized = apply_entries_call(logits, controls), logits
-            controls = without_entries(controls)
-        self._compiled(sampling_key(_signature((sampling, controls)), unpenalized is not None))
+        self._compiled(("sample", _signature((sampling, controls))))
         out["sampled"], out["feed"] = sample_rows(
-            logits, sampling, controls, backend=self.backend,
-            feed_size=self._no_feed.shape[0], logprobs_mode=self.logprobs_mode,
-            unpenalized=unpenalized)
+            out["logits"], sampling, controls, backend=self.backend,
+            feed_size=self._no_feed.shape[0], logprobs_mode=self.logprobs_mode)
 
     def copy_pages(self, src, dst) -> None:
         if self.channel is not None:
@@ -368,16 +375,10 @@ class ModelRunner:
             if rows in sampled:
                 continue
             sampled.add(rows)
-            for what, sampling, controls, applied in warmup_samplings(
-                    batch.sampling, rows, buckets, self.cfg.vocab_size, full):
-                yield (sampling_key(_signature((sampling, controls)), applied), what,
-                       functools.partial(self._compile_sampling, key, sampling, controls,
-                                         applied), tokens)
-            for h in warmup_entries(rows, buckets, self.page_size, self.cfg.vocab_size, full):
-                controls = no_controls(rows, self.cfg.vocab_size, h)
-                yield (("entries", _signature(controls)),
-                       f"penalties and logit_bias of {rows} rows, {h} entries",
-                       functools.partial(self._compile_entries, key, controls), tokens)
+            for what, sampling, controls in warmup_samplings(batch.sampling, rows, buckets,
+                                                             self.cfg.vocab_size, full):
+                yield (("sample", _signature((sampling, controls))), what,
+                       functools.partial(self._compile_sampling, key, sampling, controls), tokens)
         for n in buckets.copies:  # copy-on-write: forks and prefix hits mid-page only, last
             yield (("copies", n), f"page copy of {n} pages",
                    functools.partial(self._compile_copies, pool, np.zeros(n, np.int32)),
@@ -390,22 +391,14 @@ class ModelRunner:
                                     **self._adapters)
         return compiled.compile().out_info[1]["logits"]
 
-    def _step_logits(self, step_key) -> jax.Array:  # zeros of what step_key's step gives
-        logits = self._precompiler.wait(step_key)
-        return jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
-
-    def _compile_sampling(self, step_key, sampling: SamplingMetadata, controls,
-                          entries_applied: bool) -> None:
-        logits = self._step_logits(step_key)
-        sample_rows.lower(logits, sampling, controls, backend=self.backend,
-                           feed_size=len(self._no_feed), logprobs_mode=self.logprobs_mode,
-                           unpenalized=logits if entries_applied else None).compile()
-
-    def _compile_entries(self, step_key, controls: LogitControls) -> None:
-        apply_entries_call.lower(self._step_logits(step_key), controls).compile()
+    def _compile_sampling(self, step_key, sampling: SamplingMetadata, controls) -> None:
+        logits = self._precompiler.wait(step_key)  # what step_key's step gives it
+        logits = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
+        _sample_rows.lower(logits, sampling, controls, backend=self.backend,
+                           feed_size=len(self._no_feed), logprobs_mode=self.logprobs_mode).compile()
 
     def _compile_copies(self, pool, zeros: np.ndarray) -> None:
-        copy_pool_pages.lower(pool, zeros, zeros, self._scanned_layers).compile()
+        _copy_pages.lower(pool, zeros, zeros, self._scanned_layers).compile()
 
     @property
     def _scanned_layers(self) -> int:  # the scanned pool's layer slots (0: not scanned)

@@ -83,28 +83,24 @@ def log_softmax(logits, backend: Backend = XLA):
 
 
 def sample(logits, md: SamplingMetadata, backend: Backend = XLA,
-           controls: LogitControls | None = None, logprobs_mode: str = RAW_LOGPROBS,
-           unpenalized=None):
+           controls: LogitControls | None = None, logprobs_mode: str = RAW_LOGPROBS):
     """logits f32[R, V] -> (token ids i32[R], chosen logprob f32[R], top ids i32[R, K],
     top logprobs f32[R, K]). The logprobs are of the distribution logprobs_mode names (module
     docstring); all zeros when md.num_top_logprobs < 0. controls: the rows' logit controls
-    (runtime/logit_controls.py), applied first. unpenalized: where the controls' entries were
-    applied to `logits` by a call before (controls then holds the mask alone), the logits
-    before them, which raw logprobs are of.
+    (runtime/logit_controls.py), applied first.
 
     A logprob is logit - logsumexp(logits): the [R, V] log-softmax is never materialised, and the
     greedy choice is the top logit (lowest index among ties, as argmax): the backend's argmax where
     it has one (XLA's CPU top_k is slow over a vocabulary), else top_k, which XLA runs faster
     than argmax. One top_k serves both the greedy choice and the top logprobs when the logprobs
     are of the logits it was taken over."""
-    raw = logits if unpenalized is None else unpenalized
+    raw = logits
     if controls is not None:
         logits = apply_controls(logits, controls)
         # raw: the model's logits under the structured-output mask alone, as vLLM's sampler
         # receives them (the grammar's bitmask applied before it, penalties and bias inside):
         # a token the grammar forbids is never listed or given a finite logprob.
-        masked_only = controls.entry_rows.shape[0] == 0 and unpenalized is None
-        raw = logits if masked_only else apply_mask(raw, controls.mask)
+        raw = logits if controls.entry_rows.shape[0] == 0 else apply_mask(raw, controls.mask)
     num_top = max(md.num_top_logprobs, 0)
     top_logits, top_ids = _top(logits, max(num_top, 1), backend)
     greedy_ids = top_ids[:, 0]
