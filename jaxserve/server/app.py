@@ -33,6 +33,7 @@ from jaxserve.engine.client import EngineDead, EngineOverloaded
 from jaxserve.engine.weight_update import EngineAsleep
 from jaxserve.server.auth import OPERATOR, AuthMiddleware, resolve_api_keys
 from jaxserve.server.body_limits import BodyLimits
+from jaxserve.server.disconnect import unless_disconnected
 from jaxserve.server.health import add_health_routes
 from jaxserve.server.json_io import StrictJSONResponse, dumps, parse_body
 from jaxserve.server.loop_watch import LoopWatch, StartWatch
@@ -159,11 +160,6 @@ class _EventStream(StreamingResponse):
             tg.cancel_scope.cancel()
         with contextlib.suppress(Exception):
             await self.body_iterator.aclose()
-
-
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class RequestFailed(Exception):
@@ -350,16 +346,8 @@ def build_app(engine: LLMEngine | DataParallelEngine | AsyncEngine, config: Serv
         builder = ResponseBuilder(parsed, ctx)
         if parsed.stream:
             return _EventStream(events(group, builder))
-        work = asyncio.ensure_future(collect(group, builder))
-        watch = asyncio.ensure_future(_until_disconnect(request))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-            group.abort()
-        if not work.done() or work.cancelled():
+        work = await unless_disconnected(collect(group, builder), request, group)
+        if work is None:
             return Response(status_code=499)  # the client went away
         try:
             return StrictJSONResponse(work.result())

@@ -10,7 +10,6 @@ a one-label classifier's sigmoid of the pair's logit (sentence-transformers' Cro
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import dataclasses
 import time
@@ -26,6 +25,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.pooling import (check_dimensions, embedding_at, normalized, sigmoid,
                                      softmax)
 from jaxserve.json_models import JsonObject, first_error, one_error
+from jaxserve.server.disconnect import unless_disconnected
 from jaxserve.server.json_io import parse_body
 from jaxserve.server.protocol import APIError
 
@@ -190,11 +190,6 @@ def _header(kind: str, name: str) -> dict:
             "model": name}
 
 
-async def _until_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_salt,
                        max_prompts: int) -> None:
     """The routes above on `app`. ctx: the server's ProtocolContext (model names, tokenizer,
@@ -216,16 +211,8 @@ def add_pooling_routes(app, aengine, ctx, *, read_body, off_loop, submit, cache_
         """The finished outputs of `prompts`, in order; a client that goes away first aborts
         them all (a 499, which nobody reads), as the generation endpoints do."""
         group = await submit(PoolingPrompts(prompts), cache_salt(request))
-        work = asyncio.ensure_future(collect(group))
-        watch = asyncio.ensure_future(_until_disconnect(request))
-        try:
-            await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-            group.abort()
-        if not work.done() or work.cancelled():
+        work = await unless_disconnected(collect(group), request, group)
+        if work is None:
             raise APIError("the client disconnected", status=499, code="client_disconnected")
         return work.result()
 
