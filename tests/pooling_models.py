@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 
-import tokenizers
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import processors
+
+from tiny_qwen3 import byte_backend
 
 VOCAB = 272  # 256 bytes, the special tokens, padding
 SPECIAL = ("<|endoftext|>", "<s>", "</s>")
@@ -25,12 +26,7 @@ def byte_tokenizer(template: str | None):
     single-sequence template ("$A <|endoftext|>"), None for none."""
     from jaxserve.tokenizer import Tokenizer
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    backend = tokenizers.Tokenizer(models.BPE(
-        vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    backend = byte_backend(SPECIAL)
     if template is not None:
         special = [(t, backend.token_to_id(t)) for t in SPECIAL if t in template]
         backend.post_processor = processors.TemplateProcessing(

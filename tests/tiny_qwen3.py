@@ -58,14 +58,20 @@ For each function call, return a json object with function name and arguments wi
 {% endif %}"""
 
 
-def qwen3_tokenizer() -> Tokenizer:
-    """One token per byte (ids 0-255), then the special tokens; EOS is `<|im_end|>`."""
+def byte_backend(special: tuple[str, ...]) -> tokenizers.Tokenizer:
+    """One token per byte (ids 0-255), then `special` as special tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     backend = tokenizers.Tokenizer(models.BPE(
         vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
+    return backend
+
+
+def qwen3_tokenizer() -> Tokenizer:
+    """One token per byte (ids 0-255), then the special tokens; EOS is `<|im_end|>`."""
+    backend = byte_backend(SPECIAL)
     return Tokenizer(backend, bos_token_id=None,
                      eos_token_ids=[backend.token_to_id("<|im_end|>")],
                      chat_template=CHAT_TEMPLATE)
