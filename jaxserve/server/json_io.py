@@ -32,6 +32,17 @@ def parse_body(data: bytes | str) -> Any:
     return value
 
 
+def parse_object(data: bytes | str, empty: dict | None = None) -> dict:
+    """parse_body's value, which must be a JSON object (APIError 400 invalid_type otherwise); an
+    empty body is `empty` where one is allowed (None: it is not JSON, a 400)."""
+    if empty is not None and not data.strip():
+        return empty
+    body = parse_body(data)
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object", code="invalid_type")
+    return body
+
+
 def _deeper_than(value: Any, limit: int) -> bool:
     """Whether arrays and objects nest more than `limit` levels (iterative: no recursion)."""
     stack = [(value, 1)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 
-from jaxserve.server.json_io import parse_body
+from jaxserve.server.json_io import parse_object
 from jaxserve.server.protocol import APIError, ProtocolContext
 
 # The paths' prefixes (auth.py): they change what every tenant is served.
@@ -44,10 +44,7 @@ def add_lora_routes(app: FastAPI, aengine, ctx: ProtocolContext, read_body) -> N
     adapters (an AsyncEngine over an engine with enable_lora). read_body: the app's."""
 
     async def body_of(request: Request) -> dict:
-        body = parse_body(await read_body(request))
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object", code="invalid_type")
-        return body
+        return parse_object(await read_body(request))
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):

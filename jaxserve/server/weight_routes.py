@@ -20,7 +20,7 @@ import time
 from fastapi import FastAPI, Request
 
 from jaxserve.engine.weight_update import IN_FLIGHT
-from jaxserve.server.json_io import parse_body
+from jaxserve.server.json_io import parse_object
 from jaxserve.server.protocol import APIError
 
 # The paths' prefixes (auth.py): they change or show what every tenant is served.
@@ -36,12 +36,8 @@ def add_weight_routes(app: FastAPI, aengine, read_body) -> None:
     """The endpoints on `app`, run on `aengine` (an AsyncEngine) between its steps. read_body:
     the app's (its size limit)."""
 
-    async def body_of(request: Request) -> dict:
-        data = await read_body(request)
-        body = parse_body(data) if data.strip() else {}
-        if not isinstance(body, dict):
-            raise APIError("the request body must be a JSON object", code="invalid_type")
-        return body
+    async def body_of(request: Request) -> dict:  # an empty body: every field's default
+        return parse_object(await read_body(request), empty={})
 
     async def control(call, param: str | None = None):
         """Await a command; the engine's refusal (ValueError) is a 400 naming it."""
