@@ -31,9 +31,8 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.engine.client import (EngineDead, EngineOverloaded, EngineStalled, Observer,
                                     ServedModel)
-from jaxserve.engine.commands import (Abort, Add, Answered, Call, Command, EngineControl,
-                                      FailAll, Pause, Sleep, UpdateWeights, Wake, WakeUp,
-                                      WeightsUpdated)
+from jaxserve.engine.commands import (Abort, Add, Answered, Call, Command, FailAll,
+                                      UpdateWeights, Wake, WeightsUpdated)
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.request_group import RequestGroup
 from jaxserve.engine.weight_files import read_update
@@ -203,18 +202,18 @@ class AsyncEngine:
 
     async def pause(self) -> None:
         """No engine step starts until resume(); requests stay queued and live."""
-        await self._call(lambda future: Pause(True, future))
+        await self.call(lambda engine: engine.pause())
 
     async def resume(self) -> None:
-        await self._call(lambda future: Pause(False, future))
+        await self.call(lambda engine: engine.resume())
 
     async def sleep(self, level: int = 1) -> None:
         """Free the KV pool (level 1) and the weights too (level 2); ValueError while requests
         are unfinished."""
-        await self._call(lambda future: Sleep(level, future))
+        await self.call(lambda engine: engine.sleep(level))
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        await self._call(lambda future: WakeUp(tags, future))
+        await self.call(lambda engine: engine.wake_up(tags))
 
     @property
     def is_paused(self) -> bool:  # (a flag the loop thread writes: read as it is)
@@ -320,8 +319,6 @@ class AsyncEngine:
                     self._dispatch(outputs)
                     future.set_result(WeightsUpdated(self.engine.weights_version, len(
                         {o.request_id for o in outputs if o.finished})))
-                case EngineControl(future=future):
-                    future.set_result(command.run(self.engine))
         except BaseException as e:  # handed to the awaiting handler
             command.future.set_exception(e)
 

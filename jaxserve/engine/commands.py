@@ -61,44 +61,6 @@ class UpdateWeights:
     future: concurrent.futures.Future
 
 
-class EngineControl:
-    """A call on the engine's RolloutControl (engine/client.py) that returns nothing: `run`."""
-    future: concurrent.futures.Future
-
-    def run(self, engine) -> None:
-        raise NotImplementedError
-
-
-@dataclasses.dataclass(frozen=True)
-class Pause(EngineControl):
-    """engine.pause() (paused=True) or resume()."""
-    paused: bool
-    future: concurrent.futures.Future
-
-    def run(self, engine) -> None:
-        (engine.pause if self.paused else engine.resume)()
-
-
-@dataclasses.dataclass(frozen=True)
-class Sleep(EngineControl):
-    """engine.sleep(level)."""
-    level: int
-    future: concurrent.futures.Future
-
-    def run(self, engine) -> None:
-        engine.sleep(self.level)
-
-
-@dataclasses.dataclass(frozen=True)
-class WakeUp(EngineControl):
-    """engine.wake_up(tags)."""
-    tags: list[str] | None
-    future: concurrent.futures.Future
-
-    def run(self, engine) -> None:
-        engine.wake_up(self.tags)
-
-
-Command = Wake | Abort | FailAll | Call | Add | UpdateWeights | Pause | Sleep | WakeUp
+Command = Wake | Abort | FailAll | Call | Add | UpdateWeights
 # the commands that carry a future
-Answered = (Call, Add, UpdateWeights, EngineControl)
+Answered = (Call, Add, UpdateWeights)
