@@ -19,8 +19,7 @@ from jaxserve.config import ModelConfig
 from jaxserve.model.attention import AttentionMetadata
 from jaxserve.model.kv_cache import KVPool
 from jaxserve.runtime.batch import StepBatch
-from jaxserve.runtime.runner import ModelRunner, StepOutput
-from jaxserve.runtime.runner import _model as model_forward  # the step's model function
+from jaxserve.runtime.runner import ModelRunner, StepOutput, model_forward
 
 
 def pooled_rows(hidden, md: AttentionMetadata) -> dict:

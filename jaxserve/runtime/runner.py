@@ -67,7 +67,7 @@ def copy_pool_pages(pool: KVPool, src, dst, scanned_layers: int = 0) -> KVPool:
     return pool.copy_pages(src, dst)
 
 
-def _model(cfg: ModelConfig, backend: Backend, mesh: Mesh):
+def model_forward(cfg: ModelConfig, backend: Backend, mesh: Mesh):
     """(params, pool, token_ids, md) -> (pool, hidden) on the mesh's tp devices."""
     if custom_model.is_registered(cfg):  # jaxserve.register_model's (runtime/custom_model.py)
         return custom_model.forward(cfg, backend, mesh)
@@ -85,7 +85,7 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: Model
     # as `feed`, the previous step's padded sample ids, and go out the same way.
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
-    pool, hidden = _model(cfg, backend, mesh)(params, pool, token_ids, batch.attn,
+    pool, hidden = model_forward(cfg, backend, mesh)(params, pool, token_ids, batch.attn,
                                               **step_args(lora, batch.lora_slots))
     # The sample rows' logits stay on the device for sample_rows.
     out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg, backend)}
