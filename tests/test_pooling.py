@@ -247,6 +247,14 @@ def test_generation_engine_refuses_pooling():
             call(["a"])
 
 
+def test_a_pooling_engine_refuses_lora_by_name(embedder):
+    """The pooling step has no adapter stack: enable_lora is refused at start, not a
+    TypeError at the first step."""
+    _, llm, _ = embedder
+    with pytest.raises(ValueError, match="runner='pooling' takes no LoRA adapters"):
+        LLM(llm.engine.config.load.model, **ENGINE, enable_lora=True, scan_layers="off")
+
+
 # ------------------------------------------------------------------------------- the server
 @pytest.fixture
 def pooling_server(embedder):

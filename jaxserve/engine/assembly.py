@@ -157,6 +157,9 @@ class EngineParts:
                              "serve it with runner='pooling' (--runner=pooling)")
         pooler = (Pooler(pooling_spec(loaded, load), model.hidden_size)
                   if load.runner == "pooling" else None)
+        if pooler and lora:  # the pooling step takes no adapter stack
+            raise ValueError("enable_lora serves runner='generate' only; runner='pooling' "
+                             "takes no LoRA adapters yet")
         with startup.phase("place the weights"):
             runner = (PoolingRunner if pooler else ModelRunner)(
                 model, loaded.params, num_pages=num_pages, page_size=cache.page_size,
