@@ -72,20 +72,25 @@ class LLM:
             raise ValueError(f"got {len(lora_request)} lora requests for {len(prompts)} prompts")
         else:
             loras = list(lora_request)
+        # An adapter travels in the prompt, as a server's does (LLMEngine.add_request reads it).
+        added = self._add_all([{"prompt_token_ids": ids, "prompt": text}
+                               | ({} if lora is None else {"lora_request": lora})
+                               for (text, ids), lora in zip(tokenized, loras)], params)
+        if use_tqdm is None:  # a progress bar for more than one prompt, as vLLM shows
+            use_tqdm = len(added) > 1
+        return self._run(added, use_tqdm)
+
+    def _add_all(self, prompts: list[dict], params: Sequence[SamplingParams | None]) -> list[str]:
+        """Queue every (checked) prompt; their request ids. If one is refused, none stays."""
         added: list[str] = []
         try:
-            for (text, token_ids), p, lora in zip(tokenized, params, loras):
-                prompt = {"prompt_token_ids": token_ids, "prompt": text}
-                # (no lora_request argument for the base: any engine front takes that call)
-                extra = {} if lora is None else {"lora_request": lora}
-                added.append(self.engine.add_request(prompt, p, **extra).request_id)
+            for prompt, p in zip(prompts, params):
+                added.append(self.engine.add_request(prompt, p).request_id)
         except BaseException:
             for rid in added:
                 self.engine.abort(rid)
             raise
-        if use_tqdm is None:  # a progress bar for more than one prompt, as vLLM shows
-            use_tqdm = len(added) > 1
-        return self._run(added, use_tqdm)
+        return added
 
     def _check_context(self, i: int, prompt_tokens: int, params: SamplingParams) -> None:
         """The server's rule: an explicit max_tokens past the context is refused (None runs to
@@ -213,15 +218,8 @@ class LLM:
             if len(ids) >= limit:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens; a pooling model takes "
                                  f"fewer than max_model_len {limit}")
-        added: list[str] = []
-        try:
-            for text, ids in tokenized:
-                prompt = {"prompt_token_ids": ids, "prompt": text}
-                added.append(self.engine.add_request(prompt).request_id)
-        except BaseException:
-            for rid in added:
-                self.engine.abort(rid)
-            raise
+        added = self._add_all([{"prompt_token_ids": ids, "prompt": text}
+                               for text, ids in tokenized], [None] * len(tokenized))
         outs = self._run(added, len(added) > 1 if use_tqdm is None else use_tqdm)
         failed = [o for o in outs if o.pooled is None]
         if failed:
