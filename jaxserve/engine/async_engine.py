@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import queue
@@ -31,8 +32,7 @@ from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.core.structured_output import StructuredOutputsParams
 from jaxserve.engine.client import (EngineDead, EngineOverloaded, EngineStalled, Observer,
                                     ServedModel)
-from jaxserve.engine.commands import (Abort, Add, Answered, Call, Command, FailAll,
-                                      UpdateWeights, Wake, WeightsUpdated)
+from jaxserve.engine.commands import Abort, Add, Answered, Call, Command, FailAll, Wake
 from jaxserve.engine.llm_engine import LLMEngine
 from jaxserve.engine.request_group import RequestGroup
 from jaxserve.engine.weight_files import read_update
@@ -40,6 +40,13 @@ from jaxserve.weights import numpy_dtype
 
 
 log = logging.getLogger("jaxserve.engine")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsUpdated:
+    """AsyncEngine.update_weights' answer."""
+    weights_version: int  # the new one
+    settled: int  # requests in flight that it finished or failed first
 
 
 class AsyncEngine:
@@ -188,7 +195,13 @@ class AsyncEngine:
         """The engine's update_weights on the loop thread between steps: requests queued after
         it run under the new weights; the outputs of those it finished or failed reach their
         groups. Returns the new weights_version and how many requests were in flight."""
-        return await self._call(lambda future: UpdateWeights(weights, in_flight, future))
+        def update(engine) -> WeightsUpdated:
+            outputs = engine.update_weights(weights, in_flight)
+            self._dispatch(outputs)
+            return WeightsUpdated(engine.weights_version,
+                                  len({o.request_id for o in outputs if o.finished}))
+
+        return await self.call(update)
 
     async def update_weights_from(self, path: str, in_flight: str = "finish") -> WeightsUpdated:
         """update_weights from a safetensors or orbax path on this machine (weight_files.py),
@@ -314,11 +327,6 @@ class AsyncEngine:
                 case Add(group, prompts, params, cache_salt, future):
                     self._add(group, prompts, params, cache_salt)
                     future.set_result(None)
-                case UpdateWeights(weights, in_flight, future):
-                    outputs = self.engine.update_weights(weights, in_flight)
-                    self._dispatch(outputs)
-                    future.set_result(WeightsUpdated(self.engine.weights_version, len(
-                        {o.request_id for o in outputs if o.finished})))
         except BaseException as e:  # handed to the awaiting handler
             command.future.set_exception(e)
 

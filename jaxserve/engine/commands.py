@@ -45,22 +45,5 @@ class Add:
     future: concurrent.futures.Future
 
 
-@dataclasses.dataclass(frozen=True)
-class WeightsUpdated:
-    """UpdateWeights' answer."""
-    weights_version: int  # the new one
-    settled: int  # requests in flight that it finished or failed first
-
-
-@dataclasses.dataclass(frozen=True)
-class UpdateWeights:
-    """engine.update_weights(weights, in_flight) between steps; the future holds WeightsUpdated.
-    The outputs of the requests it finished or failed go to their groups."""
-    weights: Any  # (name, array) pairs, a mapping, a NamedUpdate or a params_like() tree
-    in_flight: str
-    future: concurrent.futures.Future
-
-
-Command = Wake | Abort | FailAll | Call | Add | UpdateWeights
-# the commands that carry a future
-Answered = (Call, Add, UpdateWeights)
+Command = Wake | Abort | FailAll | Call | Add
+Answered = (Call, Add)  # the commands that carry a future
