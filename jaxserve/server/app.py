@@ -115,14 +115,12 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.max_tokens_limit is not None and self.max_tokens_limit < 1:
             raise ValueError(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
-        if self.enable_weight_updates and not (self.keys or self.operator_keys):
-            raise ValueError("enable_weight_updates lets a caller replace the model's weights: "
-                             "it needs an API key (--api_key, --api_key_file, JAXSERVE_API_KEY "
-                             "or --operator_key); refusing to start without one")
-        if self.allow_runtime_lora_updates and not (self.keys or self.operator_keys):
-            raise ValueError("allow_runtime_lora_updates lets a caller load files of the server "
-                             "as adapters: it needs an API key (--api_key, --api_key_file, "
-                             "JAXSERVE_API_KEY or --operator_key); refusing to start without one")
+        for flag, power in (("enable_weight_updates", "replace the model's weights"),
+                            ("allow_runtime_lora_updates", "load files of the server as adapters")):
+            if getattr(self, flag) and not (self.keys or self.operator_keys):
+                raise ValueError(f"{flag} lets a caller {power}: it needs an API key "
+                                 "(--api_key, --api_key_file, JAXSERVE_API_KEY or "
+                                 "--operator_key); refusing to start without one")
         seen: dict[str, str] = {}
         for key, tenant in self.keys + tuple((k, OPERATOR) for k in self.operator_keys):
             if not key or not tenant:
