@@ -12,16 +12,15 @@ unfinished requests, then fewest routed tokens, then the lowest index).
 from __future__ import annotations
 
 import collections
-from typing import Mapping
 
 from jaxserve import backends
 from jaxserve.config import EngineConfig
 from jaxserve.core.outputs import RequestOutput
 from jaxserve.core.sampling_params import SamplingParams
 from jaxserve.engine.llm_engine import LLMEngine, Prompt
+from jaxserve.engine.weight_update import as_update
 from jaxserve.runtime import distributed, sharding
 from jaxserve.weights import LoadedModel, load_model, numpy_dtype
-from jaxserve.weights.named_update import convert_named
 
 _RECENT_FIRST_PAGES = 4096  # first pages whose replica the router remembers
 # Stats that describe one device of a replica (the same on every replica): not summed.
@@ -148,10 +147,8 @@ class DataParallelEngine:
     def update_weights(self, weights, in_flight: str = "finish") -> list[RequestOutput]:
         """LLMEngine.update_weights on every replica. Names are converted once; with "finish"
         the replicas run their requests to the end together first, their devices overlapping."""
-        first = self.replicas[0]
-        if not (isinstance(weights, Mapping) and set(weights) == set(first.params_like())):
-            weights = convert_named(self.model_config, weights,
-                                    numpy_dtype(self.resolved.dtype))
+        weights = as_update(weights, self.replicas[0].params_like(), self.model_config,
+                            numpy_dtype(self.resolved.dtype))
         outputs = []
         if in_flight == "finish" and self.has_unfinished():
             if self.is_paused:  # refused before any replica changes

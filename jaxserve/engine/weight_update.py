@@ -22,6 +22,18 @@ IN_FLIGHT = ("finish", "abort")
 ABORTED = "aborted by update_weights(in_flight='abort'): the weights changed"
 
 
+def as_update(weights, like: dict, model: ModelConfig, dtype):
+    """What the runner's update_params takes: a tree like `like` (params_like(); checked), a
+    NamedUpdate as it is, or (name, array) pairs in the checkpoint's names converted as the
+    loaders convert (dtype: the loaders' numpy dtype). Raises before anything changes."""
+    if isinstance(weights, Mapping) and set(weights) == set(like):
+        check_tree(weights, like)
+        return weights
+    if isinstance(weights, NamedUpdate):
+        return weights
+    return convert_named(model, weights, dtype)
+
+
 class EngineAsleep(RuntimeError):
     """A request reached an engine whose pool or weights sleep() released."""
 
@@ -61,12 +73,8 @@ class WeightUpdates:
         ("abort"); returns the outputs that produced, under the old version."""
         if in_flight not in IN_FLIGHT:
             raise ValueError(f"in_flight must be one of {IN_FLIGHT}, got {in_flight!r}")
-        like = self.runner.params_like()
-        tree = isinstance(weights, Mapping) and set(weights) == set(like)
-        if tree:  # checked before the requests in flight are settled
-            check_tree(weights, like)
-        update = weights if tree or isinstance(weights, NamedUpdate) else convert_named(
-            self.model, weights, self.dtype)
+        # checked and converted before the requests in flight are settled
+        update = as_update(weights, self.runner.params_like(), self.model, self.dtype)
         outputs = self._settle(in_flight)
         self.runner.update_params(update)
         self.weights_released = False
