@@ -39,16 +39,12 @@ from jaxserve.engine import memory_plan, roofline
 from jaxserve.engine.assembly import PROBE_PAGES, Assembly
 from jaxserve.engine.memory_plan import GIB, MARGIN, MemoryPlan
 from jaxserve.runtime import abstract, memory, sharding
-from jaxserve.runtime.batch import build_batch, warmup_batches, warmup_plan
+from jaxserve.runtime.batch import build_batch, warmup_batches, warmup_plan, warmup_samplings
 from jaxserve.runtime.buckets import Buckets
-from jaxserve.runtime.logit_controls import no_controls
 from jaxserve.runtime.runner import copy_pool_pages, jitted_step, sample_rows
-from jaxserve.runtime.sampling import FILTERED, GREEDY, RANDOM
+from jaxserve.runtime.sampling import FILTERED
 from jaxserve.runtime.topology import Topology, compile_target, tpu_topology
 from jaxserve.weights.model_config import read_model_config
-
-# Sampling calls warm-up compiles per sample-row count: 3 modes, without and with logit controls.
-SAMPLING_VARIANTS = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,11 +173,17 @@ class _Compiler:
             return self.step.lower(self.params, pool=pool, batch=step,
                                    feed=self.feed).compile(options)
 
-    def compile_sampling(self, batch, mode: str, controls: bool):
+    def samplings(self, batch) -> list:
+        """(what, sampling, controls) of each sampling call the engine's warm-up compiles after
+        a step like `batch` (batch.warmup_samplings, the runner's list)."""
+        return list(warmup_samplings(batch.sampling, batch.logits_indices.shape[0],
+                                     self.t.buckets, self.t.model.vocab_size))
+
+    def compile_sampling(self, batch, sampling, controls):
         rows, vocab = batch.logits_indices.shape[0], self.t.model.vocab_size
         logits = abstract.replicated(np.zeros((rows, vocab), np.float32), self.t.mesh)
-        sampling = abstract.replicated(dataclasses.replace(batch.sampling, mode=mode), self.t.mesh)
-        ctl = abstract.replicated(no_controls(rows, vocab), self.t.mesh) if controls else None
+        sampling = abstract.replicated(sampling, self.t.mesh)
+        ctl = abstract.replicated(controls, self.t.mesh) if controls is not None else None
         with compile_target(self.t.mesh):
             return sample_rows.lower(logits, sampling, ctl, backend=self.t.backend,
                                      feed_size=self.feed.shape[0]).compile()
@@ -224,8 +226,12 @@ def plan_memory(config: EngineConfig, target: Target, compiler: _Compiler) -> Me
     warmup_shapes = len(batches) + len(b.copies)
     # The sampling calls' code too (for an 8B at TP 4 it was 0.1 of 0.24 GiB of code): the
     # largest one (the most rows, filtered, with logit controls) counted for each of them.
-    sampling = compiler.compile_sampling(compiler.batch(shape), FILTERED, True)
-    sampling_calls = SAMPLING_VARIANTS * len({x.logits_indices.shape[0] for x in batches})
+    largest = compiler.batch(shape)
+    _, filtered, masks = max(compiler.samplings(largest),
+                             key=lambda c: (c[1].mode == FILTERED, c[2] is not None))
+    sampling = compiler.compile_sampling(largest, filtered, masks)
+    sampling_calls = sum(len(compiler.samplings(x)) for x in
+                         {x.logits_indices.shape[0]: x for x in batches}.values())
     runtime = (int(code) * warmup_shapes + sampling_calls
                * int(sampling.memory_analysis().generated_code_size_in_bytes))
     rest = budget - weights - runtime - margin
@@ -287,12 +293,9 @@ def _jobs(compiler: _Compiler, pool, costers=(), num_pages: int = 0):
                        batch, p, roofline.COST_OPTIONS)), batch)
         if rows not in sampled:
             sampled.add(rows)
-            for controls in (False, True):  # SAMPLING_VARIANTS of them
-                for mode in (GREEDY, RANDOM, FILTERED):
-                    yield (f"sampling of {rows} rows, mode {mode}"
-                           + (", logit controls" if controls else ""), "sampling",
-                           lambda batch=batch, mode=mode, controls=controls:
-                           compiler.compile_sampling(batch, mode, controls), None)
+            for what, sampling, controls in compiler.samplings(batch):
+                yield (what, "sampling", lambda batch=batch, s=sampling, c=controls:
+                       compiler.compile_sampling(batch, s, c), None)
     for n in b.copies:
         yield (f"page copy of {n} pages", "copies",
                lambda n=n: compiler.compile_copies(n, pool), None)
