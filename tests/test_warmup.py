@@ -120,7 +120,7 @@ def test_default_warmup_covers_pure_decode_and_prefill(default_loaded, backend):
     # plus the copy-on-write page copies, one shape per copies bucket (4 and 32)
     assert engine.buckets.copies == (4, 32)
     shapes = step_shapes + 2
-    # and the sampling call chained after the step (runner._sample_rows) for each count of
+    # and the sampling call chained after the step (runner.sample_rows) for each count of
     # sample rows (1 and 2) in each of 3 sampling modes, without and with logit controls
     compiled = shapes + 2 * 3 * 2
     assert report == {**report, "shapes": shapes, "compilations": compiled}

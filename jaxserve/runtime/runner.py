@@ -86,7 +86,7 @@ def _step(params, pool: KVPool, batch: StepBatch, feed, lora=None, *, cfg: Model
     token_ids = jnp.where(batch.feed_rows >= 0, feed[jnp.maximum(batch.feed_rows, 0)],
                           batch.token_ids)
     pool, hidden = model_forward(cfg, backend, mesh)(params, pool, token_ids, batch.attn,
-                                              **step_args(lora, batch.lora_slots))
+                                                     **step_args(lora, batch.lora_slots))
     # The sample rows' logits stay on the device for sample_rows.
     out = {"logits": llama.logits(params, hidden[batch.logits_indices], cfg, backend)}
     if batch.prompt_logprobs >= 0:  # scoring: log-softmax at every token (echo / evaluation)
@@ -114,10 +114,6 @@ def jitted_step(cfg: ModelConfig, backend: Backend, mesh: Mesh):
     """The step, jitted with the pool donated: one per process for each model, backend, mesh."""
     return jax.jit(functools.partial(_step, cfg=cfg, backend=backend, mesh=mesh),
                    donate_argnames=("pool",))
-
-
-# Warm-up's names for the calls above (runner warm-up moves to the public names, then these go).
-_copy_pages, _sample_rows = copy_pool_pages, sample_rows
 
 
 def release_compiled_steps() -> None:
@@ -394,11 +390,11 @@ class ModelRunner:
     def _compile_sampling(self, step_key, sampling: SamplingMetadata, controls) -> None:
         logits = self._precompiler.wait(step_key)  # what step_key's step gives it
         logits = jax.device_put(np.zeros(logits.shape, logits.dtype), logits.sharding)
-        _sample_rows.lower(logits, sampling, controls, backend=self.backend,
+        sample_rows.lower(logits, sampling, controls, backend=self.backend,
                            feed_size=len(self._no_feed), logprobs_mode=self.logprobs_mode).compile()
 
     def _compile_copies(self, pool, zeros: np.ndarray) -> None:
-        _copy_pages.lower(pool, zeros, zeros, self._scanned_layers).compile()
+        copy_pool_pages.lower(pool, zeros, zeros, self._scanned_layers).compile()
 
     @property
     def _scanned_layers(self) -> int:  # the scanned pool's layer slots (0: not scanned)
