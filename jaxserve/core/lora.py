@@ -27,6 +27,13 @@ class LoRARequest:
             raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
 
 
+def named_adapters(lora_modules: tuple[str, ...]) -> tuple[LoRARequest, ...]:
+    """LoRAConfig.lora_modules' name=path entries as the adapters served by those names, ids
+    1..n in their order (the engine and the benchmark name them alike)."""
+    pairs = [module.partition("=") for module in lora_modules]
+    return tuple(LoRARequest(name, i + 1, path) for i, (name, _, path) in enumerate(pairs))
+
+
 class LoRASlots:
     """Which adapter (by lora_int_id) each of the `max_loras` device slots holds. The adapters of
     the running sequences are live: their slots are kept; an adapter that needs a slot takes

@@ -13,7 +13,7 @@ import threading
 
 from jaxserve.config import LoRAConfig, ModelConfig
 from jaxserve.core.live_requests import LiveRequests
-from jaxserve.core.lora import LoRARequest, LoRASlots
+from jaxserve.core.lora import LoRARequest, LoRASlots, named_adapters
 from jaxserve.core.sequence import Request, Sequence
 from jaxserve.core.step_plan import StepPlan
 from jaxserve.runtime import custom_model
@@ -33,11 +33,9 @@ class LoRAAdapters:
         self._lock = threading.Lock()
         # lora_modules: served by name (ids 1..n), read now so that a bad one fails the start.
         # Replaced, never changed in place: a front end reads it from its own thread.
-        self.modules = {}
-        for i, module in enumerate(config.lora_modules):
-            name, _, path = module.partition("=")
-            self.modules = {**self.modules, name: LoRARequest(name, i + 1, path)}
-            self.register(self.modules[name])
+        self.modules = {lora.lora_name: lora for lora in named_adapters(config.lora_modules)}
+        for lora in self.modules.values():
+            self.register(lora)
 
     @classmethod
     def of(cls, config: LoRAConfig, model: ModelConfig, scan_layers: bool,

@@ -9,10 +9,9 @@ import os
 
 def compare_lora(bench, options: dict, workload, streams_list: list[int]) -> dict:
     """bench: cli/bench.py's Bench over the base options (one loaded model for both)."""
-    from jaxserve.core.lora import LoRARequest
+    from jaxserve.core.lora import named_adapters
 
-    loras = [LoRARequest(m.partition("=")[0], i + 1, m.partition("=")[2])
-             for i, m in enumerate(options["lora_modules"])]
+    loras = list(named_adapters(options["lora_modules"]))
     lora_options = dict(options, enable_lora=True)
     base_options = dict(options, enable_lora=False, lora_modules=())
     rows = []
